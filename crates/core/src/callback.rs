@@ -1,0 +1,137 @@
+//! The [`Callback`] and [`Algorithm`] traits: the two ways user code hooks into training.
+//!
+//! An algorithm changes training (the batch, the loss, the gradients, the model); a callback
+//! watches it and may ask it to stop. Both are run by the [`Engine`](crate::engine::Engine) in
+//! the order the design fixes. This module holds the contracts only.
+
+use burn::optim::Optimizer;
+use burn::tensor::backend::AutodiffBackend;
+use serde_json::Value;
+
+use crate::error::Result;
+use crate::event::Event;
+use crate::logger::Logger;
+use crate::model::TrainModel;
+use crate::state::State;
+
+macro_rules! define_callback {
+    ($($variant:ident => $method:ident, $name:literal;)*) => {
+        /// Something that watches a run: a monitor, a progress bar, a checkpoint saver.
+        ///
+        /// There is one method per [`Event`], each a no-op by default; override the ones you
+        /// need. `run_event` dispatches to them and is what the engine calls.
+        ///
+        /// # Lifecycle
+        /// See [`crate::event`] for the order of events. At each event the engine runs
+        /// algorithms first, then callbacks in the order they were added, then loggers.
+        ///
+        /// # Errors and stopping
+        /// An `Err` from any method stops training at once and is returned from `fit` (or
+        /// `eval`, `predict`); later callbacks do not see that event. To stop *cleanly*, call
+        /// [`State::request_stop`]: the trainer finishes the current batch (running its
+        /// `BATCH_END` and `BATCH_CHECKPOINT`), then runs `FIT_END`.
+        ///
+        /// ```
+        /// use flashover_core::prelude::*;
+        /// use burn::optim::Optimizer;
+        /// use burn::tensor::backend::AutodiffBackend;
+        ///
+        /// /// Stops training after a fixed number of batches.
+        /// struct StopAfter(u64);
+        ///
+        /// impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for StopAfter {
+        ///     fn name(&self) -> &str { "stop_after" }
+        ///     fn batch_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<(), CoreError> {
+        ///         if state.timestamp.batch >= self.0 {
+        ///             state.request_stop(format!("{} batches done", self.0));
+        ///         }
+        ///         Ok(())
+        ///     }
+        /// }
+        /// let cb = StopAfter(3);
+        /// assert_eq!(cb.0, 3);
+        /// ```
+        pub trait Callback<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>: Send {
+            /// A name for error messages and checkpoints.
+            fn name(&self) -> &str;
+
+            $(
+                #[doc = concat!("Called at `", $name, "`.")]
+                fn $method(&mut self, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+                    let _ = (state, logger);
+                    Ok(())
+                }
+            )*
+
+            /// Dispatches `event` to its method.
+            fn run_event(&mut self, event: Event, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+                match event {
+                    $(Event::$variant => self.$method(state, logger),)*
+                }
+            }
+
+            /// The callback's state, for checkpoints (default: nothing to save).
+            fn state_dict(&self) -> Value {
+                Value::Null
+            }
+
+            /// Restores what `state_dict` returned.
+            fn load_state_dict(&mut self, state: Value) -> Result<()> {
+                let _ = state;
+                Ok(())
+            }
+        }
+    };
+}
+
+crate::for_each_event!(define_callback);
+
+/// A speed-up method that changes training at chosen events.
+///
+/// The engine asks `matches` at each event and calls `apply` when it is true. At `AFTER_*`
+/// events algorithms run in reverse order (first in, last out), so an algorithm can undo at
+/// `AFTER_X` what it did at `BEFORE_X` even when others did something in between.
+///
+/// Randomness must come from [`State::rng`] so that runs reproduce and resume exactly.
+///
+/// ```
+/// use flashover_core::prelude::*;
+/// use burn::optim::Optimizer;
+/// use burn::tensor::backend::AutodiffBackend;
+///
+/// /// Halves the learning rate of every batch (a toy algorithm).
+/// struct HalveLr;
+///
+/// impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Algorithm<B, M, O> for HalveLr {
+///     fn name(&self) -> &str { "halve_lr" }
+///     fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
+///         event == Event::BatchStart
+///     }
+///     fn apply(&mut self, _event: Event, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<(), CoreError> {
+///         state.lr *= 0.5;
+///         Ok(())
+///     }
+/// }
+/// assert!(Event::BatchStart < Event::BeforeForward);
+/// ```
+pub trait Algorithm<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>: Send {
+    /// The algorithm's name (snake case), used in errors, logs and checkpoints.
+    fn name(&self) -> &str;
+
+    /// Whether to run at `event` in this state.
+    fn matches(&self, event: Event, state: &State<B, M, O>) -> bool;
+
+    /// Does the algorithm's work. An `Err` stops training and is returned from `fit`.
+    fn apply(&mut self, event: Event, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()>;
+
+    /// The algorithm's state, for checkpoints (default: nothing to save).
+    fn state_dict(&self) -> Value {
+        Value::Null
+    }
+
+    /// Restores what `state_dict` returned.
+    fn load_state_dict(&mut self, state: Value) -> Result<()> {
+        let _ = state;
+        Ok(())
+    }
+}

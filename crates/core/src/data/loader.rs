@@ -1,0 +1,210 @@
+//! The data loader: reads a batch's items from a dataset, turns them into tensors with a
+//! batcher, and does so on a background thread a few batches ahead of the training step.
+//!
+//! The loader owns no training logic and no randomness of its own: the order comes from the
+//! [`Sampler`]. Dropping a [`BatchIter`] stops its thread.
+
+use std::sync::mpsc::{self, Receiver};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
+use burn::tensor::backend::Backend;
+
+use super::{BatchSource, Sampler};
+use crate::error::{CoreError, Result};
+
+/// Loads batches of `O` from a dataset of `I` on device `B::Device`.
+pub struct DataLoader<B: Backend, I, O> {
+    name: String,
+    dataset: Arc<dyn Dataset<I>>,
+    batcher: Arc<dyn Batcher<B, I, O>>,
+    sampler: Sampler,
+    device: B::Device,
+    prefetch: usize,
+}
+
+impl<B, I, O> DataLoader<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + 'static,
+    O: Send + 'static,
+{
+    /// A loader named `name` (used in errors). Fails on an empty dataset.
+    pub fn new(
+        name: impl Into<String>,
+        dataset: Arc<dyn Dataset<I>>,
+        batcher: Arc<dyn Batcher<B, I, O>>,
+        sampler: Sampler,
+        device: B::Device,
+    ) -> Result<Self> {
+        let name = name.into();
+        super::non_empty(&name, dataset.len())?;
+        Ok(DataLoader { name, dataset, batcher, sampler, device, prefetch: 2 })
+    }
+
+    /// How many batches to prepare ahead on a background thread; 0 loads each batch on the
+    /// training thread when it is asked for.
+    pub fn with_prefetch(mut self, batches: usize) -> Self {
+        self.prefetch = batches;
+        self
+    }
+
+    /// The sampler.
+    pub fn sampler(&self) -> &Sampler {
+        &self.sampler
+    }
+}
+
+fn load_batch<B: Backend, I, O>(
+    name: &str,
+    dataset: &dyn Dataset<I>,
+    batcher: &dyn Batcher<B, I, O>,
+    indices: &[usize],
+    batch: usize,
+    device: &B::Device,
+) -> Result<O> {
+    let mut items = Vec::with_capacity(indices.len());
+    for &i in indices {
+        let item = dataset.get(i).ok_or_else(|| CoreError::Loader {
+            name: name.to_string(),
+            batch,
+            reason: format!("dataset has no item at index {i} (length {})", dataset.len()),
+        })?;
+        items.push(item);
+    }
+    Ok(batcher.batch(items, device))
+}
+
+impl<B, I, O> BatchSource<O> for DataLoader<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + 'static,
+    O: Send + 'static,
+{
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn num_batches(&self) -> usize {
+        self.sampler.num_batches()
+    }
+
+    fn num_samples(&self) -> usize {
+        self.sampler.num_samples()
+    }
+
+    fn batch_size(&self) -> usize {
+        self.sampler.batch_size()
+    }
+
+    fn iter_from(&self, epoch: u64, start: usize) -> BatchIter<O> {
+        let indices = self.sampler.epoch_indices(epoch);
+        let bs = self.sampler.batch_size();
+        let end = self.sampler.num_batches();
+        let batches: Vec<(usize, Vec<usize>)> = (start.min(end)..end)
+            .map(|b| (b, indices[b * bs..((b + 1) * bs).min(indices.len())].to_vec()))
+            .collect();
+        let dataset = Arc::clone(&self.dataset);
+        let batcher = Arc::clone(&self.batcher);
+        let device = self.device.clone();
+        let name = self.name.clone();
+        if self.prefetch == 0 {
+            let iter = batches.into_iter().map(move |(b, idx)| {
+                load_batch::<B, I, O>(&name, dataset.as_ref(), batcher.as_ref(), &idx, b, &device)
+            });
+            return BatchIter { inner: Inner::Inline(Box::new(iter)), remaining: end.saturating_sub(start) };
+        }
+        let (tx, rx) = mpsc::sync_channel(self.prefetch);
+        let thread_name = format!("flashover-loader-{}", self.name);
+        let handle = std::thread::Builder::new().name(thread_name).spawn(move || {
+            for (b, idx) in batches {
+                let out = load_batch::<B, I, O>(&name, dataset.as_ref(), batcher.as_ref(), &idx, b, &device);
+                let failed = out.is_err();
+                // A send error means the consumer dropped the iterator: stop quietly.
+                if tx.send(out).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        let inner = match handle {
+            Ok(handle) => Inner::Threaded { rx, handle: Some(handle) },
+            Err(e) => Inner::Failed(Some(CoreError::Loader {
+                name: self.name.clone(),
+                batch: start,
+                reason: format!("cannot start loader thread: {e}"),
+            })),
+        };
+        BatchIter { inner, remaining: end.saturating_sub(start) }
+    }
+}
+
+enum Inner<T> {
+    Inline(Box<dyn Iterator<Item = Result<T>> + Send>),
+    Threaded { rx: Receiver<Result<T>>, handle: Option<JoinHandle<()>> },
+    Failed(Option<CoreError>),
+}
+
+/// The batches of one epoch, in order. Yields exactly the promised number of batches, or an
+/// error saying why the loader stopped early (a panic in the batcher included).
+pub struct BatchIter<T> {
+    inner: Inner<T>,
+    remaining: usize,
+}
+
+impl<T> BatchIter<T> {
+    /// Wraps any iterator of batches (for sources that are not a [`DataLoader`]).
+    pub fn from_iter(iter: impl Iterator<Item = Result<T>> + Send + 'static, len: usize) -> Self {
+        BatchIter { inner: Inner::Inline(Box::new(iter)), remaining: len }
+    }
+
+    /// Batches still to come.
+    pub fn remaining(&self) -> usize {
+        self.remaining
+    }
+}
+
+impl<T> Iterator for BatchIter<T> {
+    type Item = Result<T>;
+
+    fn next(&mut self) -> Option<Result<T>> {
+        if self.remaining == 0 {
+            return None;
+        }
+        self.remaining -= 1;
+        match &mut self.inner {
+            Inner::Inline(it) => it.next(),
+            Inner::Failed(err) => err.take().map(Err),
+            Inner::Threaded { rx, handle } => match rx.recv() {
+                Ok(item) => Some(item),
+                Err(_) => {
+                    // The thread ended without sending: it panicked. Report it as an error.
+                    let reason = match handle.take().map(|h| h.join()) {
+                        Some(Err(panic)) => panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_else(|| "the loader thread panicked".into()),
+                        _ => "the loader thread ended early".into(),
+                    };
+                    self.remaining = 0;
+                    Some(Err(CoreError::Loader { name: "loader".into(), batch: 0, reason }))
+                }
+            },
+        }
+    }
+}
+
+impl<T> Drop for BatchIter<T> {
+    fn drop(&mut self) {
+        if let Inner::Threaded { rx, handle } = &mut self.inner {
+            // Dropping the receiver first unblocks a thread waiting to send.
+            let (_tx, dummy) = mpsc::sync_channel(0);
+            drop(std::mem::replace(rx, dummy));
+            if let Some(h) = handle.take() {
+                let _ = h.join();
+            }
+        }
+    }
+}

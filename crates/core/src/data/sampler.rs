@@ -1,0 +1,167 @@
+//! The sampler decides which dataset indices make up each batch of each epoch, for one rank.
+//! Its order is a pure function of `(seed, epoch, rank, world size)`: it never reads data and
+//! has no state that advances, so a resumed run asks for "epoch e, batch b" directly.
+
+use crate::error::{CoreError, Result};
+use crate::rng::{derive_seed, Rng};
+
+/// Shuffled (or sequential), sharded, batched index order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sampler {
+    len: usize,
+    batch_size: usize,
+    shuffle: bool,
+    drop_last: bool,
+    seed: u64,
+    rank: usize,
+    world_size: usize,
+}
+
+impl Sampler {
+    /// A sampler over `len` items in batches of `batch_size`, for a single process.
+    pub fn new(len: usize, batch_size: usize, shuffle: bool, seed: u64) -> Result<Self> {
+        if batch_size == 0 {
+            return Err(CoreError::config("batch_size", batch_size, "an integer >= 1"));
+        }
+        Ok(Sampler { len, batch_size, shuffle, drop_last: false, seed, rank: 0, world_size: 1 })
+    }
+
+    /// Shards the order over `world_size` ranks; this sampler yields rank `rank`'s share.
+    /// When the length does not divide evenly, the order is padded by wrapping around so that
+    /// every rank gets the same number of items and no item is left out.
+    pub fn sharded(mut self, rank: usize, world_size: usize) -> Result<Self> {
+        if world_size == 0 {
+            return Err(CoreError::config("world_size", world_size, "an integer >= 1"));
+        }
+        if rank >= world_size {
+            return Err(CoreError::config("rank", rank, format!("a rank in 0..{world_size}")));
+        }
+        self.rank = rank;
+        self.world_size = world_size;
+        Ok(self)
+    }
+
+    /// Drops the last batch of each epoch when it is smaller than `batch_size`.
+    pub fn drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self
+    }
+
+    /// The batch size.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// Items this rank sees per epoch (before `drop_last`).
+    pub fn rank_len(&self) -> usize {
+        self.len.div_ceil(self.world_size)
+    }
+
+    /// Batches per epoch for this rank.
+    pub fn num_batches(&self) -> usize {
+        let n = self.rank_len();
+        if self.drop_last {
+            n / self.batch_size
+        } else {
+            n.div_ceil(self.batch_size)
+        }
+    }
+
+    /// Samples per epoch for this rank (after `drop_last`).
+    pub fn num_samples(&self) -> usize {
+        if self.drop_last {
+            self.num_batches() * self.batch_size
+        } else {
+            self.rank_len()
+        }
+    }
+
+    /// This rank's indices for `epoch`, in order: the epoch's permutation of all items,
+    /// padded to a multiple of the world size, then every `world_size`-th item from `rank`.
+    pub fn epoch_indices(&self, epoch: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.len).collect();
+        if self.shuffle {
+            Rng::new(derive_seed(&[self.seed, epoch, 0x5A3D_1E5])).shuffle(&mut order);
+        }
+        let total = self.rank_len() * self.world_size;
+        (0..self.rank_len())
+            .map(|i| i * self.world_size + self.rank)
+            .map(|pos| order[pos % self.len.max(1)])
+            .take(if self.len == 0 { 0 } else { total })
+            .collect()
+    }
+
+    /// Indices of batch `batch` of `epoch`, or `None` past the end.
+    pub fn batch_indices(&self, epoch: u64, batch: usize) -> Option<Vec<usize>> {
+        if batch >= self.num_batches() {
+            return None;
+        }
+        let all = self.epoch_indices(epoch);
+        let start = batch * self.batch_size;
+        let end = (start + self.batch_size).min(all.len());
+        Some(all[start..end].to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn zero_batch_size_is_an_error_naming_it() {
+        let err = Sampler::new(10, 0, true, 1).unwrap_err().to_string();
+        assert!(err.contains("batch_size") && err.contains('0'), "{err}");
+        assert!(Sampler::new(10, 2, true, 1).unwrap().sharded(2, 2).is_err());
+    }
+
+    #[test]
+    fn sequential_order_batches_with_a_short_last_batch() {
+        let s = Sampler::new(10, 4, false, 0).unwrap();
+        assert_eq!(s.num_batches(), 3);
+        assert_eq!(s.batch_indices(0, 2), Some(vec![8, 9]));
+        assert_eq!(s.batch_indices(0, 3), None);
+        let d = s.clone().drop_last(true);
+        assert_eq!(d.num_batches(), 2);
+        assert_eq!(d.num_samples(), 8);
+    }
+
+    proptest! {
+        #[test]
+        fn each_epoch_is_a_permutation_that_depends_on_seed_and_epoch(len in 1usize..500, seed: u64, epoch in 0u64..100) {
+            let s = Sampler::new(len, 7, true, seed).unwrap();
+            let mut idx = s.epoch_indices(epoch);
+            prop_assert_eq!(idx.clone(), s.epoch_indices(epoch));
+            if len > 20 {
+                prop_assert_ne!(idx.clone(), s.epoch_indices(epoch + 1));
+                let other = Sampler::new(len, 7, true, seed.wrapping_add(1)).unwrap();
+                prop_assert_ne!(idx.clone(), other.epoch_indices(epoch));
+            }
+            idx.sort();
+            prop_assert_eq!(idx, (0..len).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn shards_cover_everything_and_are_equal(len in 1usize..400, world in 1usize..6, seed: u64) {
+            let mut seen = vec![0usize; len];
+            let mut sizes = vec![];
+            for rank in 0..world {
+                let s = Sampler::new(len, 5, true, seed).unwrap().sharded(rank, world).unwrap();
+                let idx = s.epoch_indices(3);
+                sizes.push(idx.len());
+                for i in idx { seen[i] += 1; }
+            }
+            prop_assert!(sizes.iter().all(|&n| n == sizes[0]));
+            prop_assert!(seen.iter().all(|&c| c >= 1));
+            prop_assert!(sizes[0] * world - len < world);
+        }
+
+        #[test]
+        fn any_batch_can_be_asked_for_directly(len in 1usize..300, bs in 1usize..40, seed: u64) {
+            let s = Sampler::new(len, bs, true, seed).unwrap();
+            let whole = s.epoch_indices(2);
+            let joined: Vec<usize> = (0..s.num_batches()).flat_map(|b| s.batch_indices(2, b).unwrap()).collect();
+            prop_assert_eq!(joined, whole);
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The one error type of `flashover-core`. Every bad input that reaches the core (a duration
+//! string, a configuration value, a data file, a non-finite loss) becomes a variant here that
+//! names the offending value and says what would be accepted. Nothing in core panics on input.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in `flashover-core`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CoreError {
+    /// A time string such as `"2ep"` could not be parsed.
+    #[error("invalid time {input:?}: {reason}; expected a number followed by one of the units ep, ba, sp, tok, dur (for example \"2ep\", \"500ba\", \"1e6tok\", \"0.3dur\")")]
+    InvalidTime {
+        /// The string as given.
+        input: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// A configuration value is outside the range the trainer accepts.
+    #[error("invalid value {value} for `{name}`: expected {expected}")]
+    InvalidConfig {
+        /// The name of the setting (builder method or CLI flag).
+        name: &'static str,
+        /// The value as given, formatted.
+        value: String,
+        /// What would be accepted.
+        expected: String,
+    },
+
+    /// The training (or evaluation) dataset has no items.
+    #[error("dataset `{name}` is empty: at least one item is needed")]
+    EmptyDataset {
+        /// Which dataset (for example "train" or an evaluator's label).
+        name: String,
+    },
+
+    /// `fit` was called but `max_duration` is already reached and no extra duration was given.
+    #[error("max_duration {max_duration} is already reached at {at}; pass a duration to `fit_for` to train further")]
+    DurationReached {
+        /// The configured maximum duration.
+        max_duration: String,
+        /// Where the run stands now.
+        at: String,
+    },
+
+    /// The loss of a batch was NaN or infinite.
+    #[error("non-finite loss {value} at epoch {epoch}, batch {batch} (batch {batch_in_epoch} of the epoch); lower the learning rate, or enable `skip_nonfinite_loss` to skip such batches")]
+    NonFiniteLoss {
+        /// The loss value that was read.
+        value: f64,
+        /// Epoch (0-based) of the batch.
+        epoch: u64,
+        /// Global batch index (0-based).
+        batch: u64,
+        /// Index of the batch inside its epoch (0-based).
+        batch_in_epoch: u64,
+    },
+
+    /// A data file could not be read.
+    #[error("cannot read data file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A data file was read but its content is not what its format requires.
+    #[error("malformed data file {path}: {reason}")]
+    MalformedData {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// A data directory lacks a file the loader needs.
+    #[error("no {what} file in {dir}: looked for {candidates}")]
+    MissingDataFile {
+        /// Which role the file plays (for example "training images").
+        what: &'static str,
+        /// The directory searched.
+        dir: PathBuf,
+        /// The names tried, comma-separated.
+        candidates: String,
+    },
+
+    /// An algorithm or callback failed; the message is its own.
+    #[error("{component} failed at {event}: {message}")]
+    Component {
+        /// Name of the algorithm, callback or logger.
+        component: String,
+        /// The event during which it failed.
+        event: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+
+    /// The background data loader stopped without delivering a batch it promised.
+    #[error("data loader for `{name}` stopped early at batch {batch}: {reason}")]
+    Loader {
+        /// Which loader.
+        name: String,
+        /// Batch index inside the epoch.
+        batch: usize,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Shorthand for results in this crate.
+pub type Result<T, E = CoreError> = std::result::Result<T, E>;
+
+impl CoreError {
+    /// Builds an [`CoreError::InvalidConfig`].
+    pub fn config(name: &'static str, value: impl std::fmt::Display, expected: impl Into<String>) -> Self {
+        Self::InvalidConfig { name, value: value.to_string(), expected: expected.into() }
+    }
+}

@@ -1,0 +1,77 @@
+//! Logging: a [`Logger`] hands metrics and hyperparameters to every [`LoggerDestination`]
+//! the user added. Destinations see events too (at `INIT` before anyone else), but only the
+//! timestamp, never the model: a logger records, it does not steer.
+
+use serde_json::Value;
+
+use crate::error::Result;
+use crate::event::Event;
+use crate::time::Timestamp;
+
+/// Where logged values go: a console, a file, a dashboard.
+///
+/// Every method defaults to doing nothing. An `Err` from any method stops training with that
+/// error (a logger that cannot write is a failure, not something to hide).
+pub trait LoggerDestination: Send {
+    /// A name for error messages.
+    fn name(&self) -> &str;
+
+    /// Called once per run with the run's configuration.
+    fn log_hyperparameters(&mut self, params: &serde_json::Map<String, Value>) -> Result<()> {
+        let _ = params;
+        Ok(())
+    }
+
+    /// Called with named values at a point in time.
+    fn log_metrics(&mut self, timestamp: &Timestamp, metrics: &[(&str, f64)]) -> Result<()> {
+        let _ = (timestamp, metrics);
+        Ok(())
+    }
+
+    /// Called at every event, after algorithms and callbacks (at `INIT`, before them).
+    fn run_event(&mut self, event: Event, timestamp: &Timestamp) -> Result<()> {
+        let _ = (event, timestamp);
+        Ok(())
+    }
+}
+
+/// Fans logged values out to every destination.
+#[derive(Default)]
+pub struct Logger {
+    destinations: Vec<Box<dyn LoggerDestination>>,
+}
+
+impl Logger {
+    /// A logger over the given destinations.
+    pub fn new(destinations: Vec<Box<dyn LoggerDestination>>) -> Self {
+        Logger { destinations }
+    }
+
+    /// Whether there is nowhere to log to (the trainer then skips building log records).
+    pub fn is_empty(&self) -> bool {
+        self.destinations.is_empty()
+    }
+
+    /// Logs named values to every destination.
+    pub fn log_metrics(&mut self, timestamp: &Timestamp, metrics: &[(&str, f64)]) -> Result<()> {
+        for d in &mut self.destinations {
+            d.log_metrics(timestamp, metrics)?;
+        }
+        Ok(())
+    }
+
+    /// Logs the run's configuration to every destination.
+    pub fn log_hyperparameters(&mut self, params: &serde_json::Map<String, Value>) -> Result<()> {
+        for d in &mut self.destinations {
+            d.log_hyperparameters(params)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn run_event(&mut self, event: Event, timestamp: &Timestamp) -> Result<()> {
+        for d in &mut self.destinations {
+            d.run_event(event, timestamp)?;
+        }
+        Ok(())
+    }
+}

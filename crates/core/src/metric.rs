@@ -1,0 +1,172 @@
+//! Evaluation metrics: running averages over the batches of one evaluation. Each metric reads
+//! a model's evaluation output; the built-in ones read [`ClassificationOutput`]. A metric
+//! computes on the device and reads back one number per batch.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ElementConversion;
+
+use crate::model::ClassificationOutput;
+
+/// A value accumulated over the batches of an evaluation.
+pub trait Metric<O>: Send {
+    /// The metric's name, used as its key in `State::eval_metrics` and in logs.
+    fn name(&self) -> String;
+    /// Adds one batch's output.
+    fn update(&mut self, output: &O);
+    /// The value over everything added since the last reset; `NaN` if nothing was added.
+    fn value(&self) -> f64;
+    /// Forgets everything added.
+    fn reset(&mut self);
+}
+
+/// Running mean weighted by batch size.
+#[derive(Debug, Default, Clone, Copy)]
+struct Mean {
+    sum: f64,
+    count: f64,
+}
+
+impl Mean {
+    fn add(&mut self, value_sum: f64, count: usize) {
+        self.sum += value_sum;
+        self.count += count as f64;
+    }
+    fn value(&self) -> f64 {
+        if self.count == 0.0 {
+            f64::NAN
+        } else {
+            self.sum / self.count
+        }
+    }
+}
+
+/// Mean loss over samples (each batch's mean loss weighted by its size).
+#[derive(Debug, Default, Clone)]
+pub struct LossMetric(Mean);
+
+impl<B: Backend> Metric<ClassificationOutput<B>> for LossMetric {
+    fn name(&self) -> String {
+        "loss".into()
+    }
+    fn update(&mut self, o: &ClassificationOutput<B>) {
+        let n = o.targets.dims()[0];
+        let loss: f64 = o.loss.clone().into_scalar().elem();
+        self.0.add(loss * n as f64, n);
+    }
+    fn value(&self) -> f64 {
+        self.0.value()
+    }
+    fn reset(&mut self) {
+        self.0 = Mean::default();
+    }
+}
+
+/// Fraction of samples whose highest-scoring class is the target.
+#[derive(Debug, Default, Clone)]
+pub struct Accuracy(Mean);
+
+impl<B: Backend> Metric<ClassificationOutput<B>> for Accuracy {
+    fn name(&self) -> String {
+        "accuracy".into()
+    }
+    fn update(&mut self, o: &ClassificationOutput<B>) {
+        let n = o.targets.dims()[0];
+        let predicted = o.logits.clone().argmax(1).flatten::<1>(0, 1);
+        let correct: i64 = predicted.equal(o.targets.clone()).int().sum().into_scalar().elem();
+        self.0.add(correct as f64, n);
+    }
+    fn value(&self) -> f64 {
+        self.0.value()
+    }
+    fn reset(&mut self) {
+        self.0 = Mean::default();
+    }
+}
+
+/// Fraction of samples whose target is among the `k` highest-scoring classes. A sample's
+/// target counts as in the top k when fewer than `k` classes score strictly higher than it,
+/// so ties are resolved in the sample's favour.
+#[derive(Debug, Clone)]
+pub struct TopKAccuracy {
+    k: usize,
+    mean: Mean,
+}
+
+impl TopKAccuracy {
+    /// Top-`k` accuracy; `k` of 1 is plain accuracy (up to ties).
+    pub fn new(k: usize) -> Self {
+        TopKAccuracy { k: k.max(1), mean: Mean::default() }
+    }
+}
+
+impl<B: Backend> Metric<ClassificationOutput<B>> for TopKAccuracy {
+    fn name(&self) -> String {
+        format!("top{}_accuracy", self.k)
+    }
+    fn update(&mut self, o: &ClassificationOutput<B>) {
+        let [n, _classes] = o.logits.dims();
+        let target_score = o.logits.clone().gather(1, o.targets.clone().reshape([n, 1]));
+        let higher = o.logits.clone().greater(target_score).int().sum_dim(1).flatten::<1>(0, 1);
+        let hits: i64 = higher.lower_elem(self.k as i64).int().sum().into_scalar().elem();
+        self.mean.add(hits as f64, n);
+    }
+    fn value(&self) -> f64 {
+        self.mean.value()
+    }
+    fn reset(&mut self) {
+        self.mean = Mean::default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::{Int, Tensor};
+
+    type B = Flex;
+
+    fn output() -> ClassificationOutput<B> {
+        let device = Default::default();
+        // Three samples, four classes. Sample 0: target 2 is the best; sample 1: target 0 is
+        // second; sample 2: target 3 is last.
+        let logits = Tensor::<B, 2>::from_floats(
+            [[0.1, 0.2, 0.9, 0.0], [0.5, 0.8, 0.1, 0.2], [0.4, 0.3, 0.2, 0.1]],
+            &device,
+        );
+        let targets = Tensor::<B, 1, Int>::from_ints([2, 0, 3], &device);
+        let loss = Tensor::<B, 1>::from_floats([1.5], &device);
+        ClassificationOutput { loss, logits, targets }
+    }
+
+    #[test]
+    fn accuracy_and_top_k_by_hand() {
+        let o = output();
+        let mut acc = Accuracy::default();
+        Metric::<ClassificationOutput<B>>::update(&mut acc, &o);
+        assert!((Metric::<ClassificationOutput<B>>::value(&acc) - 1.0 / 3.0).abs() < 1e-12);
+        let mut top2 = TopKAccuracy::new(2);
+        Metric::<ClassificationOutput<B>>::update(&mut top2, &o);
+        assert!((Metric::<ClassificationOutput<B>>::value(&top2) - 2.0 / 3.0).abs() < 1e-12);
+        let mut top4 = TopKAccuracy::new(4);
+        Metric::<ClassificationOutput<B>>::update(&mut top4, &o);
+        assert_eq!(Metric::<ClassificationOutput<B>>::value(&top4), 1.0);
+    }
+
+    #[test]
+    fn loss_is_weighted_by_batch_size_and_resets() {
+        let device = Default::default();
+        let mut m = LossMetric::default();
+        Metric::<ClassificationOutput<B>>::update(&mut m, &output());
+        // A second batch of one sample with loss 3.5.
+        let one = ClassificationOutput::<B> {
+            loss: Tensor::from_floats([3.5], &device),
+            logits: Tensor::from_floats([[1.0, 0.0]], &device),
+            targets: Tensor::from_ints([0], &device),
+        };
+        Metric::<ClassificationOutput<B>>::update(&mut m, &one);
+        assert!((Metric::<ClassificationOutput<B>>::value(&m) - (1.5 * 3.0 + 3.5) / 4.0).abs() < 1e-9);
+        Metric::<ClassificationOutput<B>>::reset(&mut m);
+        assert!(Metric::<ClassificationOutput<B>>::value(&m).is_nan());
+    }
+}

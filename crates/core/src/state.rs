@@ -1,0 +1,124 @@
+//! The one value the trainer owns and lends to algorithms and callbacks at every event.
+//!
+//! The state holds data, not behaviour: the trainer decides when fields change, and documents
+//! at which events each optional field is set. Nothing here runs events or touches files.
+
+use std::collections::BTreeMap;
+
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+
+use crate::model::TrainModel;
+use crate::rng::{derive_seed, Rng};
+use crate::schedule::LrSchedule;
+use crate::time::{Progress, Time, Timestamp};
+
+/// Rank and size of the data-parallel world this process belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct World {
+    /// This process's rank, `0..size`.
+    pub rank: usize,
+    /// Number of processes.
+    pub size: usize,
+}
+
+impl Default for World {
+    fn default() -> Self {
+        World { rank: 0, size: 1 }
+    }
+}
+
+/// Everything a training run knows at a given event.
+pub struct State<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
+    pub(crate) model: Option<M>,
+    /// The optimizer (its moments are part of the state a checkpoint saves).
+    pub optimizer: O,
+    /// The learning-rate schedule: a pure function of time, multiplied into `base_lr`.
+    pub scheduler: Box<dyn LrSchedule>,
+    /// Learning rate at scale factor 1.
+    pub base_lr: f64,
+    /// Learning rate for the current batch (set at `BATCH_START`).
+    pub lr: f64,
+    /// Where the run stands.
+    pub timestamp: Timestamp,
+    /// The run's length (after the scale-schedule ratio).
+    pub max_duration: Time,
+    /// Multiplier applied to `max_duration` and to schedule milestones.
+    pub scale_schedule_ratio: f64,
+    /// Batches in one training epoch.
+    pub batches_per_epoch: u64,
+    /// Samples in one training epoch (for this rank).
+    pub samples_per_epoch: u64,
+    /// The current batch: the full batch from `AFTER_DATALOADER` to `BATCH_END`, except between
+    /// `BEFORE_FORWARD` and `AFTER_BACKWARD`, where it is the current microbatch.
+    pub batch: Option<M::Batch>,
+    /// Output of the model on the current microbatch (`AFTER_FORWARD` to `AFTER_BACKWARD`).
+    pub outputs: Option<M::Output>,
+    /// Loss of the current microbatch (`AFTER_LOSS` to `BEFORE_BACKWARD`), unscaled.
+    pub loss: Option<Tensor<B, 1>>,
+    /// Loss of the last full batch, read back to the host (set before `AFTER_TRAIN_BATCH`).
+    pub loss_value: Option<f64>,
+    /// Gradients: of the current microbatch at `AFTER_BACKWARD`, of the whole batch at
+    /// `AFTER_TRAIN_BATCH` (where clipping may rewrite them); consumed by the optimizer step.
+    pub grads: Option<GradientsParams>,
+    /// Latest evaluation results: evaluator label, then metric name, then value.
+    pub eval_metrics: BTreeMap<String, BTreeMap<String, f64>>,
+    /// Batches whose loss was not finite and were skipped (when skipping is enabled).
+    pub skipped_batches: u64,
+    /// Rank and world size.
+    pub world: World,
+    /// The run's seed; all randomness derives from it (see [`State::rng`]).
+    pub seed: u64,
+    /// The device the model trains on.
+    pub device: B::Device,
+    pub(crate) stop_reason: Option<String>,
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> State<B, M, O> {
+    /// The model.
+    pub fn model(&self) -> &M {
+        // The model is only taken out for the length of the optimizer step, during which no
+        // event runs, so it is always present when user code can see the state.
+        self.model.as_ref().expect("model is present outside the optimizer step")
+    }
+
+    /// Replaces the model through a function of the old one; parameter ids should be kept so
+    /// that optimizer state stays attached.
+    pub fn map_model(&mut self, f: impl FnOnce(M) -> M) {
+        let model = self.model.take().expect("model is present outside the optimizer step");
+        self.model = Some(f(model));
+    }
+
+    /// Asks the trainer to stop after the current batch; `reason` is logged.
+    pub fn request_stop(&mut self, reason: impl Into<String>) {
+        self.stop_reason = Some(reason.into());
+    }
+
+    /// Why a stop was requested, if it was.
+    pub fn stop_requested(&self) -> Option<&str> {
+        self.stop_reason.as_deref()
+    }
+
+    /// Progress against `max_duration`.
+    pub fn progress(&self) -> Progress {
+        Progress {
+            batches_per_epoch: self.batches_per_epoch,
+            samples_per_epoch: self.samples_per_epoch,
+            max_duration: self.max_duration,
+        }
+    }
+
+    /// A random generator for the current batch, private to `stream` (an algorithm's name, for
+    /// example). It depends only on `(seed, rank, epoch, batch, stream)`, so a resumed run
+    /// draws exactly what the uninterrupted run drew.
+    pub fn rng(&self, stream: &str) -> Rng {
+        Rng::new(derive_seed(&[
+            self.seed,
+            self.world.rank as u64,
+            self.timestamp.epoch,
+            self.timestamp.batch_in_epoch,
+            crate::rng::hash_str(stream),
+        ]))
+    }
+}

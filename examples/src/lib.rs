@@ -1,0 +1,148 @@
+//! Models and data plumbing shared by the examples, the cross-crate tests and benchmarks:
+//! the MNIST CNN and its loaders. Programs live next to this file (`mnist.rs`); this library
+//! holds nothing that only one program uses.
+#![warn(missing_docs)]
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
+use burn::nn::{Linear, LinearConfig, PaddingConfig2d, Relu};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor};
+use flashover::core::data::{DataLoader, Dataset, MnistBatcher, MnistDataset, MnistItem, MnistSplit, Sampler};
+use flashover::core::model::{ClassificationBatch, ClassificationOutput, EvalModel, TrainModel};
+use flashover::core::params::init_model;
+use flashover::core::Result;
+
+/// The bundled MNIST data (8,000 training and 2,000 test digits), relative to the workspace.
+pub fn bundled_mnist_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("mnist-10k")
+}
+
+/// A small CNN for 28x28 digits: two 3x3 convolutions (16 and 32 channels, each followed by
+/// ReLU and 2x2 max-pooling), then 1568 -> 128 -> 10 fully connected. About 220k parameters.
+#[derive(Module, Debug)]
+pub struct MnistCnn<B: Backend> {
+    conv1: Conv2d<B>,
+    conv2: Conv2d<B>,
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+    pool: MaxPool2d,
+    relu: Relu,
+}
+
+impl<B: Backend> MnistCnn<B> {
+    /// A CNN whose parameters are drawn, in field order, from a generator seeded by `seed`.
+    pub fn new(device: &B::Device, seed: u64) -> Self {
+        init_model::<B, _>(device, seed, |d| MnistCnn {
+            conv1: Conv2dConfig::new([1, 16], [3, 3]).with_padding(PaddingConfig2d::Same).init(d),
+            conv2: Conv2dConfig::new([16, 32], [3, 3]).with_padding(PaddingConfig2d::Same).init(d),
+            fc1: LinearConfig::new(32 * 7 * 7, 128).init(d),
+            fc2: LinearConfig::new(128, 10).init(d),
+            pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
+            relu: Relu::new(),
+        })
+    }
+
+    /// Logits `[batch, 10]` for images `[batch, 1, 28, 28]`.
+    pub fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
+        let x = self.pool.forward(self.relu.forward(self.conv1.forward(images)));
+        let x = self.pool.forward(self.relu.forward(self.conv2.forward(x)));
+        let x: Tensor<B, 2> = x.flatten(1, 3);
+        self.fc2.forward(self.relu.forward(self.fc1.forward(x)))
+    }
+}
+
+/// Mean cross-entropy of `logits` against class indices.
+pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+    let n = targets.dims()[0];
+    log_softmax(logits, 1).gather(1, targets.reshape([n, 1])).mean().neg()
+}
+
+impl<B: AutodiffBackend> TrainModel<B> for MnistCnn<B> {
+    type Batch = ClassificationBatch<B, 4>;
+    type Output = Tensor<B, 2>;
+
+    fn forward(&self, batch: &Self::Batch) -> Tensor<B, 2> {
+        self.logits(batch.inputs.clone())
+    }
+
+    fn loss(&self, logits: &Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
+        cross_entropy(logits.clone(), batch.targets.clone())
+    }
+}
+
+impl<B: Backend> EvalModel<B> for MnistCnn<B> {
+    type Batch = ClassificationBatch<B, 4>;
+    type Output = ClassificationOutput<B>;
+
+    fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
+        let logits = self.logits(batch.inputs.clone());
+        let loss = cross_entropy(logits.clone(), batch.targets.clone());
+        ClassificationOutput { loss, logits, targets: batch.targets.clone() }
+    }
+}
+
+/// Training loader type for MNIST on backend `B`.
+pub type MnistLoader<B> = DataLoader<B, MnistItem, ClassificationBatch<B, 4>>;
+
+/// Options for [`mnist_loaders`].
+#[derive(Debug, Clone)]
+pub struct MnistData {
+    /// Directory with the IDX files.
+    pub dir: PathBuf,
+    /// Training batch size.
+    pub batch_size: usize,
+    /// Evaluation batch size.
+    pub eval_batch_size: usize,
+    /// Seed of the training order.
+    pub seed: u64,
+    /// Use only the first N training items (for quick runs).
+    pub train_limit: Option<usize>,
+    /// Use only the first N test items.
+    pub test_limit: Option<usize>,
+    /// Batches to prepare ahead (0: load on the training thread).
+    pub prefetch: usize,
+}
+
+impl MnistData {
+    /// The bundled data with the given batch size and seed.
+    pub fn bundled(batch_size: usize, seed: u64) -> Self {
+        MnistData {
+            dir: bundled_mnist_dir(),
+            batch_size,
+            eval_batch_size: 500,
+            seed,
+            train_limit: None,
+            test_limit: None,
+            prefetch: 2,
+        }
+    }
+}
+
+/// A shuffled training loader on `B` and a sequential test loader on `B::InnerBackend`.
+pub fn mnist_loaders<B: AutodiffBackend>(
+    opts: &MnistData,
+    device: &B::Device,
+) -> Result<(MnistLoader<B>, MnistLoader<B::InnerBackend>)> {
+    let mut train = MnistDataset::from_dir(&opts.dir, MnistSplit::Train)?;
+    let mut test = MnistDataset::from_dir(&opts.dir, MnistSplit::Test)?;
+    if let Some(n) = opts.train_limit {
+        train.truncate(n);
+    }
+    if let Some(n) = opts.test_limit {
+        test.truncate(n);
+    }
+    let train_sampler = Sampler::new(train.len(), opts.batch_size, true, opts.seed)?;
+    let test_sampler = Sampler::new(test.len(), opts.eval_batch_size, false, 0)?;
+    let train = DataLoader::new("train", Arc::new(train), Arc::new(MnistBatcher), train_sampler, device.clone())?
+        .with_prefetch(opts.prefetch);
+    let test = DataLoader::new("test", Arc::new(test), Arc::new(MnistBatcher), test_sampler, device.clone())?
+        .with_prefetch(opts.prefetch);
+    Ok((train, test))
+}
