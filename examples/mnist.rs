@@ -1,1 +1,251 @@
-fn main(){}
+//! Trains the MNIST CNN on the bundled digits through the Flashover trainer and prints a
+//! one-line JSON summary as the last line of stdout.
+//!
+//! ```text
+//! cargo run --release --example mnist -- --help
+//! ```
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
+use burn::optim::momentum::MomentumConfig;
+use burn::tensor::backend::AutodiffBackend;
+use clap::{Parser, ValueEnum};
+use flashover::backend::{Autodiff, COMPILED};
+use flashover::prelude::*;
+use flashover_examples::{bundled_mnist_dir, defaults, MnistCnn, MnistData, MnistRun};
+use serde_json::json;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum OptimizerKind {
+    Adamw,
+    Adam,
+    Sgd,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ScheduleKind {
+    Constant,
+    Step,
+    Multistep,
+    Linear,
+    Exponential,
+    Cosine,
+    CosineWarmRestarts,
+    Polynomial,
+}
+
+/// Train a small CNN on MNIST with the Flashover trainer.
+///
+/// Times are written with a unit: ep (epochs), ba (batches), sp (samples), tok (tokens) or
+/// dur (fraction of the run), for example 3ep, 500ba, 0.1dur.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about = None)]
+struct Args {
+    /// How long to train (ep, ba, sp or tok).
+    #[arg(long, default_value = defaults::MAX_DURATION)]
+    max_duration: Time,
+    /// Samples per batch (per optimizer step).
+    #[arg(long, default_value_t = defaults::BATCH_SIZE)]
+    batch_size: usize,
+    /// Split each batch into microbatches of this size (gradient accumulation).
+    #[arg(long)]
+    microbatch_size: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = defaults::LR)]
+    lr: f64,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    optimizer: OptimizerKind,
+    /// Momentum for SGD.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    /// Weight decay (decoupled for AdamW, L2 for Adam and SGD).
+    #[arg(long, default_value_t = defaults::WEIGHT_DECAY)]
+    weight_decay: f32,
+    /// Learning-rate schedule over the run.
+    #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
+    schedule: ScheduleKind,
+    /// Linear warmup at the start of the schedule.
+    #[arg(long, default_value = defaults::WARMUP)]
+    warmup: Time,
+    /// Multiply the run's length and schedule milestones by this ratio.
+    #[arg(long, default_value_t = 1.0)]
+    scale_schedule_ratio: f64,
+    /// Seed for weights, data order and every random draw.
+    #[arg(long, default_value_t = defaults::SEED)]
+    seed: u64,
+    /// Evaluate on the test split this often.
+    #[arg(long, default_value = "1ep")]
+    eval_interval: Time,
+    /// Directory with MNIST IDX files (train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz],
+    /// t10k-* or test-* for the test split). Default: the bundled 10k digits.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Backend to run on, among those compiled in.
+    #[arg(long, default_value_t = COMPILED[0].to_string())]
+    backend: String,
+    /// Write model.safetensors and summary.json here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Train on only the first N training digits.
+    #[arg(long)]
+    train_limit: Option<usize>,
+    /// Evaluate on only the first N test digits.
+    #[arg(long)]
+    test_limit: Option<usize>,
+    /// Batches the loader prepares ahead on its own thread (0: none).
+    #[arg(long, default_value_t = 2)]
+    prefetch: usize,
+    /// Skip batches whose loss is NaN or infinite instead of stopping with an error.
+    #[arg(long)]
+    skip_nonfinite_loss: bool,
+    /// Log the training loss every N batches.
+    #[arg(long, default_value_t = 50)]
+    log_every: u64,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    if let Err(e) = dispatch(&args) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn dispatch(args: &Args) -> anyhow::Result<()> {
+    match args.backend.as_str() {
+        #[cfg(feature = "flex")]
+        "flex" => run::<Autodiff<flashover::backend::Flex>>(args, Default::default()),
+        #[cfg(feature = "ndarray")]
+        "ndarray" => run::<Autodiff<flashover::backend::NdArray>>(args, Default::default()),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => run::<Autodiff<flashover::backend::Wgpu>>(args, Default::default()),
+        #[cfg(feature = "cuda")]
+        "cuda" => run::<Autodiff<flashover::backend::Cuda>>(args, Default::default()),
+        other => bail!(
+            "backend {other:?} is not compiled into this build; available: {} (enable others with --features wgpu, cuda, ndarray)",
+            COMPILED.join(", ")
+        ),
+    }
+}
+
+fn schedule(args: &Args) -> Scheduler {
+    let s = match args.schedule {
+        ScheduleKind::Constant => Scheduler::constant(),
+        ScheduleKind::Step => Scheduler::step(Time::Duration(0.3), 0.1),
+        ScheduleKind::Multistep => Scheduler::multistep(vec![Time::Duration(0.5), Time::Duration(0.75)], 0.1),
+        ScheduleKind::Linear => Scheduler::linear(1.0, 0.0, Time::Duration(1.0)),
+        ScheduleKind::Exponential => Scheduler::exponential(0.7, Time::Epoch(1)),
+        ScheduleKind::Cosine => Scheduler::cosine(Time::Duration(1.0), 0.0),
+        ScheduleKind::CosineWarmRestarts => Scheduler::cosine_warm_restarts(Time::Epoch(1), 2.0, 0.0),
+        ScheduleKind::Polynomial => Scheduler::polynomial(2.0, Time::Duration(1.0), 0.0),
+    };
+    if args.warmup.is_zero() {
+        s
+    } else {
+        s.with_warmup(args.warmup)
+    }
+}
+
+fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> anyhow::Result<()> {
+    let decay = || Some(burn::optim::decay::WeightDecayConfig::new(args.weight_decay));
+    match args.optimizer {
+        OptimizerKind::Adamw => {
+            let o = AdamWConfig::new().with_weight_decay(args.weight_decay).init::<B, MnistCnn<B>>();
+            train(args, device, o)
+        }
+        OptimizerKind::Adam => train(args, device, AdamConfig::new().with_weight_decay(decay()).init::<B, MnistCnn<B>>()),
+        OptimizerKind::Sgd => {
+            let o = SgdConfig::new()
+                .with_momentum(Some(MomentumConfig::new().with_momentum(args.momentum)))
+                .with_weight_decay(decay())
+                .init::<B, MnistCnn<B>>();
+            train(args, device, o)
+        }
+    }
+}
+
+fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(args: &Args, device: B::Device, optimizer: O) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let recipe = MnistRun {
+        data: MnistData {
+            dir: args.data_dir.clone().unwrap_or_else(bundled_mnist_dir),
+            batch_size: args.batch_size,
+            eval_batch_size: 500,
+            seed: args.seed,
+            train_limit: args.train_limit,
+            test_limit: args.test_limit,
+            prefetch: args.prefetch,
+        },
+        max_duration: args.max_duration,
+        microbatch_size: args.microbatch_size,
+        lr: args.lr,
+        scheduler: schedule(args),
+        scale_schedule_ratio: args.scale_schedule_ratio,
+        seed: args.seed,
+        eval_interval: args.eval_interval,
+        skip_nonfinite_loss: args.skip_nonfinite_loss,
+    };
+    let mut builder = recipe
+        .builder::<B, O>(optimizer, &device)
+        .context("setting up the run")?
+        .logger(ConsoleLogger::new(args.log_every))
+        .hyperparameter("backend", args.backend.clone())
+        .hyperparameter("optimizer", format!("{:?}", args.optimizer).to_lowercase());
+    if !args.no_progress {
+        builder = builder.callback(ProgressBar::new());
+    }
+    let mut trainer = builder.build()?;
+    let report = trainer.fit()?;
+    // Evaluate the final weights unless the last evaluation already saw them.
+    let state = trainer.state();
+    let metrics = if state.last_eval_batch == Some(state.timestamp.batch) {
+        state.eval_metrics.clone()
+    } else {
+        trainer.eval()?
+    };
+    let test = metrics.get("test").context("the test evaluator returned no metrics")?;
+    let digest = params_sha256::<B, _>(trainer.model());
+    let state = trainer.state();
+    let ts = &state.timestamp;
+    let train_seconds = report.wall.as_secs_f64();
+    let summary = json!({
+        "test_accuracy": test.get("accuracy"),
+        "test_top2_accuracy": test.get("top2_accuracy"),
+        "test_loss": test.get("loss"),
+        "wall_seconds": started.elapsed().as_secs_f64(),
+        "train_seconds": train_seconds,
+        "samples_per_second": report.samples as f64 / train_seconds,
+        "data_wait_fraction": report.data_wait.as_secs_f64() / train_seconds,
+        "params_sha256": digest,
+        "epochs": ts.epoch,
+        "batches": ts.batch,
+        "samples": ts.sample,
+        "train_samples_per_epoch": state.samples_per_epoch,
+        "skipped_batches": state.skipped_batches,
+        "backend": args.backend,
+        "seed": args.seed,
+        "max_duration": state.max_duration.to_string(),
+    });
+    if let Some(out) = &args.out {
+        std::fs::create_dir_all(out).with_context(|| format!("creating output directory {}", out.display()))?;
+        save_weights::<B, _>(trainer.model(), &out.join("model.safetensors"))?;
+        let text = serde_json::to_string_pretty(&summary)?;
+        flashover::checkpoint::write_atomic(&out.join("summary.json"), text.as_bytes())?;
+    }
+    println!("{summary}");
+    Ok(())
+}

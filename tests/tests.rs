@@ -1,1 +1,21 @@
-fn main(){}
+//! Cross-crate tests, built as one binary. Index:
+//! - `events`: the recorded event trace of a short run (as text), exact call counts per event,
+//!   and the order of algorithms, callbacks and loggers.
+//! - `trainer`: fit twice, stop requests, non-finite losses, eval and predict.
+//! - `microbatch`: gradients with 1, 2, 4 (and uneven) microbatches equal the full batch's.
+//! - `determinism`: same seed, same bits; another seed, other bits.
+//! - `bad_input`: every bad configuration is a typed error that names the value.
+//! - `accuracy`: the example's default recipe reaches 97% on the bundled MNIST test digits.
+
+#[path = "suite/accuracy.rs"]
+mod accuracy;
+#[path = "suite/bad_input.rs"]
+mod bad_input;
+#[path = "suite/determinism.rs"]
+mod determinism;
+#[path = "suite/events.rs"]
+mod events;
+#[path = "suite/microbatch.rs"]
+mod microbatch;
+#[path = "suite/trainer.rs"]
+mod trainer;

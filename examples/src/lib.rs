@@ -17,7 +17,12 @@ use burn::tensor::{Int, Tensor};
 use flashover::core::data::{DataLoader, Dataset, MnistBatcher, MnistDataset, MnistItem, MnistSplit, Sampler};
 use flashover::core::model::{ClassificationBatch, ClassificationOutput, EvalModel, TrainModel};
 use flashover::core::params::init_model;
+use flashover::core::metric::{Accuracy, LossMetric, TopKAccuracy};
+use flashover::core::schedule::Scheduler;
+use flashover::core::time::Time;
+use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::core::Result;
+use burn::optim::Optimizer;
 
 /// The bundled MNIST data (8,000 training and 2,000 test digits), relative to the workspace.
 pub fn bundled_mnist_dir() -> PathBuf {
@@ -145,4 +150,98 @@ pub fn mnist_loaders<B: AutodiffBackend>(
     let test = DataLoader::new("test", Arc::new(test), Arc::new(MnistBatcher), test_sampler, device.clone())?
         .with_prefetch(opts.prefetch);
     Ok((train, test))
+}
+
+/// The MNIST example's training recipe; its `Default` is what `cargo run --example mnist`
+/// runs (and what the tests hold to 97% test accuracy).
+#[derive(Debug, Clone)]
+pub struct MnistRun {
+    /// Data options.
+    pub data: MnistData,
+    /// Run length.
+    pub max_duration: Time,
+    /// Microbatch size, if batches are split.
+    pub microbatch_size: Option<usize>,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Learning-rate schedule.
+    pub scheduler: Scheduler,
+    /// Scale-schedule ratio.
+    pub scale_schedule_ratio: f64,
+    /// Seed of weights, order and random draws.
+    pub seed: u64,
+    /// Evaluation interval.
+    pub eval_interval: Time,
+    /// Skip batches with a non-finite loss.
+    pub skip_nonfinite_loss: bool,
+}
+
+/// Defaults of the MNIST example, as strings where the CLI parses them.
+pub mod defaults {
+    /// Run length.
+    pub const MAX_DURATION: &str = "6ep";
+    /// Batch size.
+    pub const BATCH_SIZE: usize = 64;
+    /// Peak learning rate (AdamW).
+    pub const LR: f64 = 3e-3;
+    /// Decoupled weight decay.
+    pub const WEIGHT_DECAY: f32 = 1e-4;
+    /// Warmup before the cosine decay.
+    pub const WARMUP: &str = "30ba";
+    /// Seed.
+    pub const SEED: u64 = 42;
+}
+
+impl Default for MnistRun {
+    fn default() -> Self {
+        let warmup: Time = defaults::WARMUP.parse().expect("the default warmup is a valid time");
+        MnistRun {
+            data: MnistData::bundled(defaults::BATCH_SIZE, defaults::SEED),
+            max_duration: defaults::MAX_DURATION.parse().expect("the default duration is a valid time"),
+            microbatch_size: None,
+            lr: defaults::LR,
+            scheduler: Scheduler::cosine(Time::Duration(1.0), 0.0).with_warmup(warmup),
+            scale_schedule_ratio: 1.0,
+            seed: defaults::SEED,
+            eval_interval: Time::Epoch(1),
+            skip_nonfinite_loss: false,
+        }
+    }
+}
+
+impl MnistRun {
+    /// The default AdamW optimizer of the example.
+    pub fn adamw<B: AutodiffBackend>() -> burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, MnistCnn<B>, B> {
+        burn::optim::AdamWConfig::new().with_weight_decay(defaults::WEIGHT_DECAY).init::<B, MnistCnn<B>>()
+    }
+
+    /// A trainer builder for this recipe with a test evaluator (loss, accuracy, top-2
+    /// accuracy); add callbacks and loggers, then `build`.
+    pub fn builder<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
+        &self,
+        optimizer: O,
+        device: &B::Device,
+    ) -> Result<TrainerBuilder<B, MnistCnn<B>, O>> {
+        let model = MnistCnn::<B>::new(device, self.seed);
+        let mut data = self.data.clone();
+        data.seed = self.seed;
+        let (train, test) = mnist_loaders::<B>(&data, device)?;
+        let evaluator = Evaluator::new(
+            "test",
+            test,
+            vec![Box::new(LossMetric::default()), Box::new(Accuracy::default()), Box::new(TopKAccuracy::new(2))],
+        );
+        let mut b = Trainer::builder(model, optimizer, train, self.max_duration, device.clone())
+            .lr(self.lr)
+            .scheduler(self.scheduler.clone())
+            .scale_schedule_ratio(self.scale_schedule_ratio)
+            .seed(self.seed)
+            .eval_interval(self.eval_interval)
+            .evaluator(evaluator)
+            .skip_nonfinite_loss(self.skip_nonfinite_loss);
+        if let Some(mb) = self.microbatch_size {
+            b = b.microbatch_size(mb);
+        }
+        Ok(b)
+    }
 }

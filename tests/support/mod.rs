@@ -1,0 +1,161 @@
+//! Shared test support for the cross-crate tests: the backend under test, recording
+//! callbacks, algorithms and loggers, and helpers to read gradients and build short MNIST
+//! runs. Tests import from here instead of copying these pieces.
+#![allow(missing_docs)]
+
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use flashover::core::callback::{Algorithm, Callback};
+use flashover::core::error::Result;
+use flashover::core::event::Event;
+use flashover::core::logger::{Logger, LoggerDestination};
+use flashover::core::model::TrainModel;
+use flashover::core::state::State;
+use flashover::core::time::{Time, Timestamp};
+use flashover_examples::{MnistData, MnistRun};
+
+/// The inner backend the tests run on: the most specific one compiled in.
+#[cfg(feature = "cuda")]
+pub type Inner = flashover::backend::Cuda;
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+pub type Inner = flashover::backend::Wgpu;
+#[cfg(all(feature = "ndarray", not(any(feature = "wgpu", feature = "cuda"))))]
+pub type Inner = flashover::backend::NdArray;
+#[cfg(all(feature = "flex", not(any(feature = "ndarray", feature = "wgpu", feature = "cuda"))))]
+pub type Inner = flashover::backend::Flex;
+
+/// The autodiff backend the tests train on.
+pub type TB = flashover::backend::Autodiff<Inner>;
+
+/// A shared, ordered log of what happened.
+pub type Log = Arc<Mutex<Vec<String>>>;
+
+pub fn new_log() -> Log {
+    Arc::new(Mutex::new(Vec::new()))
+}
+
+pub fn lines(log: &Log) -> Vec<String> {
+    log.lock().unwrap().clone()
+}
+
+/// Records every event it sees as `"{prefix}{EVENT}"`.
+pub struct Recorder {
+    pub prefix: String,
+    pub log: Log,
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for Recorder {
+    fn name(&self) -> &str {
+        "recorder"
+    }
+    fn run_event(&mut self, event: Event, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+        self.log.lock().unwrap().push(format!("{}{}", self.prefix, event.name()));
+        Ok(())
+    }
+}
+
+/// An algorithm that matches every event and records `"{name} {EVENT}"`.
+pub struct RecordingAlgorithm {
+    pub name: String,
+    pub log: Log,
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Algorithm<B, M, O> for RecordingAlgorithm {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn matches(&self, _event: Event, _state: &State<B, M, O>) -> bool {
+        true
+    }
+    fn apply(&mut self, event: Event, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+        self.log.lock().unwrap().push(format!("{} {}", self.name, event.name()));
+        Ok(())
+    }
+}
+
+/// A logger destination that records `"{name} {EVENT}"` at every event.
+pub struct RecordingLogger {
+    pub name: String,
+    pub log: Log,
+}
+
+impl LoggerDestination for RecordingLogger {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn run_event(&mut self, event: Event, _ts: &Timestamp) -> Result<()> {
+        self.log.lock().unwrap().push(format!("{} {}", self.name, event.name()));
+        Ok(())
+    }
+}
+
+/// Runs a closure at one event (for tests that need to poke the state).
+pub struct At<F> {
+    pub event: Event,
+    pub f: F,
+}
+
+impl<B, M, O, F> Callback<B, M, O> for At<F>
+where
+    B: AutodiffBackend,
+    M: TrainModel<B>,
+    O: Optimizer<M, B>,
+    F: FnMut(&mut State<B, M, O>) -> Result<()> + Send,
+{
+    fn name(&self) -> &str {
+        "at"
+    }
+    fn run_event(&mut self, event: Event, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+        if event == self.event {
+            (self.f)(state)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+struct FlatGrads<'a, B: AutodiffBackend> {
+    grads: &'a GradientsParams,
+    out: Vec<f32>,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for FlatGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let g: Tensor<B::InnerBackend, D> =
+            self.grads.get(param.id).unwrap_or_else(|| panic!("no gradient for parameter {:?}", param.id));
+        self.out.extend(g.into_data().to_vec::<f32>().expect("float gradients"));
+    }
+}
+
+/// Every parameter's gradient, flattened in the module's field order.
+pub fn flat_grads<B: AutodiffBackend, M: Module<B>>(model: &M, grads: &GradientsParams) -> Vec<f32> {
+    let mut v = FlatGrads::<B> { grads, out: Vec::new(), _b: std::marker::PhantomData };
+    model.visit(&mut v);
+    v.out
+}
+
+/// A short MNIST run: `train` digits in batches of `batch_size`, `test` digits evaluated in
+/// one or more batches of up to 500, constant learning rate, for `max_duration`.
+pub fn short_run(train: usize, batch_size: usize, test: usize, max_duration: &str) -> MnistRun {
+    let mut data = MnistData::bundled(batch_size, 7);
+    data.train_limit = Some(train);
+    data.test_limit = Some(test);
+    data.eval_batch_size = test.clamp(1, 500);
+    MnistRun {
+        data,
+        max_duration: max_duration.parse::<Time>().expect("test durations are valid"),
+        scheduler: flashover::core::schedule::Scheduler::constant(),
+        seed: 7,
+        ..MnistRun::default()
+    }
+}
+
+/// The device tests run on.
+pub fn device() -> <TB as burn::tensor::backend::BackendTypes>::Device {
+    Default::default()
+}

@@ -52,7 +52,7 @@ pub enum CheckpointError {
     },
 }
 
-fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> CheckpointError + 'a {
     move |source| CheckpointError::Io { action, path: path.to_path_buf(), source }
 }
 

@@ -64,6 +64,8 @@ pub struct State<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
     pub grads: Option<GradientsParams>,
     /// Latest evaluation results: evaluator label, then metric name, then value.
     pub eval_metrics: BTreeMap<String, BTreeMap<String, f64>>,
+    /// Value of `timestamp.batch` at the last evaluation, if any ran.
+    pub last_eval_batch: Option<u64>,
     /// Batches whose loss was not finite and were skipped (when skipping is enabled).
     pub skipped_batches: u64,
     /// Rank and world size.

@@ -243,6 +243,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
             loss_value: None,
             grads: None,
             eval_metrics: BTreeMap::new(),
+            last_eval_batch: None,
             skipped_batches: 0,
             world: self.world,
             seed: self.seed,
@@ -625,6 +626,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
             self.state.eval_metrics.insert(ev.label.clone(), results);
             self.engine.run(Event::EvalEnd, &mut self.state)?;
         }
+        self.state.last_eval_batch = Some(self.state.timestamp.batch);
         self.engine.run(Event::EvalAfterAll, &mut self.state)?;
         Ok(())
     }

@@ -1,0 +1,136 @@
+//! Trainer behaviour: repeated fits, stop requests, non-finite losses, eval and predict.
+
+use burn::tensor::Tensor;
+use flashover::core::error::CoreError;
+use flashover::core::event::Event;
+use flashover::core::params::params_sha256;
+use flashover::core::time::Time;
+use flashover_examples::{mnist_loaders, MnistRun};
+use flashover_tests::*;
+
+#[test]
+fn fit_in_two_calls_equals_one_call() {
+    let run = short_run(256, 32, 100, "2ep");
+    let mut once = run.builder::<TB, _>(MnistRun::adamw::<TB>(), &device()).unwrap().build().unwrap();
+    once.fit().unwrap();
+
+    let mut half = run.clone();
+    half.max_duration = Time::Epoch(1);
+    let mut twice = half.builder::<TB, _>(MnistRun::adamw::<TB>(), &device()).unwrap().build().unwrap();
+    let first = twice.fit().unwrap();
+    assert_eq!(first.batches, 8);
+    let second = twice.fit_for(Time::Batch(8)).unwrap();
+    assert_eq!(second.batches, 8);
+    assert_eq!(twice.state().timestamp.epoch, 2);
+    assert_eq!(params_sha256::<TB, _>(twice.model()), params_sha256::<TB, _>(once.model()));
+    // And once max_duration is reached, fit says so and does nothing.
+    let err = once.fit().unwrap_err();
+    assert!(matches!(err, CoreError::DurationReached { .. }), "{err}");
+    assert!(err.to_string().contains("2ep"), "{err}");
+}
+
+#[test]
+fn a_stop_request_ends_the_fit_after_the_batch_and_fit_resumes_after_it() {
+    let run = short_run(256, 32, 100, "1ep");
+    let log = new_log();
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .callback(At {
+            event: Event::BatchEnd,
+            f: |s: &mut flashover::core::state::State<TB, _, _>| {
+                if s.timestamp.batch == 3 {
+                    s.request_stop("enough");
+                }
+                Ok(())
+            },
+        })
+        .callback(Recorder { prefix: String::new(), log: log.clone() })
+        .build()
+        .unwrap();
+    let report = t.fit().unwrap();
+    assert_eq!(report.stopped.as_deref(), Some("enough"));
+    assert_eq!(t.state().timestamp.batch, 3);
+    let events = lines(&log);
+    assert_eq!(events.last().map(String::as_str), Some("FIT_END"));
+    assert_eq!(events.iter().filter(|e| *e == "BATCH_CHECKPOINT").count(), 3);
+    assert!(!events.iter().any(|e| e == "EPOCH_END"));
+    // A second fit continues mid-epoch (no second EPOCH_START) to max_duration.
+    let report = t.fit().unwrap();
+    assert_eq!(report.batches, 5);
+    assert_eq!(t.state().timestamp.epoch, 1);
+    assert_eq!(lines(&log).iter().filter(|e| *e == "EPOCH_START").count(), 1);
+}
+
+fn poison_loss_at(batch: u64) -> impl FnMut(&mut flashover::core::state::State<TB, flashover_examples::MnistCnn<TB>, burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, flashover_examples::MnistCnn<TB>, TB>>) -> flashover::core::Result<()> + Send {
+    move |s| {
+        if s.timestamp.batch == batch {
+            let loss = s.loss.take().expect("loss is set at AFTER_LOSS");
+            s.loss = Some(loss.mul_scalar(f32::NAN));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn a_nan_loss_is_an_error_naming_the_batch() {
+    let run = short_run(128, 32, 50, "1ep");
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .callback(At { event: Event::AfterLoss, f: poison_loss_at(2) })
+        .build()
+        .unwrap();
+    let err = t.fit().unwrap_err();
+    match &err {
+        CoreError::NonFiniteLoss { batch, epoch, value, .. } => {
+            assert_eq!((*batch, *epoch), (2, 0));
+            assert!(value.is_nan());
+        }
+        other => panic!("expected NonFiniteLoss, got {other}"),
+    }
+    assert!(err.to_string().contains("batch 2"), "{err}");
+    assert_eq!(t.state().timestamp.batch, 2, "no step is taken on the poisoned batch");
+}
+
+#[test]
+fn non_finite_batches_can_be_skipped_and_counted() {
+    let mut run = short_run(128, 32, 50, "1ep");
+    run.skip_nonfinite_loss = true;
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .callback(At { event: Event::AfterLoss, f: poison_loss_at(1) })
+        .build()
+        .unwrap();
+    let report = t.fit().unwrap();
+    assert_eq!(report.batches, 4);
+    assert_eq!(report.steps, 3);
+    assert_eq!(t.state().skipped_batches, 1);
+}
+
+#[test]
+fn eval_and_predict_report_sane_values() {
+    let run = short_run(512, 32, 300, "1ep");
+    let mut t = run.builder::<TB, _>(MnistRun::adamw::<TB>(), &device()).unwrap().build().unwrap();
+    t.fit().unwrap();
+    let metrics = t.eval().unwrap();
+    let test = &metrics["test"];
+    let (acc, top2, loss) = (test["accuracy"], test["top2_accuracy"], test["loss"]);
+    assert!((0.0..=1.0).contains(&acc) && acc > 0.5, "accuracy {acc} after one short epoch");
+    assert!(top2 >= acc && top2 <= 1.0, "top-2 {top2} vs top-1 {acc}");
+    assert!(loss.is_finite() && loss > 0.0);
+
+    let mut data = run.data.clone();
+    data.eval_batch_size = 128;
+    let (_, test_loader) = mnist_loaders::<TB>(&data, &device()).unwrap();
+    let outputs = t.predict(&test_loader).unwrap();
+    assert_eq!(outputs.len(), 3, "300 digits in batches of 128");
+    let logits = Tensor::cat(outputs.iter().map(|o| o.logits.clone()).collect(), 0);
+    assert_eq!(logits.dims(), [300, 10]);
+    // Accuracy recomputed from the predictions equals the evaluator's.
+    let targets = Tensor::cat(outputs.iter().map(|o| o.targets.clone()).collect(), 0);
+    let correct = logits.argmax(1).flatten::<1>(0, 1).equal(targets).int().sum().into_scalar();
+    let correct: i64 = burn::tensor::ElementConversion::elem(correct);
+    assert!((correct as f64 / 300.0 - acc).abs() < 1e-12);
+}
