@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
 use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
 use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
 use flashover::backend::{Autodiff, COMPILED};
@@ -146,11 +146,15 @@ fn schedule(args: &Args) -> Scheduler {
     let s = match args.schedule {
         ScheduleKind::Constant => Scheduler::constant(),
         ScheduleKind::Step => Scheduler::step(Time::Duration(0.3), 0.1),
-        ScheduleKind::Multistep => Scheduler::multistep(vec![Time::Duration(0.5), Time::Duration(0.75)], 0.1),
+        ScheduleKind::Multistep => {
+            Scheduler::multistep(vec![Time::Duration(0.5), Time::Duration(0.75)], 0.1)
+        }
         ScheduleKind::Linear => Scheduler::linear(1.0, 0.0, Time::Duration(1.0)),
         ScheduleKind::Exponential => Scheduler::exponential(0.7, Time::Epoch(1)),
         ScheduleKind::Cosine => Scheduler::cosine(Time::Duration(1.0), 0.0),
-        ScheduleKind::CosineWarmRestarts => Scheduler::cosine_warm_restarts(Time::Epoch(1), 2.0, 0.0),
+        ScheduleKind::CosineWarmRestarts => {
+            Scheduler::cosine_warm_restarts(Time::Epoch(1), 2.0, 0.0)
+        }
         ScheduleKind::Polynomial => Scheduler::polynomial(2.0, Time::Duration(1.0), 0.0),
     };
     if args.warmup.is_zero() {
@@ -161,13 +165,25 @@ fn schedule(args: &Args) -> Scheduler {
 }
 
 fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> anyhow::Result<()> {
-    let decay = || Some(burn::optim::decay::WeightDecayConfig::new(args.weight_decay));
+    let decay = || {
+        Some(burn::optim::decay::WeightDecayConfig::new(
+            args.weight_decay,
+        ))
+    };
     match args.optimizer {
         OptimizerKind::Adamw => {
-            let o = AdamWConfig::new().with_weight_decay(args.weight_decay).init::<B, MnistCnn<B>>();
+            let o = AdamWConfig::new()
+                .with_weight_decay(args.weight_decay)
+                .init::<B, MnistCnn<B>>();
             train(args, device, o)
         }
-        OptimizerKind::Adam => train(args, device, AdamConfig::new().with_weight_decay(decay()).init::<B, MnistCnn<B>>()),
+        OptimizerKind::Adam => train(
+            args,
+            device,
+            AdamConfig::new()
+                .with_weight_decay(decay())
+                .init::<B, MnistCnn<B>>(),
+        ),
         OptimizerKind::Sgd => {
             let o = SgdConfig::new()
                 .with_momentum(Some(MomentumConfig::new().with_momentum(args.momentum)))
@@ -178,7 +194,11 @@ fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> anyhow::Result<()>
     }
 }
 
-fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(args: &Args, device: B::Device, optimizer: O) -> anyhow::Result<()> {
+fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
+    args: &Args,
+    device: B::Device,
+    optimizer: O,
+) -> anyhow::Result<()> {
     let started = Instant::now();
     let recipe = MnistRun {
         data: MnistData {
@@ -217,7 +237,9 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(args: &Args, device: 
     } else {
         trainer.eval()?
     };
-    let test = metrics.get("test").context("the test evaluator returned no metrics")?;
+    let test = metrics
+        .get("test")
+        .context("the test evaluator returned no metrics")?;
     let digest = params_sha256::<B, _>(trainer.model());
     let state = trainer.state();
     let ts = &state.timestamp;
@@ -241,7 +263,8 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(args: &Args, device: 
         "max_duration": state.max_duration.to_string(),
     });
     if let Some(out) = &args.out {
-        std::fs::create_dir_all(out).with_context(|| format!("creating output directory {}", out.display()))?;
+        std::fs::create_dir_all(out)
+            .with_context(|| format!("creating output directory {}", out.display()))?;
         save_weights::<B, _>(trainer.model(), &out.join("model.safetensors"))?;
         let text = serde_json::to_string_pretty(&summary)?;
         flashover::checkpoint::write_atomic(&out.join("summary.json"), text.as_bytes())?;

@@ -45,7 +45,10 @@ fn main() -> anyhow::Result<()> {
         "wgpu" => measure::<Autodiff<flashover::backend::Wgpu>>(&args),
         #[cfg(feature = "cuda")]
         "cuda" => measure::<Autodiff<flashover::backend::Cuda>>(&args),
-        other => anyhow::bail!("backend {other:?} is not compiled in; available: {}", COMPILED.join(", ")),
+        other => anyhow::bail!(
+            "backend {other:?} is not compiled in; available: {}",
+            COMPILED.join(", ")
+        ),
     }
 }
 
@@ -56,7 +59,10 @@ fn data(args: &Args) -> MnistData {
 }
 
 /// The loop a Burn user writes by hand: forward, loss, backward, step. No loss read-back.
-fn handwritten<B: AutodiffBackend>(args: &Args, device: &B::Device) -> anyhow::Result<(f64, String)> {
+fn handwritten<B: AutodiffBackend>(
+    args: &Args,
+    device: &B::Device,
+) -> anyhow::Result<(f64, String)> {
     let (train, _) = mnist_loaders::<B>(&data(args), device)?;
     let mut model = MnistCnn::<B>::new(device, 1);
     let mut optim = MnistRun::adamw::<B>();
@@ -80,16 +86,28 @@ fn handwritten<B: AutodiffBackend>(args: &Args, device: &B::Device) -> anyhow::R
     Ok((start.elapsed().as_secs_f64(), params_sha256::<B, _>(&model)))
 }
 
-fn flashover_trainer<B: AutodiffBackend>(args: &Args, device: &B::Device) -> anyhow::Result<(f64, String)> {
+fn flashover_trainer<B: AutodiffBackend>(
+    args: &Args,
+    device: &B::Device,
+) -> anyhow::Result<(f64, String)> {
     let (train, _) = mnist_loaders::<B>(&data(args), device)?;
     let model = MnistCnn::<B>::new(device, 1);
-    let mut trainer = Trainer::builder(model, MnistRun::adamw::<B>(), train, Time::Batch(args.steps), device.clone())
-        .lr(1e-3)
-        .seed(1)
-        .build()?;
+    let mut trainer = Trainer::builder(
+        model,
+        MnistRun::adamw::<B>(),
+        train,
+        Time::Batch(args.steps),
+        device.clone(),
+    )
+    .lr(1e-3)
+    .seed(1)
+    .build()?;
     let start = Instant::now();
     trainer.fit()?;
-    Ok((start.elapsed().as_secs_f64(), params_sha256::<B, _>(trainer.model())))
+    Ok((
+        start.elapsed().as_secs_f64(),
+        params_sha256::<B, _>(trainer.model()),
+    ))
 }
 
 fn median_min_max(v: &[f64]) -> (f64, f64, f64) {
@@ -113,7 +131,10 @@ fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
     println!("| loop | median s | min-max s | ratio to hand-written |");
     println!("| --- | --- | --- | --- |");
     println!("| hand-written Burn | {hm:.3} | {hmin:.3}-{hmax:.3} | 1.000 |");
-    println!("| Flashover trainer | {om:.3} | {omin:.3}-{omax:.3} | {:.3} |", om / hm);
+    println!(
+        "| Flashover trainer | {om:.3} | {omin:.3}-{omax:.3} | {:.3} |",
+        om / hm
+    );
     let summary = json!({
         "backend": args.backend,
         "steps": args.steps,

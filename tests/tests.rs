@@ -1,8 +1,10 @@
 //! Cross-crate tests, built as one binary. Index:
 //! - `events`: the recorded event trace of a short run (as text), exact call counts per event,
 //!   and the order of algorithms, callbacks and loggers.
-//! - `trainer`: fit twice, stop requests, non-finite losses, eval and predict.
+//! - `trainer`: fit twice, stop requests, non-finite losses, eval and predict, the learning
+//!   rate against the schedule's formula, each optimizer through the trainer.
 //! - `microbatch`: gradients with 1, 2, 4 (and uneven) microbatches equal the full batch's.
+//! - `data`: the IDX reader on the real bundled files, raw and gzipped, whole and truncated.
 //! - `determinism`: same seed, same bits; another seed, other bits.
 //! - `bad_input`: every bad configuration is a typed error that names the value.
 //! - `accuracy`: the example's default recipe reaches 97% on the bundled MNIST test digits.
@@ -11,6 +13,8 @@
 mod accuracy;
 #[path = "suite/bad_input.rs"]
 mod bad_input;
+#[path = "suite/data.rs"]
+mod data;
 #[path = "suite/determinism.rs"]
 mod determinism;
 #[path = "suite/events.rs"]

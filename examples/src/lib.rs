@@ -11,22 +11,27 @@ use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{Linear, LinearConfig, PaddingConfig2d, Relu};
+use burn::optim::Optimizer;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
-use flashover::core::data::{DataLoader, Dataset, MnistBatcher, MnistDataset, MnistItem, MnistSplit, Sampler};
+use flashover::core::data::{
+    DataLoader, Dataset, MnistBatcher, MnistDataset, MnistItem, MnistSplit, Sampler,
+};
+use flashover::core::metric::{Accuracy, LossMetric, TopKAccuracy};
 use flashover::core::model::{ClassificationBatch, ClassificationOutput, EvalModel, TrainModel};
 use flashover::core::params::init_model;
-use flashover::core::metric::{Accuracy, LossMetric, TopKAccuracy};
 use flashover::core::schedule::Scheduler;
 use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::core::Result;
-use burn::optim::Optimizer;
 
 /// The bundled MNIST data (8,000 training and 2,000 test digits), relative to the workspace.
 pub fn bundled_mnist_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("data").join("mnist-10k")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("data")
+        .join("mnist-10k")
 }
 
 /// A small CNN for 28x28 digits: two 3x3 convolutions (16 and 32 channels, each followed by
@@ -45,8 +50,12 @@ impl<B: Backend> MnistCnn<B> {
     /// A CNN whose parameters are drawn, in field order, from a generator seeded by `seed`.
     pub fn new(device: &B::Device, seed: u64) -> Self {
         init_model::<B, _>(device, seed, |d| MnistCnn {
-            conv1: Conv2dConfig::new([1, 16], [3, 3]).with_padding(PaddingConfig2d::Same).init(d),
-            conv2: Conv2dConfig::new([16, 32], [3, 3]).with_padding(PaddingConfig2d::Same).init(d),
+            conv1: Conv2dConfig::new([1, 16], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(d),
+            conv2: Conv2dConfig::new([16, 32], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(d),
             fc1: LinearConfig::new(32 * 7 * 7, 128).init(d),
             fc2: LinearConfig::new(128, 10).init(d),
             pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
@@ -56,7 +65,9 @@ impl<B: Backend> MnistCnn<B> {
 
     /// Logits `[batch, 10]` for images `[batch, 1, 28, 28]`.
     pub fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
-        let x = self.pool.forward(self.relu.forward(self.conv1.forward(images)));
+        let x = self
+            .pool
+            .forward(self.relu.forward(self.conv1.forward(images)));
         let x = self.pool.forward(self.relu.forward(self.conv2.forward(x)));
         let x: Tensor<B, 2> = x.flatten(1, 3);
         self.fc2.forward(self.relu.forward(self.fc1.forward(x)))
@@ -66,7 +77,10 @@ impl<B: Backend> MnistCnn<B> {
 /// Mean cross-entropy of `logits` against class indices.
 pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
     let n = targets.dims()[0];
-    log_softmax(logits, 1).gather(1, targets.reshape([n, 1])).mean().neg()
+    log_softmax(logits, 1)
+        .gather(1, targets.reshape([n, 1]))
+        .mean()
+        .neg()
 }
 
 impl<B: AutodiffBackend> TrainModel<B> for MnistCnn<B> {
@@ -89,7 +103,11 @@ impl<B: Backend> EvalModel<B> for MnistCnn<B> {
     fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
         let logits = self.logits(batch.inputs.clone());
         let loss = cross_entropy(logits.clone(), batch.targets.clone());
-        ClassificationOutput { loss, logits, targets: batch.targets.clone() }
+        ClassificationOutput {
+            loss,
+            logits,
+            targets: batch.targets.clone(),
+        }
     }
 }
 
@@ -145,10 +163,22 @@ pub fn mnist_loaders<B: AutodiffBackend>(
     }
     let train_sampler = Sampler::new(train.len(), opts.batch_size, true, opts.seed)?;
     let test_sampler = Sampler::new(test.len(), opts.eval_batch_size, false, 0)?;
-    let train = DataLoader::new("train", Arc::new(train), Arc::new(MnistBatcher), train_sampler, device.clone())?
-        .with_prefetch(opts.prefetch);
-    let test = DataLoader::new("test", Arc::new(test), Arc::new(MnistBatcher), test_sampler, device.clone())?
-        .with_prefetch(opts.prefetch);
+    let train = DataLoader::new(
+        "train",
+        Arc::new(train),
+        Arc::new(MnistBatcher),
+        train_sampler,
+        device.clone(),
+    )?
+    .with_prefetch(opts.prefetch);
+    let test = DataLoader::new(
+        "test",
+        Arc::new(test),
+        Arc::new(MnistBatcher),
+        test_sampler,
+        device.clone(),
+    )?
+    .with_prefetch(opts.prefetch);
     Ok((train, test))
 }
 
@@ -194,10 +224,14 @@ pub mod defaults {
 
 impl Default for MnistRun {
     fn default() -> Self {
-        let warmup: Time = defaults::WARMUP.parse().expect("the default warmup is a valid time");
+        let warmup: Time = defaults::WARMUP
+            .parse()
+            .expect("the default warmup is a valid time");
         MnistRun {
             data: MnistData::bundled(defaults::BATCH_SIZE, defaults::SEED),
-            max_duration: defaults::MAX_DURATION.parse().expect("the default duration is a valid time"),
+            max_duration: defaults::MAX_DURATION
+                .parse()
+                .expect("the default duration is a valid time"),
             microbatch_size: None,
             lr: defaults::LR,
             scheduler: Scheduler::cosine(Time::Duration(1.0), 0.0).with_warmup(warmup),
@@ -211,8 +245,11 @@ impl Default for MnistRun {
 
 impl MnistRun {
     /// The default AdamW optimizer of the example.
-    pub fn adamw<B: AutodiffBackend>() -> burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, MnistCnn<B>, B> {
-        burn::optim::AdamWConfig::new().with_weight_decay(defaults::WEIGHT_DECAY).init::<B, MnistCnn<B>>()
+    pub fn adamw<B: AutodiffBackend>(
+    ) -> burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, MnistCnn<B>, B> {
+        burn::optim::AdamWConfig::new()
+            .with_weight_decay(defaults::WEIGHT_DECAY)
+            .init::<B, MnistCnn<B>>()
     }
 
     /// A trainer builder for this recipe with a test evaluator (loss, accuracy, top-2
@@ -229,7 +266,11 @@ impl MnistRun {
         let evaluator = Evaluator::new(
             "test",
             test,
-            vec![Box::new(LossMetric::default()), Box::new(Accuracy::default()), Box::new(TopKAccuracy::new(2))],
+            vec![
+                Box::new(LossMetric::default()),
+                Box::new(Accuracy::default()),
+                Box::new(TopKAccuracy::new(2)),
+            ],
         );
         let mut b = Trainer::builder(model, optimizer, train, self.max_duration, device.clone())
             .lr(self.lr)

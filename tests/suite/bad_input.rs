@@ -7,7 +7,10 @@ use flashover_examples::{mnist_loaders, MnistRun};
 use flashover_tests::*;
 
 fn build_err(run: &MnistRun, lr: f64) -> CoreError {
-    match run.builder::<TB, _>(MnistRun::adamw::<TB>(), &device()).and_then(|b| b.lr(lr).build()) {
+    match run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .and_then(|b| b.lr(lr).build())
+    {
         Ok(_) => panic!("expected an error for {run:?}"),
         Err(e) => e,
     }
@@ -20,8 +23,20 @@ fn microbatch_size_zero_or_above_the_batch_is_rejected() {
         run.microbatch_size = Some(size);
         let err = build_err(&run, 0.01);
         let msg = err.to_string();
-        assert!(matches!(err, CoreError::InvalidConfig { name: "microbatch_size", .. }), "{msg}");
-        assert!(msg.contains(&format!("value {size} ")) && msg.contains("from 1 to the batch size (8)"), "{msg}");
+        assert!(
+            matches!(
+                err,
+                CoreError::InvalidConfig {
+                    name: "microbatch_size",
+                    ..
+                }
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains(&format!("value {size} ")) && msg.contains("from 1 to the batch size (8)"),
+            "{msg}"
+        );
     }
 }
 
@@ -30,8 +45,13 @@ fn zero_batch_size_and_empty_datasets_are_rejected() {
     let err = Sampler::new(10, 0, true, 0).unwrap_err();
     assert!(err.to_string().contains("batch_size"), "{err}");
     let run = short_run(0, 8, 10, "1ep");
-    let err = mnist_loaders::<TB>(&run.data, &device()).err().expect("an empty training set is an error");
-    assert!(matches!(err, CoreError::EmptyDataset { ref name } if name == "train"), "{err}");
+    let err = mnist_loaders::<TB>(&run.data, &device())
+        .err()
+        .expect("an empty training set is an error");
+    assert!(
+        matches!(err, CoreError::EmptyDataset { ref name } if name == "train"),
+        "{err}"
+    );
     let run = short_run(16, 0, 10, "1ep");
     let err = build_err(&run, 0.01);
     assert!(err.to_string().contains("batch_size"), "{err}");
@@ -42,13 +62,22 @@ fn bad_durations_and_rates_are_rejected() {
     let mut run = short_run(16, 8, 10, "1ep");
     run.max_duration = Time::Duration(0.5);
     let err = build_err(&run, 0.01);
-    assert!(err.to_string().contains("max_duration") && err.to_string().contains("0.5dur"), "{err}");
+    assert!(
+        err.to_string().contains("max_duration") && err.to_string().contains("0.5dur"),
+        "{err}"
+    );
     let run = short_run(16, 8, 10, "1ep");
     let err = build_err(&run, f64::NAN);
-    assert!(err.to_string().contains("lr") && err.to_string().contains("NaN"), "{err}");
+    assert!(
+        err.to_string().contains("lr") && err.to_string().contains("NaN"),
+        "{err}"
+    );
     for s in ["3 parsecs", "1.5ep", "-2ba", "ep"] {
         let err = s.parse::<Time>().unwrap_err();
-        assert!(matches!(err, CoreError::InvalidTime { .. }) && err.to_string().contains(s), "{err}");
+        assert!(
+            matches!(err, CoreError::InvalidTime { .. }) && err.to_string().contains(s),
+            "{err}"
+        );
     }
 }
 
@@ -56,7 +85,12 @@ fn bad_durations_and_rates_are_rejected() {
 fn a_missing_data_directory_names_the_files_it_looked_for() {
     let mut run = short_run(16, 8, 10, "1ep");
     run.data.dir = std::env::temp_dir().join("flashover-no-such-dir");
-    let err = mnist_loaders::<TB>(&run.data, &device()).err().expect("missing data is an error");
+    let err = mnist_loaders::<TB>(&run.data, &device())
+        .err()
+        .expect("missing data is an error");
     let msg = err.to_string();
-    assert!(msg.contains("flashover-no-such-dir") && msg.contains("train-images-idx3-ubyte.gz"), "{msg}");
+    assert!(
+        msg.contains("flashover-no-such-dir") && msg.contains("train-images-idx3-ubyte.gz"),
+        "{msg}"
+    );
 }

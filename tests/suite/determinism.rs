@@ -5,7 +5,11 @@ use flashover_examples::MnistRun;
 use flashover_tests::*;
 
 fn digest(run: &MnistRun) -> String {
-    let mut t = run.builder::<TB, _>(MnistRun::adamw::<TB>(), &device()).unwrap().build().unwrap();
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .build()
+        .unwrap();
     t.fit().unwrap();
     params_sha256::<TB, _>(t.model())
 }

@@ -13,12 +13,24 @@ fn run_recorded(run: &MnistRun, algorithms: bool) -> Vec<String> {
         .unwrap();
     if algorithms {
         b = b
-            .algorithm(RecordingAlgorithm { name: "A".into(), log: log.clone() })
-            .algorithm(RecordingAlgorithm { name: "B".into(), log: log.clone() });
+            .algorithm(RecordingAlgorithm {
+                name: "A".into(),
+                log: log.clone(),
+            })
+            .algorithm(RecordingAlgorithm {
+                name: "B".into(),
+                log: log.clone(),
+            });
     }
-    b = b.callback(Recorder { prefix: String::new(), log: log.clone() });
+    b = b.callback(Recorder {
+        prefix: String::new(),
+        log: log.clone(),
+    });
     if algorithms {
-        b = b.logger(RecordingLogger { name: "L".into(), log: log.clone() });
+        b = b.logger(RecordingLogger {
+            name: "L".into(),
+            log: log.clone(),
+        });
     }
     let mut t = b.build().unwrap();
     t.fit().unwrap();
@@ -50,8 +62,18 @@ FIT_END
 /// mismatch shows as a readable diff.
 fn format_trace(events: &[String]) -> String {
     let breaks = [
-        "BEFORE_LOAD", "FIT_START", "EPOCH_START", "BEFORE_DATALOADER", "BEFORE_FORWARD", "AFTER_TRAIN_BATCH",
-        "EPOCH_END", "EVAL_BEFORE_ALL", "EVAL_BATCH_START", "EVAL_END", "EPOCH_CHECKPOINT", "FIT_END",
+        "BEFORE_LOAD",
+        "FIT_START",
+        "EPOCH_START",
+        "BEFORE_DATALOADER",
+        "BEFORE_FORWARD",
+        "AFTER_TRAIN_BATCH",
+        "EPOCH_END",
+        "EVAL_BEFORE_ALL",
+        "EVAL_BATCH_START",
+        "EVAL_END",
+        "EPOCH_CHECKPOINT",
+        "FIT_END",
     ];
     let mut out = String::new();
     for (i, e) in events.iter().enumerate() {
@@ -76,10 +98,17 @@ fn short_run_trace_matches_the_snapshot() {
 #[test]
 fn exact_call_counts_per_event() {
     // (epochs, batches per epoch, microbatches per batch, evaluation batches)
-    for (epochs, batches, micro, eval_batches) in [(1u64, 1u64, 1u64, 1u64), (2, 3, 2, 2), (3, 2, 4, 1)] {
+    for (epochs, batches, micro, eval_batches) in
+        [(1u64, 1u64, 1u64, 1u64), (2, 3, 2, 2), (3, 2, 4, 1)]
+    {
         let batch_size = 4 * micro as usize;
         let eval_size = 5;
-        let mut run = short_run(batches as usize * batch_size, batch_size, eval_batches as usize * eval_size, &format!("{epochs}ep"));
+        let mut run = short_run(
+            batches as usize * batch_size,
+            batch_size,
+            eval_batches as usize * eval_size,
+            &format!("{epochs}ep"),
+        );
         run.data.eval_batch_size = eval_size;
         run.microbatch_size = Some(4);
         let trace = run_recorded(&run, false);
@@ -87,17 +116,38 @@ fn exact_call_counts_per_event() {
         for e in &trace {
             *counts.entry(e.as_str()).or_default() += 1;
         }
-        let (e, b, m, eb) = (epochs, epochs * batches, epochs * batches * micro, epochs * eval_batches);
+        let (e, b, m, eb) = (
+            epochs,
+            epochs * batches,
+            epochs * batches * micro,
+            epochs * eval_batches,
+        );
         for event in Event::ALL {
             let expected = match event {
-                Event::Init | Event::BeforeLoad | Event::AfterLoad | Event::FitStart | Event::FitEnd => 1,
+                Event::Init
+                | Event::BeforeLoad
+                | Event::AfterLoad
+                | Event::FitStart
+                | Event::FitEnd => 1,
                 Event::EpochStart | Event::EpochEnd | Event::EpochCheckpoint => e,
-                Event::BeforeDataloader | Event::AfterDataloader | Event::BatchStart | Event::BeforeTrainBatch
-                | Event::AfterTrainBatch | Event::BatchEnd | Event::BatchCheckpoint => b,
-                Event::BeforeForward | Event::AfterForward | Event::BeforeLoss | Event::AfterLoss
-                | Event::BeforeBackward | Event::AfterBackward => m,
+                Event::BeforeDataloader
+                | Event::AfterDataloader
+                | Event::BatchStart
+                | Event::BeforeTrainBatch
+                | Event::AfterTrainBatch
+                | Event::BatchEnd
+                | Event::BatchCheckpoint => b,
+                Event::BeforeForward
+                | Event::AfterForward
+                | Event::BeforeLoss
+                | Event::AfterLoss
+                | Event::BeforeBackward
+                | Event::AfterBackward => m,
                 Event::EvalBeforeAll | Event::EvalStart | Event::EvalEnd | Event::EvalAfterAll => e,
-                Event::EvalBatchStart | Event::EvalBeforeForward | Event::EvalAfterForward | Event::EvalBatchEnd => eb,
+                Event::EvalBatchStart
+                | Event::EvalBeforeForward
+                | Event::EvalAfterForward
+                | Event::EvalBatchEnd => eb,
                 _ => 0,
             };
             assert_eq!(
@@ -134,7 +184,11 @@ fn algorithms_then_callbacks_then_loggers_with_after_events_reversed() {
     };
     assert_eq!(at("INIT"), ["L", "A", "B", "C"], "loggers first at INIT");
     assert_eq!(at("BEFORE_FORWARD"), ["A", "B", "C", "L"]);
-    assert_eq!(at("AFTER_FORWARD"), ["B", "A", "C", "L"], "first in, last out at AFTER_*");
+    assert_eq!(
+        at("AFTER_FORWARD"),
+        ["B", "A", "C", "L"],
+        "first in, last out at AFTER_*"
+    );
     assert_eq!(at("AFTER_TRAIN_BATCH"), ["B", "A", "C", "L"]);
     assert_eq!(at("BATCH_END"), ["A", "B", "C", "L"]);
 }

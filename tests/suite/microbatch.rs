@@ -18,7 +18,10 @@ fn first_step_grads(microbatch: Option<usize>) -> Vec<f32> {
         .callback(At {
             event: Event::AfterTrainBatch,
             f: move |s: &mut flashover::core::state::State<TB, _, _>| {
-                let grads = s.grads.as_ref().expect("gradients are set at AFTER_TRAIN_BATCH");
+                let grads = s
+                    .grads
+                    .as_ref()
+                    .expect("gradients are set at AFTER_TRAIN_BATCH");
                 *sink.lock().unwrap() = flat_grads::<TB, _>(s.model(), grads);
                 Ok(())
             },
@@ -39,7 +42,14 @@ fn microbatch_gradients_equal_the_full_batch_gradient() {
     for size in [16, 8, 5] {
         let micro = first_step_grads(Some(size));
         assert_eq!(micro.len(), full.len());
-        let worst = micro.iter().zip(&full).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        assert!(worst <= 1e-5 * scale.max(1.0), "microbatch {size}: max abs difference {worst} (largest gradient {scale})");
+        let worst = micro
+            .iter()
+            .zip(&full)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst <= 1e-5 * scale.max(1.0),
+            "microbatch {size}: max abs difference {worst} (largest gradient {scale})"
+        );
     }
 }

@@ -11,18 +11,29 @@ use flashover_tests::*;
 #[test]
 fn fit_in_two_calls_equals_one_call() {
     let run = short_run(256, 32, 100, "2ep");
-    let mut once = run.builder::<TB, _>(MnistRun::adamw::<TB>(), &device()).unwrap().build().unwrap();
+    let mut once = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .build()
+        .unwrap();
     once.fit().unwrap();
 
     let mut half = run.clone();
     half.max_duration = Time::Epoch(1);
-    let mut twice = half.builder::<TB, _>(MnistRun::adamw::<TB>(), &device()).unwrap().build().unwrap();
+    let mut twice = half
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .build()
+        .unwrap();
     let first = twice.fit().unwrap();
     assert_eq!(first.batches, 8);
     let second = twice.fit_for(Time::Batch(8)).unwrap();
     assert_eq!(second.batches, 8);
     assert_eq!(twice.state().timestamp.epoch, 2);
-    assert_eq!(params_sha256::<TB, _>(twice.model()), params_sha256::<TB, _>(once.model()));
+    assert_eq!(
+        params_sha256::<TB, _>(twice.model()),
+        params_sha256::<TB, _>(once.model())
+    );
     // And once max_duration is reached, fit says so and does nothing.
     let err = once.fit().unwrap_err();
     assert!(matches!(err, CoreError::DurationReached { .. }), "{err}");
@@ -45,7 +56,10 @@ fn a_stop_request_ends_the_fit_after_the_batch_and_fit_resumes_after_it() {
                 Ok(())
             },
         })
-        .callback(Recorder { prefix: String::new(), log: log.clone() })
+        .callback(Recorder {
+            prefix: String::new(),
+            log: log.clone(),
+        })
         .build()
         .unwrap();
     let report = t.fit().unwrap();
@@ -53,16 +67,33 @@ fn a_stop_request_ends_the_fit_after_the_batch_and_fit_resumes_after_it() {
     assert_eq!(t.state().timestamp.batch, 3);
     let events = lines(&log);
     assert_eq!(events.last().map(String::as_str), Some("FIT_END"));
-    assert_eq!(events.iter().filter(|e| *e == "BATCH_CHECKPOINT").count(), 3);
+    assert_eq!(
+        events.iter().filter(|e| *e == "BATCH_CHECKPOINT").count(),
+        3
+    );
     assert!(!events.iter().any(|e| e == "EPOCH_END"));
     // A second fit continues mid-epoch (no second EPOCH_START) to max_duration.
     let report = t.fit().unwrap();
     assert_eq!(report.batches, 5);
     assert_eq!(t.state().timestamp.epoch, 1);
-    assert_eq!(lines(&log).iter().filter(|e| *e == "EPOCH_START").count(), 1);
+    assert_eq!(
+        lines(&log).iter().filter(|e| *e == "EPOCH_START").count(),
+        1
+    );
 }
 
-fn poison_loss_at(batch: u64) -> impl FnMut(&mut flashover::core::state::State<TB, flashover_examples::MnistCnn<TB>, burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, flashover_examples::MnistCnn<TB>, TB>>) -> flashover::core::Result<()> + Send {
+/// The state of the example's default run (MNIST CNN with AdamW) on the test backend.
+type MnistState = flashover::core::state::State<
+    TB,
+    flashover_examples::MnistCnn<TB>,
+    burn::optim::adaptor::OptimizerAdaptor<
+        burn::optim::AdamW,
+        flashover_examples::MnistCnn<TB>,
+        TB,
+    >,
+>;
+
+fn poison_loss_at(batch: u64) -> impl FnMut(&mut MnistState) -> flashover::core::Result<()> + Send {
     move |s| {
         if s.timestamp.batch == batch {
             let loss = s.loss.take().expect("loss is set at AFTER_LOSS");
@@ -78,19 +109,31 @@ fn a_nan_loss_is_an_error_naming_the_batch() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At { event: Event::AfterLoss, f: poison_loss_at(2) })
+        .callback(At {
+            event: Event::AfterLoss,
+            f: poison_loss_at(2),
+        })
         .build()
         .unwrap();
     let err = t.fit().unwrap_err();
     match &err {
-        CoreError::NonFiniteLoss { batch, epoch, value, .. } => {
+        CoreError::NonFiniteLoss {
+            batch,
+            epoch,
+            value,
+            ..
+        } => {
             assert_eq!((*batch, *epoch), (2, 0));
             assert!(value.is_nan());
         }
         other => panic!("expected NonFiniteLoss, got {other}"),
     }
     assert!(err.to_string().contains("batch 2"), "{err}");
-    assert_eq!(t.state().timestamp.batch, 2, "no step is taken on the poisoned batch");
+    assert_eq!(
+        t.state().timestamp.batch,
+        2,
+        "no step is taken on the poisoned batch"
+    );
 }
 
 #[test]
@@ -100,7 +143,10 @@ fn non_finite_batches_can_be_skipped_and_counted() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At { event: Event::AfterLoss, f: poison_loss_at(1) })
+        .callback(At {
+            event: Event::AfterLoss,
+            f: poison_loss_at(1),
+        })
         .build()
         .unwrap();
     let report = t.fit().unwrap();
@@ -111,26 +157,117 @@ fn non_finite_batches_can_be_skipped_and_counted() {
 
 #[test]
 fn eval_and_predict_report_sane_values() {
-    let run = short_run(512, 32, 300, "1ep");
-    let mut t = run.builder::<TB, _>(MnistRun::adamw::<TB>(), &device()).unwrap().build().unwrap();
+    let mut run = short_run(512, 32, 300, "1ep");
+    // Evaluate and predict in the same batches, so both compute exactly the same logits on
+    // every backend (a GPU may round differently for another batch shape).
+    run.data.eval_batch_size = 100;
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .build()
+        .unwrap();
     t.fit().unwrap();
     let metrics = t.eval().unwrap();
     let test = &metrics["test"];
     let (acc, top2, loss) = (test["accuracy"], test["top2_accuracy"], test["loss"]);
-    assert!((0.0..=1.0).contains(&acc) && acc > 0.5, "accuracy {acc} after one short epoch");
+    assert!(
+        (0.0..=1.0).contains(&acc) && acc > 0.5,
+        "accuracy {acc} after one short epoch"
+    );
     assert!(top2 >= acc && top2 <= 1.0, "top-2 {top2} vs top-1 {acc}");
     assert!(loss.is_finite() && loss > 0.0);
 
-    let mut data = run.data.clone();
-    data.eval_batch_size = 128;
-    let (_, test_loader) = mnist_loaders::<TB>(&data, &device()).unwrap();
+    let (_, test_loader) = mnist_loaders::<TB>(&run.data, &device()).unwrap();
     let outputs = t.predict(&test_loader).unwrap();
-    assert_eq!(outputs.len(), 3, "300 digits in batches of 128");
+    assert_eq!(outputs.len(), 3, "300 digits in batches of 100");
     let logits = Tensor::cat(outputs.iter().map(|o| o.logits.clone()).collect(), 0);
     assert_eq!(logits.dims(), [300, 10]);
     // Accuracy recomputed from the predictions equals the evaluator's.
     let targets = Tensor::cat(outputs.iter().map(|o| o.targets.clone()).collect(), 0);
-    let correct = logits.argmax(1).flatten::<1>(0, 1).equal(targets).int().sum().into_scalar();
+    let correct = logits
+        .argmax(1)
+        .flatten::<1>(0, 1)
+        .equal(targets)
+        .int()
+        .sum()
+        .into_scalar();
     let correct: i64 = burn::tensor::ElementConversion::elem(correct);
     assert!((correct as f64 / 300.0 - acc).abs() < 1e-12);
+}
+
+#[test]
+fn the_learning_rate_follows_the_schedule_formula() {
+    // 256 digits in batches of 32: 8 batches per epoch, 2 epochs = 16 batches. Cosine over
+    // the run with 4 batches of warmup, peak 0.01.
+    let mut run = short_run(256, 32, 10, "2ep");
+    run.lr = 0.01;
+    run.scheduler = flashover::core::schedule::Scheduler::cosine(Time::Duration(1.0), 0.0)
+        .with_warmup(Time::Batch(4));
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .callback(At {
+            event: Event::BatchStart,
+            f: move |s: &mut flashover::core::state::State<TB, _, _>| {
+                sink.lock().unwrap().push((s.timestamp.batch, s.lr));
+                Ok(())
+            },
+        })
+        .build()
+        .unwrap();
+    t.fit().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 16);
+    for (batch, lr) in seen {
+        let b = batch as f64;
+        let expected = if b < 4.0 {
+            0.01 * b / 4.0
+        } else {
+            0.01 * 0.5 * (1.0 + (std::f64::consts::PI * (b - 4.0) / 12.0).cos())
+        };
+        assert!(
+            (lr - expected).abs() < 1e-12,
+            "batch {batch}: lr {lr}, formula {expected}"
+        );
+    }
+}
+
+#[test]
+fn sgd_with_momentum_adam_and_adamw_all_train_through_the_trainer() {
+    use burn::optim::momentum::MomentumConfig;
+    use burn::optim::{AdamConfig, SgdConfig};
+    use flashover_examples::MnistCnn;
+    let run = short_run(1024, 32, 200, "1ep");
+    let start = params_sha256::<TB, _>(&MnistCnn::<TB>::new(&device(), run.seed));
+    let sgd = SgdConfig::new()
+        .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+        .init::<TB, MnistCnn<TB>>();
+    let adam = AdamConfig::new().init::<TB, MnistCnn<TB>>();
+    let mut accuracies = Vec::new();
+    let mut digests = vec![start];
+    macro_rules! train_with {
+        ($opt:expr, $lr:expr) => {{
+            let mut t = run
+                .builder::<TB, _>($opt, &device())
+                .unwrap()
+                .lr($lr)
+                .build()
+                .unwrap();
+            t.fit().unwrap();
+            accuracies.push(t.state().eval_metrics["test"]["accuracy"]);
+            digests.push(params_sha256::<TB, _>(t.model()));
+        }};
+    }
+    train_with!(sgd, 0.05);
+    train_with!(adam, 2e-3);
+    train_with!(MnistRun::adamw::<TB>(), 2e-3);
+    // Each optimizer moved the weights somewhere else, and each learned (chance is 10%).
+    let distinct: std::collections::BTreeSet<_> = digests.iter().collect();
+    assert_eq!(distinct.len(), 4);
+    assert!(
+        accuracies.iter().all(|&a| a > 0.5),
+        "accuracies after 32 steps: {accuracies:?}"
+    );
 }

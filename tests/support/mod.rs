@@ -25,7 +25,10 @@ pub type Inner = flashover::backend::Cuda;
 pub type Inner = flashover::backend::Wgpu;
 #[cfg(all(feature = "ndarray", not(any(feature = "wgpu", feature = "cuda"))))]
 pub type Inner = flashover::backend::NdArray;
-#[cfg(all(feature = "flex", not(any(feature = "ndarray", feature = "wgpu", feature = "cuda"))))]
+#[cfg(all(
+    feature = "flex",
+    not(any(feature = "ndarray", feature = "wgpu", feature = "cuda"))
+))]
 pub type Inner = flashover::backend::Flex;
 
 /// The autodiff backend the tests train on.
@@ -52,8 +55,16 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
     fn name(&self) -> &str {
         "recorder"
     }
-    fn run_event(&mut self, event: Event, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
-        self.log.lock().unwrap().push(format!("{}{}", self.prefix, event.name()));
+    fn run_event(
+        &mut self,
+        event: Event,
+        _state: &mut State<B, M, O>,
+        _logger: &mut Logger,
+    ) -> Result<()> {
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("{}{}", self.prefix, event.name()));
         Ok(())
     }
 }
@@ -64,15 +75,25 @@ pub struct RecordingAlgorithm {
     pub log: Log,
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Algorithm<B, M, O> for RecordingAlgorithm {
+impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Algorithm<B, M, O>
+    for RecordingAlgorithm
+{
     fn name(&self) -> &str {
         &self.name
     }
     fn matches(&self, _event: Event, _state: &State<B, M, O>) -> bool {
         true
     }
-    fn apply(&mut self, event: Event, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
-        self.log.lock().unwrap().push(format!("{} {}", self.name, event.name()));
+    fn apply(
+        &mut self,
+        event: Event,
+        _state: &mut State<B, M, O>,
+        _logger: &mut Logger,
+    ) -> Result<()> {
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("{} {}", self.name, event.name()));
         Ok(())
     }
 }
@@ -88,7 +109,10 @@ impl LoggerDestination for RecordingLogger {
         &self.name
     }
     fn run_event(&mut self, event: Event, _ts: &Timestamp) -> Result<()> {
-        self.log.lock().unwrap().push(format!("{} {}", self.name, event.name()));
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("{} {}", self.name, event.name()));
         Ok(())
     }
 }
@@ -109,7 +133,12 @@ where
     fn name(&self) -> &str {
         "at"
     }
-    fn run_event(&mut self, event: Event, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn run_event(
+        &mut self,
+        event: Event,
+        state: &mut State<B, M, O>,
+        _logger: &mut Logger,
+    ) -> Result<()> {
         if event == self.event {
             (self.f)(state)
         } else {
@@ -126,15 +155,25 @@ struct FlatGrads<'a, B: AutodiffBackend> {
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for FlatGrads<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let g: Tensor<B::InnerBackend, D> =
-            self.grads.get(param.id).unwrap_or_else(|| panic!("no gradient for parameter {:?}", param.id));
-        self.out.extend(g.into_data().to_vec::<f32>().expect("float gradients"));
+        let g: Tensor<B::InnerBackend, D> = self
+            .grads
+            .get(param.id)
+            .unwrap_or_else(|| panic!("no gradient for parameter {:?}", param.id));
+        self.out
+            .extend(g.into_data().to_vec::<f32>().expect("float gradients"));
     }
 }
 
 /// Every parameter's gradient, flattened in the module's field order.
-pub fn flat_grads<B: AutodiffBackend, M: Module<B>>(model: &M, grads: &GradientsParams) -> Vec<f32> {
-    let mut v = FlatGrads::<B> { grads, out: Vec::new(), _b: std::marker::PhantomData };
+pub fn flat_grads<B: AutodiffBackend, M: Module<B>>(
+    model: &M,
+    grads: &GradientsParams,
+) -> Vec<f32> {
+    let mut v = FlatGrads::<B> {
+        grads,
+        out: Vec::new(),
+        _b: std::marker::PhantomData,
+    };
     model.visit(&mut v);
     v.out
 }
@@ -148,7 +187,9 @@ pub fn short_run(train: usize, batch_size: usize, test: usize, max_duration: &st
     data.eval_batch_size = test.clamp(1, 500);
     MnistRun {
         data,
-        max_duration: max_duration.parse::<Time>().expect("test durations are valid"),
+        max_duration: max_duration
+            .parse::<Time>()
+            .expect("test durations are valid"),
         scheduler: flashover::core::schedule::Scheduler::constant(),
         seed: 7,
         ..MnistRun::default()

@@ -31,7 +31,12 @@ impl Backend {
 
     fn each(self) -> Vec<Backend> {
         match self {
-            Backend::All => vec![Backend::Flex, Backend::Ndarray, Backend::Wgpu, Backend::Cuda],
+            Backend::All => vec![
+                Backend::Flex,
+                Backend::Ndarray,
+                Backend::Wgpu,
+                Backend::Cuda,
+            ],
             b => vec![b],
         }
     }
@@ -77,7 +82,10 @@ enum Cmd {
 fn cargo(args: &[String]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!("$ cargo {}", args.join(" "));
-    let status = Command::new(&cargo).args(args).status().with_context(|| format!("running {cargo}"))?;
+    let status = Command::new(&cargo)
+        .args(args)
+        .status()
+        .with_context(|| format!("running {cargo}"))?;
     if !status.success() {
         bail!("cargo {} failed with {status}", args.join(" "));
     }
@@ -92,7 +100,15 @@ fn build(backend: Backend) -> Result<()> {
     for b in backend.each() {
         let mut args = strings(&["build", "--release", "--workspace", "--all-targets"]);
         if b != Backend::Flex {
-            args = strings(&["build", "--release", "-p", "flashover-examples", "-p", "flashover-tests", "--all-targets"]);
+            args = strings(&[
+                "build",
+                "--release",
+                "-p",
+                "flashover-examples",
+                "-p",
+                "flashover-tests",
+                "--all-targets",
+            ]);
         }
         args.extend(b.cargo_args());
         cargo(&args)?;
@@ -106,7 +122,15 @@ fn test(backend: Backend) -> Result<()> {
             cargo(&strings(&["test", "--release", "--workspace"]))?;
             continue;
         }
-        let mut args = strings(&["test", "--release", "-p", "flashover-tests"]);
+        // The same packages as `build`, so a build followed by a test compiles nothing twice.
+        let mut args = strings(&[
+            "test",
+            "--release",
+            "-p",
+            "flashover-examples",
+            "-p",
+            "flashover-tests",
+        ]);
         args.extend(b.cargo_args());
         args.extend(strings(&["--", "--skip", "accuracy::"]));
         cargo(&args)?;
@@ -121,7 +145,15 @@ fn main() -> Result<()> {
         Cmd::Test { backend } => test(backend),
         Cmd::Check => {
             cargo(&strings(&["fmt", "--all", "--check"]))?;
-            cargo(&strings(&["clippy", "--release", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+            cargo(&strings(&[
+                "clippy",
+                "--release",
+                "--workspace",
+                "--all-targets",
+                "--",
+                "-D",
+                "warnings",
+            ]))?;
             test(Backend::Flex)
         }
     }

@@ -41,7 +41,10 @@ impl Default for ProgressBar {
 impl ProgressBar {
     /// A bar that draws when stderr is a terminal.
     pub fn new() -> Self {
-        ProgressBar { bar: None, visible: std::io::stderr().is_terminal() }
+        ProgressBar {
+            bar: None,
+            visible: std::io::stderr().is_terminal(),
+        }
     }
 
     /// Whether the bar will draw anything.
@@ -59,15 +62,20 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         if !self.visible {
             return Ok(());
         }
-        let total = state.progress().to_batches(state.max_duration).map(|b| b.ceil() as u64);
+        let total = state
+            .progress()
+            .to_batches(state.max_duration)
+            .map(|b| b.ceil() as u64);
         let bar = match total {
             Some(t) => Bar::new(t),
             None => Bar::new_spinner(),
         };
         bar.set_draw_target(ProgressDrawTarget::stderr_with_hz(4));
         bar.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} batches  {elapsed_precise}<{eta_precise}  {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} batches  {elapsed_precise}<{eta_precise}  {msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         bar.set_position(state.timestamp.batch);
         self.bar = Some(bar);
@@ -77,9 +85,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
     fn batch_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
         if let Some(bar) = &self.bar {
             bar.set_position(state.timestamp.batch);
-            if state.timestamp.batch % 10 == 0 {
-                let loss = state.loss_value.map(|l| format!("loss {l:.4}")).unwrap_or_default();
-                bar.set_message(format!("epoch {} {loss} lr {:.2e}", state.timestamp.epoch, state.lr));
+            if state.timestamp.batch.is_multiple_of(10) {
+                let loss = state
+                    .loss_value
+                    .map(|l| format!("loss {l:.4}"))
+                    .unwrap_or_default();
+                bar.set_message(format!(
+                    "epoch {} {loss} lr {:.2e}",
+                    state.timestamp.epoch, state.lr
+                ));
             }
         }
         Ok(())
@@ -102,7 +116,9 @@ pub struct ConsoleLogger {
 impl ConsoleLogger {
     /// Logs training values every `every` batches (at least 1) and every evaluation.
     pub fn new(every: u64) -> Self {
-        ConsoleLogger { every: every.max(1) }
+        ConsoleLogger {
+            every: every.max(1),
+        }
     }
 }
 
@@ -111,14 +127,17 @@ impl LoggerDestination for ConsoleLogger {
         "console"
     }
 
-    fn log_hyperparameters(&mut self, params: &serde_json::Map<String, serde_json::Value>) -> Result<()> {
+    fn log_hyperparameters(
+        &mut self,
+        params: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<()> {
         tracing::info!(hyperparameters = %serde_json::Value::Object(params.clone()), "run configuration");
         Ok(())
     }
 
     fn log_metrics(&mut self, ts: &Timestamp, metrics: &[(&str, f64)]) -> Result<()> {
         let is_eval = metrics.iter().any(|(k, _)| k.starts_with("eval/"));
-        if is_eval || ts.batch % self.every == 0 {
+        if is_eval || ts.batch.is_multiple_of(self.every) {
             let text: Vec<String> = metrics.iter().map(|(k, v)| format!("{k}={v:.5}")).collect();
             tracing::info!(epoch = ts.epoch, batch = ts.batch, "{}", text.join(" "));
         }

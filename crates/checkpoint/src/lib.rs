@@ -52,15 +52,28 @@ pub enum CheckpointError {
     },
 }
 
-fn io<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> CheckpointError + 'a {
-    move |source| CheckpointError::Io { action, path: path.to_path_buf(), source }
+fn io<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> CheckpointError + 'a {
+    move |source| CheckpointError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// Writes `bytes` to `path` atomically: a sibling temporary file, fsync, rename, then fsync of
 /// the directory so the rename itself survives a crash.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "file".into());
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "file".into());
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     let result = (|| {
         let mut f = File::create(&tmp).map_err(io("create", &tmp))?;
@@ -92,20 +105,30 @@ pub fn weights_to_bytes<B: Backend, M: Module<B>>(model: &M) -> Result<Vec<u8>, 
 }
 
 /// Saves the model's weights to `path` as safetensors, atomically.
-pub fn save_weights<B: Backend, M: Module<B>>(model: &M, path: &Path) -> Result<(), CheckpointError> {
+pub fn save_weights<B: Backend, M: Module<B>>(
+    model: &M,
+    path: &Path,
+) -> Result<(), CheckpointError> {
     let bytes = weights_to_bytes(model)?;
     write_atomic(path, &bytes)
 }
 
 /// Loads weights from a safetensors file into `model`. Strict: every parameter must be in the
 /// file with its shape, and the file must hold nothing else.
-pub fn load_weights<B: Backend, M: Module<B>>(mut model: M, path: &Path) -> Result<M, CheckpointError> {
+pub fn load_weights<B: Backend, M: Module<B>>(
+    mut model: M,
+    path: &Path,
+) -> Result<M, CheckpointError> {
     let bytes = fs::read(path).map_err(io("read", path))?;
-    let mut store = SafetensorsStore::from_bytes(Some(bytes)).allow_partial(true).validate(true);
-    let result = model.load_from(&mut store).map_err(|e| CheckpointError::Format {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
+    let mut store = SafetensorsStore::from_bytes(Some(bytes))
+        .allow_partial(true)
+        .validate(true);
+    let result = model
+        .load_from(&mut store)
+        .map_err(|e| CheckpointError::Format {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
     if !result.missing.is_empty() || !result.unused.is_empty() || !result.errors.is_empty() {
         return Err(CheckpointError::Mismatch {
             path: path.to_path_buf(),
@@ -149,7 +172,10 @@ mod tests {
         assert_eq!(params_sha256::<B, _>(&back), params_sha256::<B, _>(&m));
         assert_ne!(params_sha256::<B, _>(&two(2, 2)), params_sha256::<B, _>(&m));
         // No temporary file is left behind.
-        let names: Vec<_> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let names: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(names, vec![std::ffi::OsString::from("model.safetensors")]);
     }
 
@@ -163,7 +189,9 @@ mod tests {
         fs::write(&path, b"not safetensors").unwrap();
         let err = load_weights(two(1, 2), &path).unwrap_err().to_string();
         assert!(err.contains("model.safetensors"), "{err}");
-        let err = load_weights(two(1, 2), &dir.path().join("absent")).unwrap_err().to_string();
+        let err = load_weights(two(1, 2), &dir.path().join("absent"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("absent"), "{err}");
     }
 

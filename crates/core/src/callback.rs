@@ -122,7 +122,12 @@ pub trait Algorithm<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>: S
     fn matches(&self, event: Event, state: &State<B, M, O>) -> bool;
 
     /// Does the algorithm's work. An `Err` stops training and is returned from `fit`.
-    fn apply(&mut self, event: Event, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()>;
+    fn apply(
+        &mut self,
+        event: Event,
+        state: &mut State<B, M, O>,
+        logger: &mut Logger,
+    ) -> Result<()>;
 
     /// The algorithm's state, for checkpoints (default: nothing to save).
     fn state_dict(&self) -> Value {

@@ -29,7 +29,12 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
         logger: Logger,
     ) -> Self {
         let idle = algorithms.is_empty() && callbacks.is_empty() && logger.is_empty();
-        Engine { algorithms, callbacks, logger, idle }
+        Engine {
+            algorithms,
+            callbacks,
+            logger,
+            idle,
+        }
     }
 
     /// The logger, for values the trainer itself logs.

@@ -115,7 +115,15 @@ pub type Result<T, E = CoreError> = std::result::Result<T, E>;
 
 impl CoreError {
     /// Builds an [`CoreError::InvalidConfig`].
-    pub fn config(name: &'static str, value: impl std::fmt::Display, expected: impl Into<String>) -> Self {
-        Self::InvalidConfig { name, value: value.to_string(), expected: expected.into() }
+    pub fn config(
+        name: &'static str,
+        value: impl std::fmt::Display,
+        expected: impl Into<String>,
+    ) -> Self {
+        Self::InvalidConfig {
+            name,
+            value: value.to_string(),
+            expected: expected.into(),
+        }
     }
 }

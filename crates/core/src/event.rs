@@ -139,15 +139,30 @@ mod tests {
         );
         let mut sorted = Event::ALL.to_vec();
         sorted.sort();
-        assert_eq!(sorted, Event::ALL, "derive(Ord) must follow the lifecycle order");
+        assert_eq!(
+            sorted,
+            Event::ALL,
+            "derive(Ord) must follow the lifecycle order"
+        );
     }
 
     #[test]
     fn after_events_are_exactly_the_after_family() {
-        let after: Vec<_> = Event::ALL.iter().filter(|e| e.is_after()).map(|e| e.name()).collect();
+        let after: Vec<_> = Event::ALL
+            .iter()
+            .filter(|e| e.is_after())
+            .map(|e| e.name())
+            .collect();
         assert_eq!(
             after,
-            ["AFTER_LOAD", "AFTER_DATALOADER", "AFTER_FORWARD", "AFTER_LOSS", "AFTER_BACKWARD", "AFTER_TRAIN_BATCH"]
+            [
+                "AFTER_LOAD",
+                "AFTER_DATALOADER",
+                "AFTER_FORWARD",
+                "AFTER_LOSS",
+                "AFTER_BACKWARD",
+                "AFTER_TRAIN_BATCH"
+            ]
         );
         assert_eq!(Event::ALL.iter().filter(|e| e.is_eval()).count(), 10);
         assert_eq!(Event::ALL.iter().filter(|e| e.is_predict()).count(), 6);

@@ -33,7 +33,9 @@ pub mod prelude {
     pub use crate::event::Event;
     pub use crate::logger::{Logger, LoggerDestination};
     pub use crate::metric::{Accuracy, LossMetric, Metric, TopKAccuracy};
-    pub use crate::model::{Batch, ClassificationBatch, ClassificationOutput, EvalModel, TrainModel};
+    pub use crate::model::{
+        Batch, ClassificationBatch, ClassificationOutput, EvalModel, TrainModel,
+    };
     pub use crate::params::{init_model, params_sha256};
     pub use crate::schedule::{LrSchedule, Scheduler};
     pub use crate::state::{State, World};

@@ -72,7 +72,12 @@ impl<B: Backend> Metric<ClassificationOutput<B>> for Accuracy {
     fn update(&mut self, o: &ClassificationOutput<B>) {
         let n = o.targets.dims()[0];
         let predicted = o.logits.clone().argmax(1).flatten::<1>(0, 1);
-        let correct: i64 = predicted.equal(o.targets.clone()).int().sum().into_scalar().elem();
+        let correct: i64 = predicted
+            .equal(o.targets.clone())
+            .int()
+            .sum()
+            .into_scalar()
+            .elem();
         self.0.add(correct as f64, n);
     }
     fn value(&self) -> f64 {
@@ -95,7 +100,10 @@ pub struct TopKAccuracy {
 impl TopKAccuracy {
     /// Top-`k` accuracy; `k` of 1 is plain accuracy (up to ties).
     pub fn new(k: usize) -> Self {
-        TopKAccuracy { k: k.max(1), mean: Mean::default() }
+        TopKAccuracy {
+            k: k.max(1),
+            mean: Mean::default(),
+        }
     }
 }
 
@@ -105,9 +113,23 @@ impl<B: Backend> Metric<ClassificationOutput<B>> for TopKAccuracy {
     }
     fn update(&mut self, o: &ClassificationOutput<B>) {
         let [n, _classes] = o.logits.dims();
-        let target_score = o.logits.clone().gather(1, o.targets.clone().reshape([n, 1]));
-        let higher = o.logits.clone().greater(target_score).int().sum_dim(1).flatten::<1>(0, 1);
-        let hits: i64 = higher.lower_elem(self.k as i64).int().sum().into_scalar().elem();
+        let target_score = o
+            .logits
+            .clone()
+            .gather(1, o.targets.clone().reshape([n, 1]));
+        let higher = o
+            .logits
+            .clone()
+            .greater(target_score)
+            .int()
+            .sum_dim(1)
+            .flatten::<1>(0, 1);
+        let hits: i64 = higher
+            .lower_elem(self.k as i64)
+            .int()
+            .sum()
+            .into_scalar()
+            .elem();
         self.mean.add(hits as f64, n);
     }
     fn value(&self) -> f64 {
@@ -131,12 +153,20 @@ mod tests {
         // Three samples, four classes. Sample 0: target 2 is the best; sample 1: target 0 is
         // second; sample 2: target 3 is last.
         let logits = Tensor::<B, 2>::from_floats(
-            [[0.1, 0.2, 0.9, 0.0], [0.5, 0.8, 0.1, 0.2], [0.4, 0.3, 0.2, 0.1]],
+            [
+                [0.1, 0.2, 0.9, 0.0],
+                [0.5, 0.8, 0.1, 0.2],
+                [0.4, 0.3, 0.2, 0.1],
+            ],
             &device,
         );
         let targets = Tensor::<B, 1, Int>::from_ints([2, 0, 3], &device);
         let loss = Tensor::<B, 1>::from_floats([1.5], &device);
-        ClassificationOutput { loss, logits, targets }
+        ClassificationOutput {
+            loss,
+            logits,
+            targets,
+        }
     }
 
     #[test]
@@ -165,7 +195,9 @@ mod tests {
             targets: Tensor::from_ints([0], &device),
         };
         Metric::<ClassificationOutput<B>>::update(&mut m, &one);
-        assert!((Metric::<ClassificationOutput<B>>::value(&m) - (1.5 * 3.0 + 3.5) / 4.0).abs() < 1e-9);
+        assert!(
+            (Metric::<ClassificationOutput<B>>::value(&m) - (1.5 * 3.0 + 3.5) / 4.0).abs() < 1e-9
+        );
         Metric::<ClassificationOutput<B>>::reset(&mut m);
         assert!(Metric::<ClassificationOutput<B>>::value(&m).is_nan());
     }

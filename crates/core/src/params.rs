@@ -36,7 +36,11 @@ impl<B: Backend> ModuleVisitor<B> for ForceInit {
 
 /// Builds a model with `build`, with every parameter drawn from a generator seeded by `seed`,
 /// in the module's field order.
-pub fn init_model<B: Backend, M: Module<B>>(device: &B::Device, seed: u64, build: impl FnOnce(&B::Device) -> M) -> M {
+pub fn init_model<B: Backend, M: Module<B>>(
+    device: &B::Device,
+    seed: u64,
+    build: impl FnOnce(&B::Device) -> M,
+) -> M {
     let _guard = BACKEND_RNG.lock().unwrap_or_else(|e| e.into_inner());
     B::seed(device, seed);
     let model = build(device);
@@ -64,14 +68,22 @@ impl<B: Backend> ModuleVisitor<B> for Collect {
         if path.is_empty() {
             path = format!("param{}", self.entries.len());
         }
-        self.entries.push((path, format!("{:?}", data.dtype), data.shape.to_vec(), data.as_bytes().to_vec()));
+        self.entries.push((
+            path,
+            format!("{:?}", data.dtype),
+            data.shape.to_vec(),
+            data.as_bytes().to_vec(),
+        ));
     }
 }
 
 /// SHA-256 (hex) over every float parameter: for each, in order of its path, the path, dtype,
 /// shape and raw element bytes. Equal digests mean bit-identical weights.
 pub fn params_sha256<B: Backend, M: Module<B>>(model: &M) -> String {
-    let mut c = Collect { path: Vec::new(), entries: Vec::new() };
+    let mut c = Collect {
+        path: Vec::new(),
+        entries: Vec::new(),
+    };
     model.visit(&mut c);
     c.entries.sort_by(|a, b| a.0.cmp(&b.0));
     let mut h = Sha256::new();

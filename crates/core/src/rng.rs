@@ -27,7 +27,9 @@ pub fn derive_seed(parts: &[u64]) -> u64 {
 
 /// A stable 64-bit hash of a string (FNV-1a), for naming random streams.
 pub fn hash_str(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3))
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3)
+    })
 }
 
 /// xoshiro256** generator.
@@ -40,7 +42,12 @@ impl Rng {
     /// A generator whose whole stream is determined by `seed`.
     pub fn new(seed: u64) -> Self {
         let mut sm = seed;
-        let s = [splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm), splitmix64(&mut sm)];
+        let s = [
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+            splitmix64(&mut sm),
+        ];
         Rng { s }
     }
 

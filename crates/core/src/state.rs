@@ -82,13 +82,18 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> State<B, M, O> {
     pub fn model(&self) -> &M {
         // The model is only taken out for the length of the optimizer step, during which no
         // event runs, so it is always present when user code can see the state.
-        self.model.as_ref().expect("model is present outside the optimizer step")
+        self.model
+            .as_ref()
+            .expect("model is present outside the optimizer step")
     }
 
     /// Replaces the model through a function of the old one; parameter ids should be kept so
     /// that optimizer state stays attached.
     pub fn map_model(&mut self, f: impl FnOnce(M) -> M) {
-        let model = self.model.take().expect("model is present outside the optimizer step");
+        let model = self
+            .model
+            .take()
+            .expect("model is present outside the optimizer step");
         self.model = Some(f(model));
     }
 

@@ -28,8 +28,13 @@ pub enum TimeUnit {
 
 impl TimeUnit {
     /// Every unit, in the order their suffixes are listed in messages.
-    pub const ALL: [TimeUnit; 5] =
-        [TimeUnit::Epoch, TimeUnit::Batch, TimeUnit::Sample, TimeUnit::Token, TimeUnit::Duration];
+    pub const ALL: [TimeUnit; 5] = [
+        TimeUnit::Epoch,
+        TimeUnit::Batch,
+        TimeUnit::Sample,
+        TimeUnit::Token,
+        TimeUnit::Duration,
+    ];
 
     /// The suffix used in time strings.
     pub fn suffix(self) -> &'static str {
@@ -106,7 +111,10 @@ impl Time {
     }
 
     fn from_parts(input: &str, unit: TimeUnit, value: f64) -> Result<Time> {
-        let bad = |reason: &str| CoreError::InvalidTime { input: input.to_string(), reason: reason.to_string() };
+        let bad = |reason: &str| CoreError::InvalidTime {
+            input: input.to_string(),
+            reason: reason.to_string(),
+        };
         if !value.is_finite() {
             return Err(bad("the number is not finite"));
         }
@@ -156,7 +164,10 @@ impl FromStr for Time {
 
     fn from_str(s: &str) -> Result<Time> {
         let input = s.trim();
-        let bad = |reason: String| CoreError::InvalidTime { input: s.to_string(), reason };
+        let bad = |reason: String| CoreError::InvalidTime {
+            input: s.to_string(),
+            reason,
+        };
         // The longest suffix is matched first so that "tok" is never read as a number ending in
         // "ok"; the number itself may contain an exponent ("1e6tok").
         let unit = TimeUnit::ALL
@@ -168,7 +179,9 @@ impl FromStr for Time {
         if number.is_empty() {
             return Err(bad("no number before the unit".to_string()));
         }
-        let value: f64 = number.parse().map_err(|_| bad(format!("{number:?} is not a number")))?;
+        let value: f64 = number
+            .parse()
+            .map_err(|_| bad(format!("{number:?} is not a number")))?;
         Self::from_parts(s, unit, value)
     }
 }
@@ -309,9 +322,7 @@ impl Progress {
         match t {
             Time::Epoch(v) => Some(v as f64 * bpe),
             Time::Batch(v) => Some(v as f64),
-            Time::Sample(v) => {
-                Some(v as f64 * bpe / self.samples_per_epoch.max(1) as f64)
-            }
+            Time::Sample(v) => Some(v as f64 * bpe / self.samples_per_epoch.max(1) as f64),
             Time::Token(_) => None,
             Time::Duration(f) => match self.max_duration {
                 Time::Duration(_) => None,
@@ -337,12 +348,29 @@ mod tests {
 
     #[test]
     fn rejects_bad_strings_with_the_input_named() {
-        for bad in ["", "ep", "2", "2 parsecs", "2.5ep", "-1ba", "nanba", "infsp", "1e30ba", "2eps"] {
+        for bad in [
+            "",
+            "ep",
+            "2",
+            "2 parsecs",
+            "2.5ep",
+            "-1ba",
+            "nanba",
+            "infsp",
+            "1e30ba",
+            "2eps",
+        ] {
             let err = bad.parse::<Time>().unwrap_err();
             let msg = err.to_string();
             assert!(matches!(err, CoreError::InvalidTime { .. }), "{bad}: {msg}");
-            assert!(msg.contains(&format!("{bad:?}")), "message must quote the input: {msg}");
-            assert!(msg.contains("ep, ba, sp, tok, dur"), "message must list the units: {msg}");
+            assert!(
+                msg.contains(&format!("{bad:?}")),
+                "message must quote the input: {msg}"
+            );
+            assert!(
+                msg.contains("ep, ba, sp, tok, dur"),
+                "message must list the units: {msg}"
+            );
         }
     }
 
@@ -355,7 +383,11 @@ mod tests {
 
     #[test]
     fn progress_converts_between_units() {
-        let p = Progress { batches_per_epoch: 10, samples_per_epoch: 640, max_duration: Time::Epoch(2) };
+        let p = Progress {
+            batches_per_epoch: 10,
+            samples_per_epoch: 640,
+            max_duration: Time::Epoch(2),
+        };
         let mut ts = Timestamp::default();
         for _ in 0..5 {
             ts.advance_batch(64, 0, Duration::ZERO);

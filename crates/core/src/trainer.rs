@@ -32,9 +32,11 @@ use crate::time::{Progress, Time, TimeUnit, Timestamp};
 /// The inner (gradient-free) module of a trainable model.
 pub type InnerModel<B, M> = <M as AutodiffModule<B>>::InnerModule;
 /// The batch type an evaluator of `M` reads.
-pub type EvalBatch<B, M> = <InnerModel<B, M> as EvalModel<<B as AutodiffBackend>::InnerBackend>>::Batch;
+pub type EvalBatch<B, M> =
+    <InnerModel<B, M> as EvalModel<<B as AutodiffBackend>::InnerBackend>>::Batch;
 /// What an evaluator of `M` produces per batch.
-pub type EvalOutput<B, M> = <InnerModel<B, M> as EvalModel<<B as AutodiffBackend>::InnerBackend>>::Output;
+pub type EvalOutput<B, M> =
+    <InnerModel<B, M> as EvalModel<<B as AutodiffBackend>::InnerBackend>>::Output;
 
 /// A named evaluation dataset with its metrics and how often to run it.
 pub struct Evaluator<B: AutodiffBackend, M: TrainModel<B>> {
@@ -51,7 +53,12 @@ impl<B: AutodiffBackend, M: TrainModel<B>> Evaluator<B, M> {
         source: impl BatchSource<EvalBatch<B, M>> + 'static,
         metrics: Vec<Box<dyn Metric<EvalOutput<B, M>>>>,
     ) -> Self {
-        Evaluator { label: label.into(), source: Box::new(source), metrics, interval: None }
+        Evaluator {
+            label: label.into(),
+            source: Box::new(source),
+            metrics,
+            interval: None,
+        }
     }
 
     /// How often to evaluate during `fit`, overriding the trainer's `eval_interval`.
@@ -180,14 +187,24 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
         }
         let ssr = self.scale_schedule_ratio;
         if !(ssr.is_finite() && ssr > 0.0) {
-            return Err(CoreError::config("scale_schedule_ratio", ssr, "a finite number > 0"));
+            return Err(CoreError::config(
+                "scale_schedule_ratio",
+                ssr,
+                "a finite number > 0",
+            ));
         }
         if self.max_duration.unit() == TimeUnit::Duration {
-            return Err(CoreError::config("max_duration", self.max_duration, "a time in ep, ba, sp or tok"));
+            return Err(CoreError::config(
+                "max_duration",
+                self.max_duration,
+                "a time in ep, ba, sp or tok",
+            ));
         }
         let batches_per_epoch = self.train.num_batches();
         if batches_per_epoch == 0 {
-            return Err(CoreError::EmptyDataset { name: self.train.name().to_string() });
+            return Err(CoreError::EmptyDataset {
+                name: self.train.name().to_string(),
+            });
         }
         let batch_size = self.train.batch_size();
         if let Some(mb) = self.microbatch_size {
@@ -200,19 +217,33 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
             }
         }
         if self.eval_interval.is_zero() {
-            return Err(CoreError::config("eval_interval", self.eval_interval, "a time greater than zero"));
+            return Err(CoreError::config(
+                "eval_interval",
+                self.eval_interval,
+                "a time greater than zero",
+            ));
         }
         for ev in &self.evaluators {
             if ev.interval.is_some_and(|t| t.is_zero()) {
-                return Err(CoreError::config("evaluator interval", ev.interval.unwrap_or(Time::Batch(0)), "a time greater than zero"));
+                return Err(CoreError::config(
+                    "evaluator interval",
+                    ev.interval.unwrap_or(Time::Batch(0)),
+                    "a time greater than zero",
+                ));
             }
             if ev.source.num_batches() == 0 {
-                return Err(CoreError::EmptyDataset { name: ev.label.clone() });
+                return Err(CoreError::EmptyDataset {
+                    name: ev.label.clone(),
+                });
             }
         }
         let max_duration = self.max_duration.scaled(ssr);
         let samples_per_epoch = self.train.num_samples() as u64;
-        let progress = Progress { batches_per_epoch: batches_per_epoch as u64, samples_per_epoch, max_duration };
+        let progress = Progress {
+            batches_per_epoch: batches_per_epoch as u64,
+            samples_per_epoch,
+            max_duration,
+        };
         self.scheduler.validate(&progress)?;
 
         let mut hp = self.hyperparameters;
@@ -224,7 +255,14 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
         hp.insert("microbatch_size".into(), json!(self.microbatch_size));
         hp.insert("seed".into(), json!(self.seed));
         hp.insert("world_size".into(), json!(self.world.size));
-        hp.insert("algorithms".into(), json!(self.algorithms.iter().map(|a| a.name().to_string()).collect::<Vec<_>>()));
+        hp.insert(
+            "algorithms".into(),
+            json!(self
+                .algorithms
+                .iter()
+                .map(|a| a.name().to_string())
+                .collect::<Vec<_>>()),
+        );
 
         let state = State {
             model: Some(self.model),
@@ -348,7 +386,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
     /// Consumes the trainer and returns the model.
     pub fn into_model(self) -> M {
         let mut state = self.state;
-        state.model.take().expect("model is present outside the optimizer step")
+        state
+            .model
+            .take()
+            .expect("model is present outside the optimizer step")
     }
 
     /// Trains until `max_duration` (or a stop request). Fails if `max_duration` is already
@@ -368,7 +409,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
     /// `duration` when the units agree, otherwise to "elapsed + duration" in `duration`'s unit.
     pub fn fit_for(&mut self, duration: Time) -> Result<FitReport> {
         if duration.unit() == TimeUnit::Duration || duration.is_zero() {
-            return Err(CoreError::config("duration", duration, "a time greater than zero in ep, ba, sp or tok"));
+            return Err(CoreError::config(
+                "duration",
+                duration,
+                "a time greater than zero in ep, ba, sp or tok",
+            ));
         }
         let unit = duration.unit();
         let now = if unit == self.state.max_duration.unit() {
@@ -390,7 +435,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
         self.state.stop_reason = None;
         self.engine.run(Event::FitStart, &mut self.state)?;
         let num_batches = self.train.num_batches();
-        'epochs: while !self.state.progress().is_done(&self.state.timestamp) && self.state.stop_reason.is_none() {
+        'epochs: while !self.state.progress().is_done(&self.state.timestamp)
+            && self.state.stop_reason.is_none()
+        {
             let epoch = self.state.timestamp.epoch;
             let first = self.state.timestamp.batch_in_epoch as usize;
             if first == 0 {
@@ -419,7 +466,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
                 if self.state.timestamp.batch_in_epoch as usize >= num_batches {
                     break;
                 }
-                if self.state.stop_reason.is_some() || self.state.progress().is_done(&self.state.timestamp) {
+                if self.state.stop_reason.is_some()
+                    || self.state.progress().is_done(&self.state.timestamp)
+                {
                     break 'epochs;
                 }
             }
@@ -450,7 +499,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
 
     fn epoch_eval_due(&self, e: &Evaluator<B, M>, epoch: u64) -> bool {
         match self.interval_of(e) {
-            Time::Epoch(n) => epoch % n == 0,
+            Time::Epoch(n) => epoch.is_multiple_of(n),
             _ => false,
         }
     }
@@ -464,7 +513,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
         if unit == TimeUnit::Epoch {
             return false;
         }
-        let crossings = |ts: &Timestamp| (progress.elapsed(ts, unit) / interval.value() + 1e-9).floor();
+        let crossings =
+            |ts: &Timestamp| (progress.elapsed(ts, unit) / interval.value() + 1e-9).floor();
         crossings(&self.state.timestamp) > crossings(before)
     }
 
@@ -477,7 +527,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
         let ts = &state.timestamp;
         seed_backend::<B>(
             &state.device,
-            derive_seed(&[state.seed, state.world.rank as u64, ts.epoch, ts.batch_in_epoch, BACKEND_STREAM]),
+            derive_seed(&[
+                state.seed,
+                state.world.rank as u64,
+                ts.epoch,
+                ts.batch_in_epoch,
+                BACKEND_STREAM,
+            ]),
         );
         let ctx = ScheduleContext {
             batch: ts.batch as f64,
@@ -510,7 +566,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
             state.outputs = Some(output);
             engine.run(Event::AfterForward, state)?;
             engine.run(Event::BeforeLoss, state)?;
-            let output = state.outputs.take().ok_or_else(|| missing("outputs", Event::BeforeLoss))?;
+            let output = state
+                .outputs
+                .take()
+                .ok_or_else(|| missing("outputs", Event::BeforeLoss))?;
             let batch = take_batch(state, Event::BeforeLoss)?;
             let loss = state.model().loss(&output, &batch);
             state.batch = Some(batch);
@@ -518,8 +577,15 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
             state.loss = Some(loss);
             engine.run(Event::AfterLoss, state)?;
             engine.run(Event::BeforeBackward, state)?;
-            let loss = state.loss.take().ok_or_else(|| missing("loss", Event::BeforeBackward))?;
-            let loss = if split.is_some() { loss.mul_scalar(weight) } else { loss };
+            let loss = state
+                .loss
+                .take()
+                .ok_or_else(|| missing("loss", Event::BeforeBackward))?;
+            let loss = if split.is_some() {
+                loss.mul_scalar(weight)
+            } else {
+                loss
+            };
             let value: f64 = loss.clone().into_scalar().elem();
             if !value.is_finite() {
                 let ts = &state.timestamp;
@@ -531,7 +597,12 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
                         batch_in_epoch: ts.batch_in_epoch,
                     });
                 }
-                tracing::warn!(value, epoch = ts.epoch, batch = ts.batch, "skipping batch with non-finite loss");
+                tracing::warn!(
+                    value,
+                    epoch = ts.epoch,
+                    batch = ts.batch,
+                    "skipping batch with non-finite loss"
+                );
                 nonfinite = true;
                 state.outputs = None;
                 break;
@@ -561,14 +632,19 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
         let stepped = match state.grads.take() {
             Some(grads) => {
                 let lr = state.lr;
-                let model = state.model.take().expect("model is present outside the optimizer step");
+                let model = state
+                    .model
+                    .take()
+                    .expect("model is present outside the optimizer step");
                 state.model = Some(state.optimizer.step(lr, model, grads));
                 true
             }
             None => false,
         };
         let before = state.timestamp.clone();
-        state.timestamp.advance_batch(n as u64, tokens, started.elapsed());
+        state
+            .timestamp
+            .advance_batch(n as u64, tokens, started.elapsed());
         engine.run(Event::BatchEnd, state)?;
         if !engine.logger().is_empty() {
             let ts = state.timestamp.clone();
@@ -578,7 +654,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
             }
             engine.logger().log_metrics(&ts, &values)?;
         }
-        if self.evaluators.iter().any(|e| self.batch_eval_due(e, &before)) {
+        if self
+            .evaluators
+            .iter()
+            .any(|e| self.batch_eval_due(e, &before))
+        {
             self.run_evaluators(|t, e| t.batch_eval_due(e, &before))?;
         }
         self.engine.run(Event::BatchCheckpoint, &mut self.state)?;
@@ -608,7 +688,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
                 }
                 self.engine.run(Event::EvalBatchEnd, &mut self.state)?;
             }
-            let results: BTreeMap<String, f64> = ev.metrics.iter().map(|m| (m.name(), m.value())).collect();
+            let results: BTreeMap<String, f64> =
+                ev.metrics.iter().map(|m| (m.name(), m.value())).collect();
             tracing::info!(
                 evaluator = %ev.label,
                 epoch = self.state.timestamp.epoch,
@@ -617,8 +698,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
                 "evaluation"
             );
             if !self.engine.logger().is_empty() {
-                let keys: Vec<(String, f64)> =
-                    results.iter().map(|(k, v)| (format!("eval/{}/{k}", ev.label), *v)).collect();
+                let keys: Vec<(String, f64)> = results
+                    .iter()
+                    .map(|(k, v)| (format!("eval/{}/{k}", ev.label), *v))
+                    .collect();
                 let values: Vec<(&str, f64)> = keys.iter().map(|(k, v)| (k.as_str(), *v)).collect();
                 let ts = self.state.timestamp.clone();
                 self.engine.logger().log_metrics(&ts, &values)?;
@@ -633,7 +716,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
 
     /// Runs every evaluator now and returns all results (evaluator label, metric, value).
     pub fn eval(&mut self) -> Result<BTreeMap<String, BTreeMap<String, f64>>> {
-        self.engine.run(Event::EvalStandaloneStart, &mut self.state)?;
+        self.engine
+            .run(Event::EvalStandaloneStart, &mut self.state)?;
         self.run_evaluators(|_, _| true)?;
         self.engine.run(Event::EvalStandaloneEnd, &mut self.state)?;
         Ok(self.state.eval_metrics.clone())
@@ -641,16 +725,21 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
 
     /// Runs the model without gradients over every batch of `source` and returns the outputs
     /// in order.
-    pub fn predict(&mut self, source: &dyn BatchSource<EvalBatch<B, M>>) -> Result<Vec<EvalOutput<B, M>>> {
+    pub fn predict(
+        &mut self,
+        source: &dyn BatchSource<EvalBatch<B, M>>,
+    ) -> Result<Vec<EvalOutput<B, M>>> {
         self.engine.run(Event::PredictStart, &mut self.state)?;
         let model = self.state.model().valid();
         let mut out = Vec::with_capacity(source.num_batches());
         for batch in source.iter_from(0, 0) {
             let batch = batch?;
             self.engine.run(Event::PredictBatchStart, &mut self.state)?;
-            self.engine.run(Event::PredictBeforeForward, &mut self.state)?;
+            self.engine
+                .run(Event::PredictBeforeForward, &mut self.state)?;
             out.push(model.forward_eval(&batch));
-            self.engine.run(Event::PredictAfterForward, &mut self.state)?;
+            self.engine
+                .run(Event::PredictAfterForward, &mut self.state)?;
             self.engine.run(Event::PredictBatchEnd, &mut self.state)?;
         }
         self.engine.run(Event::PredictEnd, &mut self.state)?;

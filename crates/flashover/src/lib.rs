@@ -15,14 +15,14 @@ pub use flashover_core as core;
 pub mod backend {
     pub use burn::backend::Autodiff;
 
+    #[cfg(feature = "cuda")]
+    pub use burn::backend::Cuda;
     #[cfg(feature = "flex")]
     pub use burn::backend::Flex;
     #[cfg(feature = "ndarray")]
     pub use burn::backend::NdArray;
     #[cfg(feature = "wgpu")]
     pub use burn::backend::Wgpu;
-    #[cfg(feature = "cuda")]
-    pub use burn::backend::Cuda;
 
     /// Names of the backends compiled into this build, in order of preference for a
     /// default (CPU backends first: they need no device).

@@ -24,7 +24,10 @@ const LABELS_MAGIC: u32 = 0x0000_0801;
 const MAX_PAYLOAD: u64 = 1 << 32;
 
 fn open(path: &Path) -> Result<Box<dyn Read>> {
-    let io = |source| CoreError::Io { path: path.to_path_buf(), source };
+    let io = |source| CoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut file = BufReader::new(File::open(path).map_err(io)?);
     let mut head = [0u8; 2];
     let n = read_up_to(&mut file, &mut head).map_err(io)?;
@@ -51,24 +54,43 @@ fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 /// Reads a header of `1 + dims` big-endian u32s, checks the magic, and returns the payload,
 /// which must hold exactly the product of the dimensions in bytes.
 fn read_idx(path: &Path, magic: u32, dims: usize) -> Result<(Vec<u32>, Vec<u8>)> {
-    let malformed = |reason: String| CoreError::MalformedData { path: path.to_path_buf(), reason };
-    let io = |source| CoreError::Io { path: path.to_path_buf(), source };
+    let malformed = |reason: String| CoreError::MalformedData {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let io = |source| CoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut r = open(path)?;
     let mut header = vec![0u8; 4 * (1 + dims)];
     let got = read_up_to(&mut r, &mut header).map_err(io)?;
     if got < header.len() {
-        return Err(malformed(format!("file ends after {got} bytes, inside the {}-byte header", header.len())));
+        return Err(malformed(format!(
+            "file ends after {got} bytes, inside the {}-byte header",
+            header.len()
+        )));
     }
-    let words: Vec<u32> = header.chunks_exact(4).map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let words: Vec<u32> = header
+        .chunks_exact(4)
+        .map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
     if words[0] != magic {
         return Err(malformed(format!(
             "magic number 0x{:08x}, expected 0x{magic:08x} ({})",
             words[0],
-            if magic == IMAGES_MAGIC { "unsigned-byte images, 3 dimensions" } else { "unsigned-byte labels, 1 dimension" }
+            if magic == IMAGES_MAGIC {
+                "unsigned-byte images, 3 dimensions"
+            } else {
+                "unsigned-byte labels, 1 dimension"
+            }
         )));
     }
     let shape = words[1..].to_vec();
-    let expected = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64)).unwrap_or(u64::MAX);
+    let expected = shape
+        .iter()
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
+        .unwrap_or(u64::MAX);
     if expected > MAX_PAYLOAD {
         return Err(malformed(format!("header claims dimensions {shape:?} ({expected} bytes), more than any IDX file this reader accepts ({MAX_PAYLOAD} bytes)")));
     }
@@ -83,7 +105,9 @@ fn read_idx(path: &Path, magic: u32, dims: usize) -> Result<(Vec<u32>, Vec<u8>)>
         )));
     }
     if payload.len() as u64 > expected {
-        return Err(malformed(format!("trailing data after the {expected} bytes that dimensions {shape:?} describe")));
+        return Err(malformed(format!(
+            "trailing data after the {expected} bytes that dimensions {shape:?} describe"
+        )));
     }
     Ok((shape, payload))
 }
@@ -104,7 +128,12 @@ pub struct IdxImages {
 /// Reads an IDX3 unsigned-byte image file (raw or gzipped).
 pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
     let (shape, pixels) = read_idx(path, IMAGES_MAGIC, 3)?;
-    Ok(IdxImages { count: shape[0] as usize, rows: shape[1] as usize, cols: shape[2] as usize, pixels })
+    Ok(IdxImages {
+        count: shape[0] as usize,
+        rows: shape[1] as usize,
+        cols: shape[2] as usize,
+        pixels,
+    })
 }
 
 /// Reads an IDX1 unsigned-byte label file (raw or gzipped).
@@ -152,7 +181,11 @@ fn find(dir: &Path, what: &'static str, stems: &[&str]) -> Result<PathBuf> {
             names.push(name);
         }
     }
-    Err(CoreError::MissingDataFile { what, dir: dir.to_path_buf(), candidates: names.join(", ") })
+    Err(CoreError::MissingDataFile {
+        what,
+        dir: dir.to_path_buf(),
+        candidates: names.join(", "),
+    })
 }
 
 impl MnistDataset {
@@ -162,12 +195,36 @@ impl MnistDataset {
     pub fn from_dir(dir: &Path, split: MnistSplit) -> Result<Self> {
         let (images, labels) = match split {
             MnistSplit::Train => (
-                find(dir, "training images", &["train-images-idx3-ubyte", "train-images.idx3-ubyte"])?,
-                find(dir, "training labels", &["train-labels-idx1-ubyte", "train-labels.idx1-ubyte"])?,
+                find(
+                    dir,
+                    "training images",
+                    &["train-images-idx3-ubyte", "train-images.idx3-ubyte"],
+                )?,
+                find(
+                    dir,
+                    "training labels",
+                    &["train-labels-idx1-ubyte", "train-labels.idx1-ubyte"],
+                )?,
             ),
             MnistSplit::Test => (
-                find(dir, "test images", &["t10k-images-idx3-ubyte", "test-images-idx3-ubyte", "t10k-images.idx3-ubyte"])?,
-                find(dir, "test labels", &["t10k-labels-idx1-ubyte", "test-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"])?,
+                find(
+                    dir,
+                    "test images",
+                    &[
+                        "t10k-images-idx3-ubyte",
+                        "test-images-idx3-ubyte",
+                        "t10k-images.idx3-ubyte",
+                    ],
+                )?,
+                find(
+                    dir,
+                    "test labels",
+                    &[
+                        "t10k-labels-idx1-ubyte",
+                        "test-labels-idx1-ubyte",
+                        "t10k-labels.idx1-ubyte",
+                    ],
+                )?,
             ),
         };
         Self::from_files(&images, &labels)
@@ -180,7 +237,12 @@ impl MnistDataset {
         if images.count != labels.len() {
             return Err(CoreError::MalformedData {
                 path: labels_path.to_path_buf(),
-                reason: format!("{} labels for {} images in {}", labels.len(), images.count, images_path.display()),
+                reason: format!(
+                    "{} labels for {} images in {}",
+                    labels.len(),
+                    images.count,
+                    images_path.display()
+                ),
             });
         }
         if let Some((i, &l)) = labels.iter().enumerate().find(|(_, &l)| l > 9) {
@@ -197,7 +259,9 @@ impl MnistDataset {
         let n = n.min(self.labels.len());
         self.labels.truncate(n);
         self.images.count = n;
-        self.images.pixels.truncate(n * self.images.rows * self.images.cols);
+        self.images
+            .pixels
+            .truncate(n * self.images.rows * self.images.cols);
     }
 }
 
@@ -205,8 +269,17 @@ impl Dataset<MnistItem> for MnistDataset {
     fn get(&self, index: usize) -> Option<MnistItem> {
         let label = *self.labels.get(index)?;
         let size = self.images.rows * self.images.cols;
-        let pixels = self.images.pixels.get(index * size..(index + 1) * size)?.to_vec();
-        Some(MnistItem { pixels, rows: self.images.rows, cols: self.images.cols, label })
+        let pixels = self
+            .images
+            .pixels
+            .get(index * size..(index + 1) * size)?
+            .to_vec();
+        Some(MnistItem {
+            pixels,
+            rows: self.images.rows,
+            cols: self.images.cols,
+            label,
+        })
     }
 
     fn len(&self) -> usize {
@@ -231,7 +304,11 @@ impl<B: Backend> Batcher<B, MnistItem, ClassificationBatch<B, 4>> for MnistBatch
         let mut pixels = Vec::with_capacity(n * rows * cols);
         let mut labels = Vec::with_capacity(n);
         for item in &items {
-            pixels.extend(item.pixels.iter().map(|&p| (p as f32 / 255.0 - MNIST_MEAN) / MNIST_STD));
+            pixels.extend(
+                item.pixels
+                    .iter()
+                    .map(|&p| (p as f32 / 255.0 - MNIST_MEAN) / MNIST_STD),
+            );
             labels.push(item.label as i64);
         }
         let inputs = Tensor::<B, 4>::from_data(TensorData::new(pixels, [n, 1, rows, cols]), device);
@@ -283,21 +360,38 @@ mod tests {
         let mut trailing = header(LABELS_MAGIC, &[2]);
         trailing.extend([1, 2, 3]);
         let cases: Vec<(&str, Vec<u8>, &str)> = vec![
-            ("wrong_magic", header(0x0000_0802, &[1, 1, 1]).into_iter().chain([0]).collect(), "magic number 0x00000802"),
+            (
+                "wrong_magic",
+                header(0x0000_0802, &[1, 1, 1])
+                    .into_iter()
+                    .chain([0])
+                    .collect(),
+                "magic number 0x00000802",
+            ),
             ("short_header", vec![0, 0, 8], "inside the 16-byte header"),
             ("truncated", truncated, "truncated"),
-            ("huge", header(IMAGES_MAGIC, &[u32::MAX, u32::MAX, u32::MAX]), "more than any IDX file"),
+            (
+                "huge",
+                header(IMAGES_MAGIC, &[u32::MAX, u32::MAX, u32::MAX]),
+                "more than any IDX file",
+            ),
             ("empty", vec![], "inside the"),
         ];
         for (name, bytes, expect) in cases {
             let p = write(dir.path(), name, &bytes);
             let err = read_idx_images(&p).unwrap_err();
             let msg = err.to_string();
-            assert!(matches!(err, CoreError::MalformedData { .. }), "{name}: {msg}");
+            assert!(
+                matches!(err, CoreError::MalformedData { .. }),
+                "{name}: {msg}"
+            );
             assert!(msg.contains(name) && msg.contains(expect), "{name}: {msg}");
         }
         let p = write(dir.path(), "trailing", &trailing);
-        assert!(read_idx_labels(&p).unwrap_err().to_string().contains("trailing data"));
+        assert!(read_idx_labels(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("trailing data"));
         let missing = read_idx_labels(&dir.path().join("nope")).unwrap_err();
         assert!(matches!(missing, CoreError::Io { .. }) && missing.to_string().contains("nope"));
     }
@@ -305,8 +399,13 @@ mod tests {
     #[test]
     fn missing_split_lists_the_names_tried() {
         let dir = tempfile::tempdir().unwrap();
-        let err = MnistDataset::from_dir(dir.path(), MnistSplit::Test).unwrap_err().to_string();
-        assert!(err.contains("t10k-images-idx3-ubyte.gz") && err.contains("test-images-idx3-ubyte"), "{err}");
+        let err = MnistDataset::from_dir(dir.path(), MnistSplit::Test)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("t10k-images-idx3-ubyte.gz") && err.contains("test-images-idx3-ubyte"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -318,10 +417,16 @@ mod tests {
         let mut lab = header(LABELS_MAGIC, &[3]);
         lab.extend([1, 2, 3]);
         let l = write(dir.path(), "train-labels-idx1-ubyte", &lab);
-        assert!(MnistDataset::from_files(&i, &l).unwrap_err().to_string().contains("3 labels for 2 images"));
+        assert!(MnistDataset::from_files(&i, &l)
+            .unwrap_err()
+            .to_string()
+            .contains("3 labels for 2 images"));
         let mut lab = header(LABELS_MAGIC, &[2]);
         lab.extend([1, 12]);
         write(dir.path(), "train-labels-idx1-ubyte", &lab);
-        assert!(MnistDataset::from_dir(dir.path(), MnistSplit::Train).unwrap_err().to_string().contains("label 12 at index 1"));
+        assert!(MnistDataset::from_dir(dir.path(), MnistSplit::Train)
+            .unwrap_err()
+            .to_string()
+            .contains("label 12 at index 1"));
     }
 }

@@ -41,7 +41,14 @@ where
     ) -> Result<Self> {
         let name = name.into();
         super::non_empty(&name, dataset.len())?;
-        Ok(DataLoader { name, dataset, batcher, sampler, device, prefetch: 2 })
+        Ok(DataLoader {
+            name,
+            dataset,
+            batcher,
+            sampler,
+            device,
+            prefetch: 2,
+        })
     }
 
     /// How many batches to prepare ahead on a background thread; 0 loads each batch on the
@@ -70,7 +77,10 @@ fn load_batch<B: Backend, I, O>(
         let item = dataset.get(i).ok_or_else(|| CoreError::Loader {
             name: name.to_string(),
             batch,
-            reason: format!("dataset has no item at index {i} (length {})", dataset.len()),
+            reason: format!(
+                "dataset has no item at index {i} (length {})",
+                dataset.len()
+            ),
         })?;
         items.push(item);
     }
@@ -104,7 +114,12 @@ where
         let bs = self.sampler.batch_size();
         let end = self.sampler.num_batches();
         let batches: Vec<(usize, Vec<usize>)> = (start.min(end)..end)
-            .map(|b| (b, indices[b * bs..((b + 1) * bs).min(indices.len())].to_vec()))
+            .map(|b| {
+                (
+                    b,
+                    indices[b * bs..((b + 1) * bs).min(indices.len())].to_vec(),
+                )
+            })
             .collect();
         let dataset = Arc::clone(&self.dataset);
         let batcher = Arc::clone(&self.batcher);
@@ -114,35 +129,56 @@ where
             let iter = batches.into_iter().map(move |(b, idx)| {
                 load_batch::<B, I, O>(&name, dataset.as_ref(), batcher.as_ref(), &idx, b, &device)
             });
-            return BatchIter { inner: Inner::Inline(Box::new(iter)), remaining: end.saturating_sub(start) };
+            return BatchIter {
+                inner: Inner::Inline(Box::new(iter)),
+                remaining: end.saturating_sub(start),
+            };
         }
         let (tx, rx) = mpsc::sync_channel(self.prefetch);
         let thread_name = format!("flashover-loader-{}", self.name);
-        let handle = std::thread::Builder::new().name(thread_name).spawn(move || {
-            for (b, idx) in batches {
-                let out = load_batch::<B, I, O>(&name, dataset.as_ref(), batcher.as_ref(), &idx, b, &device);
-                let failed = out.is_err();
-                // A send error means the consumer dropped the iterator: stop quietly.
-                if tx.send(out).is_err() || failed {
-                    return;
+        let handle = std::thread::Builder::new()
+            .name(thread_name)
+            .spawn(move || {
+                for (b, idx) in batches {
+                    let out = load_batch::<B, I, O>(
+                        &name,
+                        dataset.as_ref(),
+                        batcher.as_ref(),
+                        &idx,
+                        b,
+                        &device,
+                    );
+                    let failed = out.is_err();
+                    // A send error means the consumer dropped the iterator: stop quietly.
+                    if tx.send(out).is_err() || failed {
+                        return;
+                    }
                 }
-            }
-        });
+            });
         let inner = match handle {
-            Ok(handle) => Inner::Threaded { rx, handle: Some(handle) },
+            Ok(handle) => Inner::Threaded {
+                rx,
+                handle: Some(handle),
+            },
             Err(e) => Inner::Failed(Some(CoreError::Loader {
                 name: self.name.clone(),
                 batch: start,
                 reason: format!("cannot start loader thread: {e}"),
             })),
         };
-        BatchIter { inner, remaining: end.saturating_sub(start) }
+        BatchIter {
+            inner,
+            remaining: end.saturating_sub(start),
+        }
     }
 }
 
 enum Inner<T> {
     Inline(Box<dyn Iterator<Item = Result<T>> + Send>),
-    Threaded { rx: Receiver<Result<T>>, handle: Option<JoinHandle<()>> },
+    Threaded {
+        rx: Receiver<Result<T>>,
+        handle: Option<JoinHandle<()>>,
+    },
     Failed(Option<CoreError>),
 }
 
@@ -156,7 +192,10 @@ pub struct BatchIter<T> {
 impl<T> BatchIter<T> {
     /// Wraps any iterator of batches (for sources that are not a [`DataLoader`]).
     pub fn from_iter(iter: impl Iterator<Item = Result<T>> + Send + 'static, len: usize) -> Self {
-        BatchIter { inner: Inner::Inline(Box::new(iter)), remaining: len }
+        BatchIter {
+            inner: Inner::Inline(Box::new(iter)),
+            remaining: len,
+        }
     }
 
     /// Batches still to come.
@@ -189,7 +228,11 @@ impl<T> Iterator for BatchIter<T> {
                         _ => "the loader thread ended early".into(),
                     };
                     self.remaining = 0;
-                    Some(Err(CoreError::Loader { name: "loader".into(), batch: 0, reason }))
+                    Some(Err(CoreError::Loader {
+                        name: "loader".into(),
+                        batch: 0,
+                        reason,
+                    }))
                 }
             },
         }

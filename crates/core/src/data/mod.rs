@@ -10,7 +10,9 @@ mod sampler;
 
 pub use burn::data::dataloader::batcher::Batcher;
 pub use burn::data::dataset::Dataset;
-pub use idx::{read_idx_images, read_idx_labels, IdxImages, MnistBatcher, MnistDataset, MnistItem, MnistSplit};
+pub use idx::{
+    read_idx_images, read_idx_labels, IdxImages, MnistBatcher, MnistDataset, MnistItem, MnistSplit,
+};
 pub use loader::{BatchIter, DataLoader};
 pub use sampler::Sampler;
 
@@ -60,7 +62,9 @@ impl<I: Clone + Send + Sync> Dataset<I> for InMemoryDataset<I> {
 /// Checks that a dataset is not empty, naming it otherwise.
 pub(crate) fn non_empty(name: &str, len: usize) -> Result<()> {
     if len == 0 {
-        Err(crate::error::CoreError::EmptyDataset { name: name.to_string() })
+        Err(crate::error::CoreError::EmptyDataset {
+            name: name.to_string(),
+        })
     } else {
         Ok(())
     }

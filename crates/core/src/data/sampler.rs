@@ -21,9 +21,21 @@ impl Sampler {
     /// A sampler over `len` items in batches of `batch_size`, for a single process.
     pub fn new(len: usize, batch_size: usize, shuffle: bool, seed: u64) -> Result<Self> {
         if batch_size == 0 {
-            return Err(CoreError::config("batch_size", batch_size, "an integer >= 1"));
+            return Err(CoreError::config(
+                "batch_size",
+                batch_size,
+                "an integer >= 1",
+            ));
         }
-        Ok(Sampler { len, batch_size, shuffle, drop_last: false, seed, rank: 0, world_size: 1 })
+        Ok(Sampler {
+            len,
+            batch_size,
+            shuffle,
+            drop_last: false,
+            seed,
+            rank: 0,
+            world_size: 1,
+        })
     }
 
     /// Shards the order over `world_size` ranks; this sampler yields rank `rank`'s share.
@@ -31,10 +43,18 @@ impl Sampler {
     /// every rank gets the same number of items and no item is left out.
     pub fn sharded(mut self, rank: usize, world_size: usize) -> Result<Self> {
         if world_size == 0 {
-            return Err(CoreError::config("world_size", world_size, "an integer >= 1"));
+            return Err(CoreError::config(
+                "world_size",
+                world_size,
+                "an integer >= 1",
+            ));
         }
         if rank >= world_size {
-            return Err(CoreError::config("rank", rank, format!("a rank in 0..{world_size}")));
+            return Err(CoreError::config(
+                "rank",
+                rank,
+                format!("a rank in 0..{world_size}"),
+            ));
         }
         self.rank = rank;
         self.world_size = world_size;
@@ -81,7 +101,7 @@ impl Sampler {
     pub fn epoch_indices(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.len).collect();
         if self.shuffle {
-            Rng::new(derive_seed(&[self.seed, epoch, 0x5A3D_1E5])).shuffle(&mut order);
+            Rng::new(derive_seed(&[self.seed, epoch, 0x05A3_D1E5])).shuffle(&mut order);
         }
         let total = self.rank_len() * self.world_size;
         (0..self.rank_len())
