@@ -108,6 +108,48 @@ struct Args {
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Save checkpoints into this folder.
+    #[arg(long)]
+    save_folder: Option<PathBuf>,
+    /// How often to save (ep, ba, sp, tok or dur); the state at the end of training is
+    /// always saved too.
+    #[arg(long, default_value = "1ep")]
+    save_interval: Time,
+    /// Checkpoint folder name template (fields: {epoch} {batch} {sample} {token}
+    /// {batch_in_epoch} {rank}).
+    #[arg(long, default_value = "ep{epoch}-ba{batch}")]
+    save_name: String,
+    /// Keep only the newest N checkpoints (0: keep all).
+    #[arg(long, default_value_t = 0)]
+    keep: usize,
+    /// Write checkpoint files on a background thread.
+    #[arg(long)]
+    save_async: bool,
+    /// Save model weights only (such checkpoints start new runs, they cannot resume one).
+    #[arg(long)]
+    save_weights_only: bool,
+    /// Replace an existing checkpoint of the same name.
+    #[arg(long)]
+    overwrite: bool,
+    /// Resume from the newest intact checkpoint in --save-folder (start fresh if none).
+    #[arg(long, requires = "save_folder")]
+    autoresume: bool,
+    /// Load this checkpoint directory before training (autoresume wins when it finds one).
+    #[arg(long)]
+    load: Option<PathBuf>,
+    /// With --load: take the model weights only and start a new run from them.
+    #[arg(long)]
+    weights_only: bool,
+    /// With --load: accept missing and unexpected weights (reported, not loaded).
+    #[arg(long)]
+    non_strict: bool,
+    /// With --load: parameter paths to keep as initialised (glob, `*` wildcard; repeatable).
+    #[arg(long)]
+    ignore_keys: Vec<String>,
+    /// Stop cleanly once training reaches this time (the state is saved if --save-folder is
+    /// set), for example to resume later.
+    #[arg(long)]
+    stop_after: Option<Time>,
 }
 
 fn main() {
@@ -228,8 +270,49 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     if !args.no_progress {
         builder = builder.callback(ProgressBar::new());
     }
+    if let Some(at) = args.stop_after {
+        builder = builder.callback(StopAt::new(at));
+    }
+    if let Some(folder) = &args.save_folder {
+        let mut config = SaverConfig::new(folder);
+        config.name_template = args.save_name.clone();
+        config.keep = args.keep;
+        config.async_write = args.save_async;
+        config.weights_only = args.save_weights_only;
+        config.overwrite = args.overwrite;
+        builder = builder.callback(Saver::new(config, SaveInterval::Every(args.save_interval))?);
+    }
+    let resume = match &args.save_folder {
+        Some(folder) if args.autoresume => autoresume(folder)?,
+        _ => None,
+    };
+    if let Some(restore) = resume {
+        builder = builder.restore(restore);
+    } else if let Some(path) = &args.load {
+        let options = LoadOptions {
+            weights_only: args.weights_only,
+            weights: flashover::checkpoint::WeightsLoad {
+                non_strict: args.non_strict,
+                ignore_keys: args.ignore_keys.clone(),
+            },
+        };
+        builder = builder.restore(CheckpointRestore::new(path, options));
+    }
     let mut trainer = builder.build()?;
-    let report = trainer.fit()?;
+    let report = if trainer.is_finished() {
+        // A run resumed from its final checkpoint: nothing left to train.
+        tracing::info!(at = %trainer.state().timestamp, "max_duration already reached; evaluating only");
+        FitReport {
+            steps: 0,
+            batches: 0,
+            samples: 0,
+            wall: Default::default(),
+            data_wait: Default::default(),
+            stopped: None,
+        }
+    } else {
+        trainer.fit()?
+    };
     // Evaluate the final weights unless the last evaluation already saw them.
     let state = trainer.state();
     let metrics = if state.last_eval_batch == Some(state.timestamp.batch) {
@@ -250,8 +333,8 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         "test_loss": test.get("loss"),
         "wall_seconds": started.elapsed().as_secs_f64(),
         "train_seconds": train_seconds,
-        "samples_per_second": report.samples as f64 / train_seconds,
-        "data_wait_fraction": report.data_wait.as_secs_f64() / train_seconds,
+        "samples_per_second": report.samples as f64 / train_seconds.max(f64::MIN_POSITIVE),
+        "data_wait_fraction": report.data_wait.as_secs_f64() / train_seconds.max(f64::MIN_POSITIVE),
         "params_sha256": digest,
         "epochs": ts.epoch,
         "batches": ts.batch,

@@ -4,6 +4,10 @@
 //! - `trainer`: fit twice, stop requests, non-finite losses, eval and predict, the learning
 //!   rate against the schedule's formula, each optimizer through the trainer.
 //! - `microbatch`: gradients with 1, 2, 4 (and uneven) microbatches equal the full batch's.
+//! - `resume`: a run stopped and resumed in a new process ends with the same bits (epoch
+//!   boundary, mid-epoch, after an epoch, microbatches, warmup, other schedules, async saves).
+//! - `crash`: SIGKILL at random points, autoresume, same bits as the uninterrupted run.
+//! - `damage`: damaged or hostile checkpoints and failed saves are typed errors naming the file.
 //! - `data`: the IDX reader on the real bundled files, raw and gzipped, whole and truncated.
 //! - `determinism`: same seed, same bits; another seed, other bits.
 //! - `bad_input`: every bad configuration is a typed error that names the value.
@@ -13,6 +17,10 @@
 mod accuracy;
 #[path = "suite/bad_input.rs"]
 mod bad_input;
+#[path = "suite/crash.rs"]
+mod crash;
+#[path = "suite/damage.rs"]
+mod damage;
 #[path = "suite/data.rs"]
 mod data;
 #[path = "suite/determinism.rs"]
@@ -21,5 +29,7 @@ mod determinism;
 mod events;
 #[path = "suite/microbatch.rs"]
 mod microbatch;
+#[path = "suite/resume.rs"]
+mod resume;
 #[path = "suite/trainer.rs"]
 mod trainer;

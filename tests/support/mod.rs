@@ -200,3 +200,92 @@ pub fn short_run(train: usize, batch_size: usize, test: usize, max_duration: &st
 pub fn device() -> <TB as burn::tensor::backend::BackendTypes>::Device {
     Default::default()
 }
+
+/// A built example program, next to this test binary (`cargo test --workspace` builds the
+/// examples; `cargo test -p flashover-tests` alone does not).
+pub fn example_bin(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary knows its path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("test binaries live in <target>/<profile>/deps");
+    let bin = profile_dir.join("examples").join(name);
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it with `cargo build --release --example {name}` (or run `cargo test --release --workspace`)",
+        bin.display()
+    );
+    bin
+}
+
+/// Output of one run of the MNIST example.
+#[derive(Debug)]
+pub struct RunOutput {
+    pub status: std::process::ExitStatus,
+    pub summary: Option<serde_json::Value>,
+    pub stderr: String,
+}
+
+/// Runs the MNIST example with `args` (plus `--no-progress`) and parses its summary line.
+pub fn run_mnist(args: &[&str]) -> RunOutput {
+    let out = std::process::Command::new(example_bin("mnist"))
+        .args(args)
+        .arg("--no-progress")
+        .env("RUST_LOG", "info")
+        .output()
+        .expect("the example starts");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary = stdout
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok());
+    RunOutput {
+        status: out.status,
+        summary,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// The arguments of a short MNIST run: 512 digits in batches of 32 (16 batches per epoch),
+/// 200 test digits, 20 batches of warmup; 3 epochs unless `extra` sets `--max-duration`.
+pub const SHORT: &[&str] = &[
+    "--train-limit",
+    "512",
+    "--test-limit",
+    "200",
+    "--batch-size",
+    "32",
+    "--warmup",
+    "20ba",
+];
+
+/// `SHORT` plus `extra` (and `--max-duration 3ep` unless `extra` sets it).
+pub fn short_args<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v: Vec<&str> = SHORT.iter().copied().chain(extra.iter().copied()).collect();
+    if !extra.contains(&"--max-duration") {
+        v.extend(["--max-duration", "3ep"]);
+    }
+    v
+}
+
+/// Runs the example and returns its summary, failing the test with its stderr otherwise.
+pub fn summary_of(args: &[&str]) -> serde_json::Value {
+    let out = run_mnist(args);
+    assert!(
+        out.status.success(),
+        "mnist {args:?} failed:\n{}",
+        out.stderr
+    );
+    out.summary
+        .unwrap_or_else(|| panic!("mnist {args:?} printed no summary:\n{}", out.stderr))
+}
+
+/// The fields of a summary that an exact resumption must reproduce.
+pub fn outcome(s: &serde_json::Value) -> (String, String, String, u64) {
+    (
+        s["params_sha256"].as_str().unwrap_or_default().to_string(),
+        s["test_accuracy"].to_string(),
+        s["test_loss"].to_string(),
+        s["batches"].as_u64().unwrap_or(0),
+    )
+}

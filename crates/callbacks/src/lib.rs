@@ -144,3 +144,63 @@ impl LoggerDestination for ConsoleLogger {
         Ok(())
     }
 }
+
+/// Asks training to stop once the run reaches a given time (in any unit but `dur`, which is
+/// what `max_duration` is for). The stop is clean: the batch finishes, its checkpoint event
+/// runs, then `FIT_END` (where a checkpoint saver writes the state to resume from).
+///
+/// ```
+/// use flashover_callbacks::StopAt;
+/// use flashover_core::time::Time;
+/// let stop = StopAt::new(Time::Batch(100));
+/// assert_eq!(stop.at(), Time::Batch(100));
+/// ```
+pub struct StopAt {
+    at: flashover_core::time::Time,
+}
+
+impl StopAt {
+    /// Stops when the timestamp reaches `at`.
+    pub fn new(at: flashover_core::time::Time) -> Self {
+        StopAt { at }
+    }
+
+    /// When training stops.
+    pub fn at(&self) -> flashover_core::time::Time {
+        self.at
+    }
+
+    fn check<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
+        &self,
+        state: &mut State<B, M, O>,
+    ) {
+        let reached = match self.at.unit() {
+            flashover_core::time::TimeUnit::Duration => {
+                state.progress().fraction(&state.timestamp) >= self.at.value()
+            }
+            unit => state
+                .timestamp
+                .count(unit)
+                .is_some_and(|c| c as f64 >= self.at.value()),
+        };
+        if reached && state.stop_requested().is_none() {
+            state.request_stop(format!("reached {}", self.at));
+        }
+    }
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for StopAt {
+    fn name(&self) -> &str {
+        "stop_at"
+    }
+
+    fn batch_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+        self.check(state);
+        Ok(())
+    }
+
+    fn epoch_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+        self.check(state);
+        Ok(())
+    }
+}

@@ -98,6 +98,29 @@ pub enum CoreError {
         message: String,
     },
 
+    /// A component (algorithm, callback, logger) failed with an error of its own crate.
+    #[error("{component}: {source}")]
+    External {
+        /// The component's name.
+        component: String,
+        /// Its error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+
+    /// Restoring the trainer from a checkpoint failed (the source says which file and why).
+    #[error("cannot restore from checkpoint: {0}")]
+    Restore(#[source] Box<dyn std::error::Error + Send + Sync>),
+
+    /// A restored position does not fit the training data.
+    #[error("restored position {at} does not fit this run: {reason}")]
+    RestoredPosition {
+        /// The restored timestamp, formatted.
+        at: String,
+        /// What is wrong.
+        reason: String,
+    },
+
     /// The background data loader stopped without delivering a batch it promised.
     #[error("data loader for `{name}` stopped early at batch {batch}: {reason}")]
     Loader {

@@ -66,6 +66,10 @@ pub struct State<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
     pub eval_metrics: BTreeMap<String, BTreeMap<String, f64>>,
     /// Value of `timestamp.batch` at the last evaluation, if any ran.
     pub last_eval_batch: Option<u64>,
+    /// Saved states of every algorithm and callback, keyed `algorithm/<name>` and
+    /// `callback/<name>`; filled by the engine just before `BATCH_CHECKPOINT`,
+    /// `EPOCH_CHECKPOINT` and `FIT_END` so that a checkpoint callback can store them.
+    pub component_states: BTreeMap<String, serde_json::Value>,
     /// Batches whose loss was not finite and were skipped (when skipping is enabled).
     pub skipped_batches: u64,
     /// Rank and world size.

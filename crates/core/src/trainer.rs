@@ -105,6 +105,15 @@ pub struct TrainerBuilder<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, 
     loggers: Vec<Box<dyn LoggerDestination>>,
     skip_nonfinite_loss: bool,
     hyperparameters: serde_json::Map<String, Value>,
+    restore: Option<Box<dyn Restore<B, M, O>>>,
+}
+
+/// Restores a trainer's state (from a checkpoint) between `BEFORE_LOAD` and `AFTER_LOAD`.
+/// Implemented by `flashover-checkpoint`; core knows nothing of files.
+pub trait Restore<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>: Send {
+    /// Puts the saved model, optimizer, timestamp and the rest into `state`, and returns the
+    /// saved states of algorithms and callbacks (keyed as in `State::component_states`).
+    fn restore(self: Box<Self>, state: &mut State<B, M, O>) -> Result<BTreeMap<String, Value>>;
 }
 
 impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B, M, O> {
@@ -179,8 +188,14 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
         self
     }
 
-    /// Checks the configuration, runs `INIT`, `BEFORE_LOAD` and `AFTER_LOAD`, and returns
-    /// the trainer.
+    /// Restores state (a checkpoint) while building, between `BEFORE_LOAD` and `AFTER_LOAD`.
+    pub fn restore(mut self, restore: impl Restore<B, M, O> + 'static) -> Self {
+        self.restore = Some(Box::new(restore));
+        self
+    }
+
+    /// Checks the configuration, runs `INIT`, `BEFORE_LOAD`, restores (if asked), runs
+    /// `AFTER_LOAD`, and returns the trainer.
     pub fn build(self) -> Result<Trainer<B, M, O>> {
         if !(self.lr.is_finite() && self.lr >= 0.0) {
             return Err(CoreError::config("lr", self.lr, "a finite number >= 0"));
@@ -282,6 +297,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
             grads: None,
             eval_metrics: BTreeMap::new(),
             last_eval_batch: None,
+            component_states: BTreeMap::new(),
             skipped_batches: 0,
             world: self.world,
             seed: self.seed,
@@ -301,6 +317,11 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
         trainer.engine.run(Event::Init, &mut trainer.state)?;
         trainer.engine.logger().log_hyperparameters(&hp)?;
         trainer.engine.run(Event::BeforeLoad, &mut trainer.state)?;
+        if let Some(restore) = self.restore {
+            let components = restore.restore(&mut trainer.state)?;
+            trainer.check_restored_position()?;
+            trainer.engine.restore_component_states(components)?;
+        }
         trainer.engine.run(Event::AfterLoad, &mut trainer.state)?;
         Ok(trainer)
     }
@@ -365,7 +386,40 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
             loggers: Vec::new(),
             skip_nonfinite_loss: false,
             hyperparameters: serde_json::Map::new(),
+            restore: None,
         }
+    }
+
+    /// Whether `max_duration` is reached (so `fit` has nothing left to do).
+    pub fn is_finished(&self) -> bool {
+        self.state.progress().is_done(&self.state.timestamp) && !self.epoch_end_pending()
+    }
+
+    /// Whether every batch of the current epoch is done but its `EPOCH_END` has not run (a
+    /// run restored from a checkpoint taken at the epoch's last `BATCH_CHECKPOINT`).
+    fn epoch_end_pending(&self) -> bool {
+        self.state.timestamp.batch_in_epoch >= self.train.num_batches() as u64
+    }
+
+    fn check_restored_position(&self) -> Result<()> {
+        let ts = &self.state.timestamp;
+        let n = self.train.num_batches() as u64;
+        if ts.batch_in_epoch > n {
+            return Err(CoreError::RestoredPosition {
+                at: ts.to_string(),
+                reason: format!("the training loader has only {n} batches per epoch"),
+            });
+        }
+        if ts.batch < ts.batch_in_epoch
+            || ts.sample < ts.sample_in_epoch
+            || ts.token < ts.token_in_epoch
+        {
+            return Err(CoreError::RestoredPosition {
+                at: ts.to_string(),
+                reason: "in-epoch counts exceed the totals".into(),
+            });
+        }
+        Ok(())
     }
 
     /// The state.
@@ -395,8 +449,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
     /// Trains until `max_duration` (or a stop request). Fails if `max_duration` is already
     /// reached.
     pub fn fit(&mut self) -> Result<FitReport> {
-        let progress = self.state.progress();
-        if progress.is_done(&self.state.timestamp) {
+        if self.is_finished() {
             return Err(CoreError::DurationReached {
                 max_duration: self.state.max_duration.to_string(),
                 at: self.state.timestamp.to_string(),
@@ -435,16 +488,22 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
         self.state.stop_reason = None;
         self.engine.run(Event::FitStart, &mut self.state)?;
         let num_batches = self.train.num_batches();
-        'epochs: while !self.state.progress().is_done(&self.state.timestamp)
-            && self.state.stop_reason.is_none()
-        {
+        'epochs: loop {
+            if !self.epoch_end_pending()
+                && (self.state.progress().is_done(&self.state.timestamp)
+                    || self.state.stop_reason.is_some())
+            {
+                break;
+            }
             let epoch = self.state.timestamp.epoch;
             let first = self.state.timestamp.batch_in_epoch as usize;
             if first == 0 {
                 self.engine.run(Event::EpochStart, &mut self.state)?;
             }
             let mut batches = self.train.iter_from(epoch, first);
-            loop {
+            // A run restored right after the last batch of an epoch (before its EPOCH_END)
+            // goes straight to the end of that epoch.
+            while (self.state.timestamp.batch_in_epoch as usize) < num_batches {
                 self.engine.run(Event::BeforeDataloader, &mut self.state)?;
                 let waited = Instant::now();
                 let batch = match batches.next() {
@@ -463,11 +522,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
                 if self.train_batch()? {
                     steps += 1;
                 }
-                if self.state.timestamp.batch_in_epoch as usize >= num_batches {
-                    break;
-                }
-                if self.state.stop_reason.is_some()
-                    || self.state.progress().is_done(&self.state.timestamp)
+                let epoch_done = self.state.timestamp.batch_in_epoch as usize >= num_batches;
+                if !epoch_done
+                    && (self.state.stop_reason.is_some()
+                        || self.state.progress().is_done(&self.state.timestamp))
                 {
                     break 'epochs;
                 }

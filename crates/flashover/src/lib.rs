@@ -40,7 +40,10 @@ pub mod backend {
 
 /// Everything most training programs use.
 pub mod prelude {
-    pub use flashover_callbacks::{ConsoleLogger, ProgressBar};
-    pub use flashover_checkpoint::{load_weights, save_weights, CheckpointError};
+    pub use flashover_callbacks::{ConsoleLogger, ProgressBar, StopAt};
+    pub use flashover_checkpoint::{
+        autoresume, load_weights, save_weights, CheckpointError, CheckpointRestore, LoadOptions,
+        SaveInterval, Saver, SaverConfig,
+    };
     pub use flashover_core::prelude::*;
 }

@@ -1,0 +1,126 @@
+//! The one error type of `flashover-checkpoint`. Every variant names the file (or folder)
+//! involved, so a damaged or hostile checkpoint is reported, never obeyed.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong saving, verifying or loading a checkpoint.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// A file or folder could not be created, written, synced, renamed or read.
+    #[error("cannot {action} {path}: {source}")]
+    Io {
+        /// What was being done ("write", "read", "rename into").
+        action: &'static str,
+        /// The file or folder.
+        path: PathBuf,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Tensors could not be encoded or decoded.
+    #[error("cannot decode or encode {path}: {message}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// The encoder's or decoder's message.
+        message: String,
+    },
+    /// A checkpoint's content does not match its manifest, or the manifest is unusable.
+    #[error("damaged checkpoint: {path}: {reason}")]
+    Damaged {
+        /// The file that is wrong (or missing).
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The checkpoint was written by an unknown format version.
+    #[error("{path}: checkpoint format version {found}, this build reads version {supported}")]
+    Version {
+        /// The manifest.
+        path: PathBuf,
+        /// The version found.
+        found: u32,
+        /// The version this build reads.
+        supported: u32,
+    },
+    /// The weights do not fit the model.
+    #[error("weights in {path} do not match the model: missing {missing:?}, unexpected {unexpected:?}, errors {errors:?} (load non-strictly to skip missing and unexpected keys)")]
+    Mismatch {
+        /// The file.
+        path: PathBuf,
+        /// Model parameters absent from the file.
+        missing: Vec<String>,
+        /// Tensors in the file that the model does not have.
+        unexpected: Vec<String>,
+        /// Shape or dtype problems, as burn-store reports them.
+        errors: Vec<String>,
+    },
+    /// A checkpoint of that name exists and overwriting is off.
+    #[error("checkpoint {path} exists; pick another name template or enable overwrite")]
+    Exists {
+        /// The existing checkpoint.
+        path: PathBuf,
+    },
+    /// A setting of the saver or loader is invalid.
+    #[error("invalid value {value:?} for `{name}`: expected {expected}")]
+    Config {
+        /// The setting.
+        name: &'static str,
+        /// The value as given.
+        value: String,
+        /// What would be accepted.
+        expected: String,
+    },
+    /// A weights-only checkpoint cannot resume training.
+    #[error("{path} holds weights only; load it with weights_only to start a new run from it")]
+    WeightsOnly {
+        /// The checkpoint.
+        path: PathBuf,
+    },
+    /// An asynchronous save failed in the background; reported at the next save or at the end.
+    #[error("background save of {path} failed: {source}")]
+    Background {
+        /// The checkpoint that was being written.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<CheckpointError>,
+    },
+}
+
+impl CheckpointError {
+    pub(crate) fn io(
+        action: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> CheckpointError {
+        let path = path.into();
+        move |source| CheckpointError::Io {
+            action,
+            path,
+            source,
+        }
+    }
+
+    pub(crate) fn damaged(path: impl Into<PathBuf>, reason: impl Into<String>) -> CheckpointError {
+        CheckpointError::Damaged {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl CheckpointError {
+    /// As a core error raised by the checkpoint saver.
+    pub fn in_saver(self) -> flashover_core::CoreError {
+        flashover_core::CoreError::External {
+            component: "checkpoint saver".into(),
+            source: Box::new(self),
+        }
+    }
+
+    /// As a core error raised while restoring.
+    pub fn in_restore(self) -> flashover_core::CoreError {
+        flashover_core::CoreError::Restore(Box::new(self))
+    }
+}

@@ -1,0 +1,385 @@
+//! The on-disk format: a directory per checkpoint, a manifest naming every file with its size
+//! and SHA-256, and atomic writes (temporary name, fsync, rename, directory fsync).
+//!
+//! This module is the only place that knows file names and the manifest's layout.
+
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::path::{Component, Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::CheckpointError;
+
+/// Identifies a Flashover checkpoint manifest.
+pub const FORMAT_NAME: &str = "flashover-checkpoint";
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+/// The manifest's file name inside a checkpoint directory.
+pub const MANIFEST: &str = "manifest.json";
+/// Model weights (safetensors).
+pub const MODEL: &str = "model.safetensors";
+/// Optimizer state (Burn record, named MessagePack, full precision).
+pub const OPTIMIZER: &str = "optimizer.mpk";
+/// Trainer state (JSON).
+pub const TRAINER_STATE: &str = "trainer_state.json";
+/// The file in a save folder that names the newest complete checkpoint.
+pub const LATEST: &str = "latest";
+/// A manifest larger than this is not a manifest this build wrote.
+const MAX_MANIFEST_BYTES: u64 = 1 << 20;
+
+/// One file listed in a manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    /// File name inside the checkpoint directory (a single path component).
+    pub name: String,
+    /// Size in bytes.
+    pub bytes: u64,
+    /// SHA-256 of the content, lowercase hex.
+    pub sha256: String,
+}
+
+/// The manifest: what a checkpoint holds and where in training it was taken.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Always [`FORMAT_NAME`].
+    pub format: String,
+    /// The format version.
+    pub version: u32,
+    /// Completed epochs when saved.
+    pub epoch: u64,
+    /// Completed batches when saved.
+    pub batch: u64,
+    /// Whether only model weights were saved.
+    pub weights_only: bool,
+    /// Every file of the checkpoint.
+    pub files: Vec<FileEntry>,
+}
+
+/// Hex SHA-256 of bytes.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn sync_dir(dir: &Path) {
+    // Making a rename durable needs an fsync of the directory; a filesystem that cannot open
+    // directories for this gives no stronger guarantee to fall back on, so it is skipped.
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+fn parent_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// Writes `bytes` to `path` atomically: a sibling temporary file, fsync, rename, then fsync of
+/// the directory so the rename itself survives a crash.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let dir = parent_of(path);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "file".into());
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        let mut f = File::create(&tmp).map_err(CheckpointError::io("create", &tmp))?;
+        f.write_all(bytes)
+            .map_err(CheckpointError::io("write", &tmp))?;
+        f.sync_all().map_err(CheckpointError::io("sync", &tmp))?;
+        fs::rename(&tmp, path).map_err(CheckpointError::io("rename into", path))?;
+        sync_dir(dir);
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// Whether a directory entry name is one of the saver's temporary or discarded directories.
+pub(crate) fn is_scratch(name: &str) -> bool {
+    name.starts_with(".tmp-") || name.starts_with(".trash-")
+}
+
+/// Writes a checkpoint directory `folder/name` holding `files`, atomically: everything goes
+/// into `folder/.tmp-<name>-<pid>`, each file is synced, the manifest is written last, and
+/// the directory is renamed into place. With `overwrite`, an existing checkpoint of the same
+/// name is replaced; otherwise it is an error and nothing is written.
+pub fn write_checkpoint(
+    folder: &Path,
+    name: &str,
+    epoch: u64,
+    batch: u64,
+    weights_only: bool,
+    files: &[(&str, &[u8])],
+    overwrite: bool,
+) -> Result<PathBuf, CheckpointError> {
+    let target = folder.join(name);
+    if target.exists() && !overwrite {
+        return Err(CheckpointError::Exists { path: target });
+    }
+    fs::create_dir_all(folder).map_err(CheckpointError::io("create folder", folder))?;
+    let tmp = folder.join(format!(".tmp-{name}-{}", std::process::id()));
+    if tmp.exists() {
+        fs::remove_dir_all(&tmp).map_err(CheckpointError::io("remove stale", &tmp))?;
+    }
+    let result = (|| {
+        fs::create_dir(&tmp).map_err(CheckpointError::io("create", &tmp))?;
+        let mut entries = Vec::with_capacity(files.len());
+        for (file, bytes) in files {
+            let path = tmp.join(file);
+            let mut f = File::create(&path).map_err(CheckpointError::io("create", &path))?;
+            f.write_all(bytes)
+                .map_err(CheckpointError::io("write", &path))?;
+            f.sync_all().map_err(CheckpointError::io("sync", &path))?;
+            entries.push(FileEntry {
+                name: file.to_string(),
+                bytes: bytes.len() as u64,
+                sha256: sha256_hex(bytes),
+            });
+        }
+        let manifest = Manifest {
+            format: FORMAT_NAME.into(),
+            version: FORMAT_VERSION,
+            epoch,
+            batch,
+            weights_only,
+            files: entries,
+        };
+        let text = serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Format {
+            path: tmp.join(MANIFEST),
+            message: e.to_string(),
+        })?;
+        let path = tmp.join(MANIFEST);
+        let mut f = File::create(&path).map_err(CheckpointError::io("create", &path))?;
+        f.write_all(&text)
+            .map_err(CheckpointError::io("write", &path))?;
+        f.sync_all().map_err(CheckpointError::io("sync", &path))?;
+        sync_dir(&tmp);
+        if target.exists() {
+            let trash = folder.join(format!(".trash-{name}-{}", std::process::id()));
+            fs::rename(&target, &trash).map_err(CheckpointError::io("move aside", &target))?;
+            fs::rename(&tmp, &target).map_err(CheckpointError::io("rename into", &target))?;
+            let _ = fs::remove_dir_all(&trash);
+        } else {
+            fs::rename(&tmp, &target).map_err(CheckpointError::io("rename into", &target))?;
+        }
+        sync_dir(folder);
+        Ok(target.clone())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn safe_entry(name: &str) -> bool {
+    let p = Path::new(name);
+    !name.is_empty()
+        && name != MANIFEST
+        && p.components().count() == 1
+        && matches!(p.components().next(), Some(Component::Normal(_)))
+}
+
+/// Reads and checks a checkpoint directory's manifest, then every listed file's size and
+/// SHA-256 (streamed, so no file is held in memory here). Fails on the first problem, naming
+/// the file.
+pub fn verify(dir: &Path) -> Result<Manifest, CheckpointError> {
+    let manifest_path = dir.join(MANIFEST);
+    let meta = fs::metadata(&manifest_path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            CheckpointError::damaged(
+                &manifest_path,
+                "no manifest: not a checkpoint, or its save did not finish",
+            )
+        } else {
+            CheckpointError::Io {
+                action: "read",
+                path: manifest_path.clone(),
+                source: e,
+            }
+        }
+    })?;
+    if meta.len() > MAX_MANIFEST_BYTES {
+        return Err(CheckpointError::damaged(
+            &manifest_path,
+            format!("{} bytes, larger than any manifest", meta.len()),
+        ));
+    }
+    let text = fs::read(&manifest_path).map_err(CheckpointError::io("read", &manifest_path))?;
+    let value: serde_json::Value = serde_json::from_slice(&text)
+        .map_err(|e| CheckpointError::damaged(&manifest_path, format!("not JSON: {e}")))?;
+    if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT_NAME) {
+        return Err(CheckpointError::damaged(
+            &manifest_path,
+            format!("not a {FORMAT_NAME} manifest"),
+        ));
+    }
+    let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+    if version != FORMAT_VERSION as u64 {
+        return Err(CheckpointError::Version {
+            path: manifest_path,
+            found: u32::try_from(version).unwrap_or(u32::MAX),
+            supported: FORMAT_VERSION,
+        });
+    }
+    let manifest: Manifest = serde_json::from_value(value)
+        .map_err(|e| CheckpointError::damaged(&manifest_path, format!("unexpected layout: {e}")))?;
+    for entry in &manifest.files {
+        if !safe_entry(&entry.name) {
+            return Err(CheckpointError::damaged(
+                &manifest_path,
+                format!(
+                    "lists {:?}, which is not a plain file name inside the checkpoint",
+                    entry.name
+                ),
+            ));
+        }
+        let path = dir.join(&entry.name);
+        let meta = fs::symlink_metadata(&path).map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                CheckpointError::damaged(&path, "listed in the manifest but missing")
+            }
+            _ => CheckpointError::Io {
+                action: "read",
+                path: path.clone(),
+                source: e,
+            },
+        })?;
+        if !meta.is_file() {
+            return Err(CheckpointError::damaged(&path, "not a regular file"));
+        }
+        if meta.len() != entry.bytes {
+            return Err(CheckpointError::damaged(
+                &path,
+                format!("{} bytes, the manifest says {}", meta.len(), entry.bytes),
+            ));
+        }
+        let mut f = File::open(&path).map_err(CheckpointError::io("read", &path))?;
+        let mut h = Sha256::new();
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            let n = f
+                .read(&mut buf)
+                .map_err(CheckpointError::io("read", &path))?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        let got: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        if got != entry.sha256 {
+            return Err(CheckpointError::damaged(
+                &path,
+                "content does not match the manifest's SHA-256",
+            ));
+        }
+    }
+    Ok(manifest)
+}
+
+/// Reads a file that [`verify`] has checked, refusing one that changed size since.
+pub fn read_verified(
+    dir: &Path,
+    manifest: &Manifest,
+    name: &str,
+) -> Result<Vec<u8>, CheckpointError> {
+    let path = dir.join(name);
+    let entry = manifest
+        .files
+        .iter()
+        .find(|e| e.name == name)
+        .ok_or_else(|| {
+            CheckpointError::damaged(dir.join(MANIFEST), format!("does not list {name}"))
+        })?;
+    let bytes = fs::read(&path).map_err(CheckpointError::io("read", &path))?;
+    if bytes.len() as u64 != entry.bytes || sha256_hex(&bytes) != entry.sha256 {
+        return Err(CheckpointError::damaged(
+            &path,
+            "changed after it was verified",
+        ));
+    }
+    Ok(bytes)
+}
+
+/// Points `folder/latest` at checkpoint `name`, atomically.
+pub fn write_latest(folder: &Path, name: &str) -> Result<(), CheckpointError> {
+    write_atomic(&folder.join(LATEST), name.as_bytes())
+}
+
+/// The checkpoint `folder/latest` names, if the pointer exists and names a plain entry.
+pub fn read_latest(folder: &Path) -> Option<String> {
+    let text = fs::read_to_string(folder.join(LATEST)).ok()?;
+    let name = text.trim().to_string();
+    safe_entry(&name).then_some(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(dir: &Path) -> PathBuf {
+        write_checkpoint(
+            dir,
+            "ck",
+            1,
+            10,
+            false,
+            &[("a.bin", b"hello"), ("b.json", b"{}")],
+            false,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_written_checkpoint_verifies_and_leaves_no_scratch() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = sample(dir.path());
+        let m = verify(&ck).unwrap();
+        assert_eq!((m.epoch, m.batch, m.files.len()), (1, 10, 2));
+        assert_eq!(read_verified(&ck, &m, "a.bin").unwrap(), b"hello");
+        let names: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["ck"]);
+        // Without overwrite a second save of the same name is refused and changes nothing.
+        let err = write_checkpoint(dir.path(), "ck", 2, 20, false, &[("a.bin", b"x")], false)
+            .unwrap_err();
+        assert!(matches!(err, CheckpointError::Exists { .. }), "{err}");
+        assert_eq!(verify(&ck).unwrap().batch, 10);
+        write_checkpoint(dir.path(), "ck", 2, 20, false, &[("a.bin", b"x")], true).unwrap();
+        assert_eq!(verify(&ck).unwrap().batch, 20);
+    }
+
+    #[test]
+    fn unsafe_manifest_entries_are_refused() {
+        for bad in [
+            "../outside",
+            "/etc/passwd",
+            "sub/dir",
+            "",
+            ".",
+            "manifest.json",
+        ] {
+            assert!(!safe_entry(bad), "{bad}");
+        }
+        assert!(safe_entry("model.safetensors"));
+    }
+
+    #[test]
+    fn latest_points_at_a_plain_name() {
+        let dir = tempfile::tempdir().unwrap();
+        write_latest(dir.path(), "ep1-ba10").unwrap();
+        assert_eq!(read_latest(dir.path()).as_deref(), Some("ep1-ba10"));
+        fs::write(dir.path().join(LATEST), "../elsewhere").unwrap();
+        assert_eq!(read_latest(dir.path()), None);
+    }
+}

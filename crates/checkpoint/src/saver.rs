@@ -1,0 +1,520 @@
+//! The checkpoint saver: a callback that decides when to save (an interval in time units or
+//! a function of time), serialises the state on the training thread, and writes it (on the
+//! training thread, or on a background writer that the next save or `FIT_END` waits for).
+//!
+//! Retention is a pure policy ([`retention`]) that returns which checkpoints to delete; the
+//! writer carries it out after the new checkpoint and the `latest` pointer are in place.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::thread::JoinHandle;
+
+use burn::optim::Optimizer;
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use flashover_core::callback::Callback;
+use flashover_core::error::Result as CoreResult;
+use flashover_core::event::Event;
+use flashover_core::logger::Logger;
+use flashover_core::model::TrainModel;
+use flashover_core::state::State;
+use flashover_core::time::{Time, TimeUnit, Timestamp};
+
+use crate::error::CheckpointError;
+use crate::format::{
+    self, is_scratch, write_checkpoint, write_latest, MODEL, OPTIMIZER, TRAINER_STATE,
+};
+use crate::state_file::TrainerStateFile;
+use crate::weights::weights_to_bytes;
+
+/// Fields a name template may use.
+pub const TEMPLATE_FIELDS: &[&str] = &[
+    "epoch",
+    "batch",
+    "sample",
+    "token",
+    "batch_in_epoch",
+    "rank",
+];
+
+/// Renders a checkpoint name from a template such as `"ep{epoch}-ba{batch}"`.
+pub fn render_name(template: &str, ts: &Timestamp, rank: usize) -> Result<String, CheckpointError> {
+    let bad = |reason: String| CheckpointError::Config {
+        name: "name_template",
+        value: template.to_string(),
+        expected: reason,
+    };
+    let mut out = String::new();
+    let mut rest = template;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let close = rest[open..]
+            .find('}')
+            .ok_or_else(|| bad("a closing `}` for every `{`".into()))?
+            + open;
+        let field = &rest[open + 1..close];
+        let value = match field {
+            "epoch" => ts.epoch,
+            "batch" => ts.batch,
+            "sample" => ts.sample,
+            "token" => ts.token,
+            "batch_in_epoch" => ts.batch_in_epoch,
+            "rank" => rank as u64,
+            other => {
+                return Err(bad(format!(
+                    "fields among {{{}}}, not {{{other}}}",
+                    TEMPLATE_FIELDS.join("}, {")
+                )))
+            }
+        };
+        out.push_str(&value.to_string());
+        rest = &rest[close + 1..];
+    }
+    out.push_str(rest);
+    let plain = !out.is_empty()
+        && !out.starts_with('.')
+        && out != format::LATEST
+        && !out.contains(['/', '\\'])
+        && out.chars().all(|c| !c.is_control());
+    if !plain {
+        return Err(bad(format!(
+            "a plain folder name (got {out:?}): no '/', not starting with '.', not \"latest\""
+        )));
+    }
+    Ok(out)
+}
+
+/// Which checkpoints to delete so that the newest `keep` remain. `existing` pairs each
+/// checkpoint's name with its batch count; newer means more batches (then a later name).
+/// `keep` of 0 keeps everything.
+pub fn retention(existing: &[(String, u64)], keep: usize) -> Vec<String> {
+    if keep == 0 || existing.len() <= keep {
+        return Vec::new();
+    }
+    let mut sorted: Vec<&(String, u64)> = existing.iter().collect();
+    sorted.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| b.0.cmp(&a.0)));
+    sorted[keep..].iter().map(|(n, _)| n.clone()).collect()
+}
+
+/// Checkpoints in `folder` whose manifest can be read, with their batch counts. Damaged ones
+/// are not listed (so rotation never deletes what it cannot identify).
+pub fn list_checkpoints(folder: &Path) -> Vec<(String, u64)> {
+    let Ok(entries) = fs::read_dir(folder) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                return None;
+            }
+            let text = fs::read(e.path().join(format::MANIFEST)).ok()?;
+            let m: format::Manifest = serde_json::from_slice(&text).ok()?;
+            (m.format == format::FORMAT_NAME).then_some((name, m.batch))
+        })
+        .collect()
+}
+
+/// A function deciding, from the timestamp and the checkpoint event, whether to save.
+pub type SavePredicate = Box<dyn FnMut(&Timestamp, Event) -> bool + Send>;
+
+/// When to save.
+pub enum SaveInterval {
+    /// Every so often: at `EPOCH_CHECKPOINT` for epochs, at `BATCH_CHECKPOINT` when a multiple
+    /// of the interval is crossed for other units.
+    Every(Time),
+    /// A function of the timestamp and the event (`BATCH_CHECKPOINT` or `EPOCH_CHECKPOINT`).
+    Custom(SavePredicate),
+}
+
+/// Saver settings. `Default` saves every epoch as `ep{epoch}-ba{batch}`, keeps everything,
+/// writes full state synchronously and refuses to overwrite.
+#[derive(Debug, Clone)]
+pub struct SaverConfig {
+    /// Where checkpoints go (created if missing).
+    pub folder: PathBuf,
+    /// Name template; see [`TEMPLATE_FIELDS`].
+    pub name_template: String,
+    /// Keep only the newest N checkpoints in the folder; 0 keeps all.
+    pub keep: usize,
+    /// Save model weights only (such a checkpoint starts new runs; it cannot resume one).
+    pub weights_only: bool,
+    /// Replace a checkpoint of the same name instead of failing.
+    pub overwrite: bool,
+    /// Write files on a background thread; the training thread only serialises.
+    pub async_write: bool,
+}
+
+impl SaverConfig {
+    /// Defaults for `folder`.
+    pub fn new(folder: impl Into<PathBuf>) -> Self {
+        SaverConfig {
+            folder: folder.into(),
+            name_template: "ep{epoch}-ba{batch}".into(),
+            keep: 0,
+            weights_only: false,
+            overwrite: false,
+            async_write: false,
+        }
+    }
+}
+
+struct Job {
+    folder: PathBuf,
+    name: String,
+    epoch: u64,
+    batch: u64,
+    weights_only: bool,
+    overwrite: bool,
+    keep: usize,
+    files: Vec<(&'static str, Vec<u8>)>,
+}
+
+impl Job {
+    fn run(self) -> Result<PathBuf, CheckpointError> {
+        // Scratch left by a save that was killed midway is removed first (one writer per
+        // folder is the contract, so nothing else can be using it).
+        if let Ok(entries) = fs::read_dir(&self.folder) {
+            for e in entries.flatten() {
+                if is_scratch(&e.file_name().to_string_lossy()) {
+                    let _ = fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let files: Vec<(&str, &[u8])> =
+            self.files.iter().map(|(n, b)| (*n, b.as_slice())).collect();
+        let path = write_checkpoint(
+            &self.folder,
+            &self.name,
+            self.epoch,
+            self.batch,
+            self.weights_only,
+            &files,
+            self.overwrite,
+        )?;
+        write_latest(&self.folder, &self.name)?;
+        for old in retention(&list_checkpoints(&self.folder), self.keep) {
+            if old != self.name {
+                // Renamed aside first, so a crash mid-delete leaves scratch for the next save
+                // to clear, never a half-deleted checkpoint that looks like a real one.
+                let p = self.folder.join(&old);
+                let trash = self
+                    .folder
+                    .join(format!(".trash-{old}-{}", std::process::id()));
+                fs::rename(&p, &trash)
+                    .map_err(CheckpointError::io("move aside old checkpoint", &p))?;
+                fs::remove_dir_all(&trash)
+                    .map_err(CheckpointError::io("remove old checkpoint", &trash))?;
+            }
+        }
+        Ok(path)
+    }
+}
+
+struct Writer {
+    jobs: SyncSender<Job>,
+    done: Receiver<Result<PathBuf, CheckpointError>>,
+    pending: Option<PathBuf>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Writer {
+    fn start() -> Result<Self, CheckpointError> {
+        let (jobs, rx) = mpsc::sync_channel::<Job>(1);
+        let (tx, done) = mpsc::channel();
+        let handle = std::thread::Builder::new()
+            .name("flashover-checkpoint-writer".into())
+            .spawn(move || {
+                for job in rx {
+                    if tx.send(job.run()).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(CheckpointError::io(
+                "start writer thread for",
+                "checkpoint folder",
+            ))?;
+        Ok(Writer {
+            jobs,
+            done,
+            pending: None,
+            handle: Some(handle),
+        })
+    }
+
+    /// Waits for the write in flight, if any, and reports its failure.
+    fn wait(&mut self) -> Result<(), CheckpointError> {
+        let Some(path) = self.pending.take() else {
+            return Ok(());
+        };
+        match self.done.recv() {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(CheckpointError::Background {
+                path,
+                source: Box::new(e),
+            }),
+            Err(_) => Err(CheckpointError::Background {
+                path: path.clone(),
+                source: Box::new(CheckpointError::io("write", path)(std::io::Error::other(
+                    "writer thread stopped",
+                ))),
+            }),
+        }
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        let _ = self.wait();
+        // Closing the job channel ends the thread.
+        let (dummy, _) = mpsc::sync_channel(1);
+        drop(std::mem::replace(&mut self.jobs, dummy));
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Saves checkpoints during training. Only rank 0 writes.
+///
+/// ```no_run
+/// use flashover_checkpoint::{Saver, SaverConfig, SaveInterval};
+/// use flashover_core::time::Time;
+/// let mut config = SaverConfig::new("checkpoints");
+/// config.keep = 3;
+/// let saver = Saver::new(config, SaveInterval::Every(Time::Batch(500))).unwrap();
+/// # let _ = saver;
+/// ```
+pub struct Saver {
+    config: SaverConfig,
+    interval: SaveInterval,
+    before: Option<Timestamp>,
+    last_saved_batch: Option<u64>,
+    writer: Option<Writer>,
+    saved: Vec<PathBuf>,
+}
+
+impl Saver {
+    /// A saver; checks the name template and the interval.
+    pub fn new(config: SaverConfig, interval: SaveInterval) -> Result<Self, CheckpointError> {
+        render_name(&config.name_template, &Timestamp::default(), 0)?;
+        if let SaveInterval::Every(t) = &interval {
+            if t.is_zero() {
+                return Err(CheckpointError::Config {
+                    name: "save_interval",
+                    value: t.to_string(),
+                    expected: "a time greater than zero".into(),
+                });
+            }
+        }
+        let writer = if config.async_write {
+            Some(Writer::start()?)
+        } else {
+            None
+        };
+        Ok(Saver {
+            config,
+            interval,
+            before: None,
+            last_saved_batch: None,
+            writer,
+            saved: Vec::new(),
+        })
+    }
+
+    /// Checkpoints this saver wrote (or handed to its writer), oldest first.
+    pub fn saved(&self) -> &[PathBuf] {
+        &self.saved
+    }
+
+    fn due<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
+        &mut self,
+        event: Event,
+        state: &State<B, M, O>,
+    ) -> bool {
+        match &mut self.interval {
+            SaveInterval::Custom(f) => f(&state.timestamp, event),
+            SaveInterval::Every(t) => match (t.unit(), event) {
+                (TimeUnit::Epoch, Event::EpochCheckpoint) => {
+                    state.timestamp.epoch.is_multiple_of(t.value() as u64)
+                }
+                (TimeUnit::Epoch, _) | (_, Event::EpochCheckpoint) => false,
+                (unit, _) => {
+                    let Some(before) = &self.before else {
+                        return false;
+                    };
+                    let p = state.progress();
+                    let crossings =
+                        |ts: &Timestamp| (p.elapsed(ts, unit) / t.value() + 1e-9).floor();
+                    crossings(&state.timestamp) > crossings(before)
+                }
+            },
+        }
+    }
+
+    fn save<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
+        &mut self,
+        state: &State<B, M, O>,
+    ) -> Result<(), CheckpointError> {
+        if state.world.rank != 0 {
+            return Ok(());
+        }
+        let ts = &state.timestamp;
+        let name = render_name(&self.config.name_template, ts, state.world.rank)?;
+        let mut files: Vec<(&'static str, Vec<u8>)> =
+            vec![(MODEL, weights_to_bytes::<B, M>(state.model())?)];
+        if !self.config.weights_only {
+            let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+            let optimizer = Recorder::<B>::record(&recorder, state.optimizer.to_record(), ())
+                .map_err(|e| CheckpointError::Format {
+                    path: self.config.folder.join(&name).join(OPTIMIZER),
+                    message: e.to_string(),
+                })?;
+            files.push((OPTIMIZER, optimizer));
+            let trainer =
+                serde_json::to_vec_pretty(&TrainerStateFile::from_state(state)).map_err(|e| {
+                    CheckpointError::Format {
+                        path: self.config.folder.join(&name).join(TRAINER_STATE),
+                        message: e.to_string(),
+                    }
+                })?;
+            files.push((TRAINER_STATE, trainer));
+        }
+        let job = Job {
+            folder: self.config.folder.clone(),
+            name: name.clone(),
+            epoch: ts.epoch,
+            batch: ts.batch,
+            weights_only: self.config.weights_only,
+            overwrite: self.config.overwrite,
+            keep: self.config.keep,
+            files,
+        };
+        let path = self.config.folder.join(&name);
+        match &mut self.writer {
+            None => {
+                job.run()?;
+            }
+            Some(w) => {
+                w.wait()?;
+                w.jobs.send(job).map_err(|_| CheckpointError::Background {
+                    path: path.clone(),
+                    source: Box::new(CheckpointError::io("write", &path)(std::io::Error::other(
+                        "writer thread stopped",
+                    ))),
+                })?;
+                w.pending = Some(path.clone());
+            }
+        }
+        tracing::info!(checkpoint = %path.display(), batch = ts.batch, "checkpoint saved");
+        self.last_saved_batch = Some(ts.batch);
+        self.saved.push(path);
+        Ok(())
+    }
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for Saver {
+    fn name(&self) -> &str {
+        "checkpoint_saver"
+    }
+
+    fn batch_start(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> CoreResult<()> {
+        self.before = Some(state.timestamp.clone());
+        Ok(())
+    }
+
+    fn batch_checkpoint(
+        &mut self,
+        state: &mut State<B, M, O>,
+        _logger: &mut Logger,
+    ) -> CoreResult<()> {
+        if self.due(Event::BatchCheckpoint, state) {
+            self.save(state).map_err(CheckpointError::in_saver)?;
+        }
+        Ok(())
+    }
+
+    fn epoch_checkpoint(
+        &mut self,
+        state: &mut State<B, M, O>,
+        _logger: &mut Logger,
+    ) -> CoreResult<()> {
+        if self.due(Event::EpochCheckpoint, state)
+            && self.last_saved_batch != Some(state.timestamp.batch)
+        {
+            self.save(state).map_err(CheckpointError::in_saver)?;
+        }
+        Ok(())
+    }
+
+    /// The state at the end of every fit is saved (unless it already was), so a run that was
+    /// stopped early resumes from where it stopped; then background writes are awaited.
+    fn fit_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> CoreResult<()> {
+        if self.last_saved_batch != Some(state.timestamp.batch) {
+            self.save(state).map_err(CheckpointError::in_saver)?;
+        }
+        if let Some(w) = &mut self.writer {
+            w.wait().map_err(CheckpointError::in_saver)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn names_render_from_the_timestamp() {
+        let ts = Timestamp {
+            epoch: 2,
+            batch: 250,
+            sample: 16000,
+            batch_in_epoch: 0,
+            ..Default::default()
+        };
+        assert_eq!(
+            render_name("ep{epoch}-ba{batch}", &ts, 0).unwrap(),
+            "ep2-ba250"
+        );
+        assert_eq!(
+            render_name("r{rank}-sp{sample}", &ts, 3).unwrap(),
+            "r3-sp16000"
+        );
+        for bad in [
+            "ep{epochs}",
+            "ep{epoch",
+            "../x{batch}",
+            "",
+            ".hidden",
+            "latest",
+        ] {
+            let err = render_name(bad, &ts, 0).unwrap_err().to_string();
+            assert!(err.contains("name_template"), "{bad}: {err}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn retention_keeps_exactly_the_newest(batches in prop::collection::vec(0u64..1000, 0..30), keep in 0usize..10) {
+            let existing: Vec<(String, u64)> = batches.iter().enumerate().map(|(i, b)| (format!("ck{i:02}"), *b)).collect();
+            let delete = retention(&existing, keep);
+            let kept: Vec<&(String, u64)> = existing.iter().filter(|(n, _)| !delete.contains(n)).collect();
+            if keep == 0 {
+                prop_assert!(delete.is_empty());
+            } else {
+                prop_assert_eq!(kept.len(), existing.len().min(keep));
+                let oldest_kept = kept.iter().map(|(_, b)| *b).min().unwrap_or(u64::MAX);
+                for d in &delete {
+                    let b = existing.iter().find(|(n, _)| n == d).unwrap().1;
+                    prop_assert!(b <= oldest_kept);
+                }
+            }
+        }
+    }
+}

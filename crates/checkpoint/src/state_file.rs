@@ -1,0 +1,95 @@
+//! The trainer state a checkpoint stores as JSON, and how it is taken from and put back into
+//! a live [`State`]. Model weights and optimizer moments are separate files (binary, full
+//! precision); this file holds everything else that makes a resumed run exact.
+
+use std::collections::BTreeMap;
+
+use burn::optim::Optimizer;
+use burn::tensor::backend::AutodiffBackend;
+use flashover_core::model::TrainModel;
+use flashover_core::state::State;
+use flashover_core::time::Timestamp;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Where the sampler stands: the next batch to read is batch `batch_in_epoch` of `epoch`.
+/// Redundant with the timestamp on purpose: a loader checks the two agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerPosition {
+    /// Epoch of the next batch.
+    pub epoch: u64,
+    /// Index of the next batch inside that epoch.
+    pub batch_in_epoch: u64,
+}
+
+/// Contents of `trainer_state.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerStateFile {
+    /// The timestamp when saved.
+    pub timestamp: Timestamp,
+    /// The sampler's position.
+    pub sampler: SamplerPosition,
+    /// The run's seed.
+    pub seed: u64,
+    /// Rank that saved.
+    pub rank: usize,
+    /// World size when saved.
+    pub world_size: usize,
+    /// Base learning rate (informational: the configuration decides).
+    pub base_lr: f64,
+    /// Learning rate of the last batch (informational: schedules are functions of time).
+    pub lr: f64,
+    /// `max_duration` when saved (informational).
+    pub max_duration: String,
+    /// The schedule's description (informational; a different one is logged on resume).
+    pub scheduler: String,
+    /// Batches skipped for a non-finite loss.
+    pub skipped_batches: u64,
+    /// Batch count at the last evaluation.
+    pub last_eval_batch: Option<u64>,
+    /// Latest evaluation results (`null` for a metric with no value).
+    pub eval_metrics: BTreeMap<String, BTreeMap<String, Option<f64>>>,
+    /// Parameter ids by path (optimizer state is keyed by id).
+    pub param_ids: BTreeMap<String, u64>,
+    /// Saved states of algorithms and callbacks.
+    pub components: BTreeMap<String, Value>,
+}
+
+impl TrainerStateFile {
+    /// Takes everything but weights and optimizer moments from a live state.
+    pub fn from_state<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
+        state: &State<B, M, O>,
+    ) -> Self {
+        let ts = state.timestamp.clone();
+        TrainerStateFile {
+            sampler: SamplerPosition {
+                epoch: ts.epoch,
+                batch_in_epoch: ts.batch_in_epoch,
+            },
+            timestamp: ts,
+            seed: state.seed,
+            rank: state.world.rank,
+            world_size: state.world.size,
+            base_lr: state.base_lr,
+            lr: state.lr,
+            max_duration: state.max_duration.to_string(),
+            scheduler: state.scheduler.describe(),
+            skipped_batches: state.skipped_batches,
+            last_eval_batch: state.last_eval_batch,
+            eval_metrics: state
+                .eval_metrics
+                .iter()
+                .map(|(k, m)| {
+                    (
+                        k.clone(),
+                        m.iter()
+                            .map(|(n, v)| (n.clone(), v.is_finite().then_some(*v)))
+                            .collect(),
+                    )
+                })
+                .collect(),
+            param_ids: crate::weights::param_ids::<B, M>(state.model()),
+            components: state.component_states.clone(),
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! Crash safety: kill the example with SIGKILL at random points (many during a save, since it
+//! saves after every batch), resume each time with `--autoresume`, and still end with the
+//! bits of the run that was never interrupted.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use flashover::checkpoint::find_resumable;
+use flashover::core::rng::Rng;
+use flashover_tests::*;
+
+#[test]
+fn killed_at_random_points_and_resumed_gives_the_uninterrupted_result() {
+    // 6 epochs of 16 batches, saving after every batch, keeping the newest three.
+    let straight = summary_of(&short_args(&["--max-duration", "6ep"]));
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap().to_string();
+    let args = short_args(&[
+        "--max-duration",
+        "6ep",
+        "--save-folder",
+        &folder,
+        "--save-interval",
+        "1ba",
+        "--keep",
+        "3",
+        "--autoresume",
+    ]);
+    let mut rng = Rng::new(20261130);
+    let mut progress = Vec::new();
+    let mut kills = 0;
+    for _ in 0..12 {
+        let mut child = Command::new(example_bin("mnist"))
+            .args(&args)
+            .arg("--no-progress")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the example starts");
+        let delay = Duration::from_millis(60 + rng.below(300));
+        let started = Instant::now();
+        let mut finished = false;
+        while started.elapsed() < delay {
+            if child.try_wait().unwrap().is_some() {
+                finished = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if !finished {
+            child.kill().unwrap(); // SIGKILL
+            kills += 1;
+        }
+        child.wait().unwrap();
+        let (found, _) = find_resumable(dir.path()).unwrap();
+        progress.push(found.map(|p| p.file_name().unwrap().to_string_lossy().into_owned()));
+    }
+    assert!(
+        kills >= 10,
+        "only {kills} runs were killed before finishing; progress {progress:?}"
+    );
+    let done = summary_of(&args);
+    assert_eq!(
+        outcome(&done),
+        outcome(&straight),
+        "after {kills} kills (checkpoints seen: {progress:?})"
+    );
+    // Rotation kept three checkpoints and no scratch survived the last run.
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 4, "three checkpoints and `latest`: {names:?}");
+    assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+}

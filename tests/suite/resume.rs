@@ -1,0 +1,192 @@
+//! Exact resumption across processes: train straight; or train part way, save, start a new
+//! process that resumes, train to the end; both end with the same bits and the same metrics.
+
+use flashover_tests::*;
+
+fn resumed(extra: &[&str], first: &[&str], resume: impl Fn(&str) -> Vec<String>) {
+    let straight = summary_of(&short_args(extra));
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap().to_string();
+    let mut a = short_args(extra);
+    a.extend(["--save-folder", &folder]);
+    a.extend(first);
+    let partial = summary_of(&a);
+    assert!(
+        partial["batches"].as_u64() < straight["batches"].as_u64(),
+        "the first part must stop early: {partial}"
+    );
+    let tail = resume(&folder);
+    let mut b = short_args(extra);
+    b.extend(["--save-folder", &folder]);
+    b.extend(tail.iter().map(String::as_str));
+    let back = summary_of(&b);
+    assert_eq!(
+        outcome(&back),
+        outcome(&straight),
+        "resumed run differs from the straight one ({extra:?}, {first:?})"
+    );
+}
+
+fn autoresume(_: &str) -> Vec<String> {
+    vec!["--autoresume".into()]
+}
+
+#[test]
+fn resume_mid_epoch() {
+    resumed(&[], &["--stop-after", "8ba"], autoresume);
+}
+
+#[test]
+fn resume_right_after_an_epoch() {
+    // Stops once epoch 1 has ended (its EPOCH_END and evaluation ran), and one batch later.
+    resumed(&[], &["--stop-after", "1ep"], autoresume);
+    resumed(&[], &["--stop-after", "17ba"], autoresume);
+}
+
+#[test]
+fn resume_at_an_epoch_boundary_before_its_end_event() {
+    // The checkpoint taken at the BATCH_CHECKPOINT of the epoch's last batch (batch 16 of 16),
+    // before EPOCH_END: the resumed run must run that EPOCH_END (and its evaluation) itself.
+    resumed(
+        &[],
+        &["--save-interval", "8ba", "--stop-after", "20ba"],
+        |folder| vec!["--load".into(), format!("{folder}/ep0-ba16")],
+    );
+}
+
+#[test]
+fn resume_with_microbatches_and_inside_warmup() {
+    // Warmup is 20 batches: stopping at 12 resumes inside it.
+    resumed(
+        &["--microbatch-size", "8"],
+        &["--stop-after", "12ba"],
+        autoresume,
+    );
+}
+
+#[test]
+fn resume_with_other_schedules_and_optimizers() {
+    resumed(
+        &["--schedule", "step", "--optimizer", "sgd", "--lr", "0.05"],
+        &["--stop-after", "27ba"],
+        autoresume,
+    );
+    resumed(
+        &["--schedule", "cosine-warm-restarts", "--optimizer", "adam"],
+        &["--stop-after", "2ep"],
+        autoresume,
+    );
+}
+
+#[test]
+fn resume_from_an_asynchronous_save() {
+    resumed(
+        &["--save-async"],
+        &["--save-interval", "4ba", "--stop-after", "30ba"],
+        autoresume,
+    );
+}
+
+#[test]
+fn resuming_a_finished_run_evaluates_without_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let first = summary_of(&short_args(&["--save-folder", folder]));
+    let again = summary_of(&short_args(&["--save-folder", folder, "--autoresume"]));
+    assert_eq!(outcome(&again), outcome(&first));
+}
+
+mod components {
+    use std::sync::{Arc, Mutex};
+
+    use burn::optim::Optimizer;
+    use burn::tensor::backend::AutodiffBackend;
+    use flashover::callbacks::StopAt;
+    use flashover::checkpoint::{autoresume, SaveInterval, Saver, SaverConfig};
+    use flashover::core::callback::Callback;
+    use flashover::core::error::{CoreError, Result};
+    use flashover::core::logger::Logger;
+    use flashover::core::model::TrainModel;
+    use flashover::core::state::State;
+    use flashover::core::time::Time;
+    use flashover_examples::MnistRun;
+    use flashover_tests::*;
+
+    /// Counts the batches it has seen, and saves the count in checkpoints.
+    struct Counter(Arc<Mutex<u64>>);
+
+    impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for Counter {
+        fn name(&self) -> &str {
+            "counter"
+        }
+        fn batch_end(&mut self, _s: &mut State<B, M, O>, _l: &mut Logger) -> Result<()> {
+            *self.0.lock().unwrap() += 1;
+            Ok(())
+        }
+        fn state_dict(&self) -> serde_json::Value {
+            serde_json::json!({ "batches": *self.0.lock().unwrap() })
+        }
+        fn load_state_dict(&mut self, state: serde_json::Value) -> Result<()> {
+            let n = state["batches"]
+                .as_u64()
+                .ok_or_else(|| CoreError::config("counter state", &state, "{\"batches\": n}"))?;
+            *self.0.lock().unwrap() = n;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn callback_state_is_saved_and_restored_and_a_missing_component_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = short_run(256, 32, 50, "2ep");
+        let saver = || {
+            Saver::new(
+                SaverConfig::new(dir.path()),
+                SaveInterval::Every(Time::Batch(4)),
+            )
+            .unwrap()
+        };
+        let count = Arc::new(Mutex::new(0));
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(Counter(count.clone()))
+            .callback(saver())
+            .callback(StopAt::new(Time::Batch(6)))
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        assert_eq!(*count.lock().unwrap(), 6);
+
+        let resumed = Arc::new(Mutex::new(0));
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(Counter(resumed.clone()))
+            .callback(saver())
+            .restore(
+                autoresume(dir.path())
+                    .unwrap()
+                    .expect("a checkpoint to resume from"),
+            )
+            .build()
+            .unwrap();
+        assert_eq!(
+            *resumed.lock().unwrap(),
+            6,
+            "the counter's saved state is restored before training"
+        );
+        t.fit().unwrap();
+        assert_eq!(*resumed.lock().unwrap(), 16);
+
+        // A checkpoint carrying state for a component this run lacks is refused by name.
+        let err = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .restore(autoresume(dir.path()).unwrap().unwrap())
+            .build()
+            .err()
+            .expect("missing component");
+        assert!(err.to_string().contains("callback/counter"), "{err}");
+    }
+}
