@@ -32,7 +32,7 @@ fn killed_at_random_points_and_resumed_gives_the_uninterrupted_result() {
     for _ in 0..12 {
         let mut child = Command::new(example_bin("mnist"))
             .args(&args)
-            .arg("--no-progress")
+            .args(["--no-progress", "--backend", BACKEND])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

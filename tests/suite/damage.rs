@@ -202,6 +202,8 @@ fn a_save_that_fails_midway_keeps_the_previous_checkpoint_and_latest() {
             "4ba",
             "--autoresume",
             "--no-progress",
+            "--backend",
+            BACKEND,
         ])
         .iter()
         .map(|s| s.to_string()),

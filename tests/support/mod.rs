@@ -31,6 +31,19 @@ pub type Inner = flashover::backend::NdArray;
 ))]
 pub type Inner = flashover::backend::Flex;
 
+/// The name of [`Inner`] as the example's `--backend` flag spells it.
+#[cfg(feature = "cuda")]
+pub const BACKEND: &str = "cuda";
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+pub const BACKEND: &str = "wgpu";
+#[cfg(all(feature = "ndarray", not(any(feature = "wgpu", feature = "cuda"))))]
+pub const BACKEND: &str = "ndarray";
+#[cfg(all(
+    feature = "flex",
+    not(any(feature = "ndarray", feature = "wgpu", feature = "cuda"))
+))]
+pub const BACKEND: &str = "flex";
+
 /// The autodiff backend the tests train on.
 pub type TB = flashover::backend::Autodiff<Inner>;
 
@@ -230,7 +243,7 @@ pub struct RunOutput {
 pub fn run_mnist(args: &[&str]) -> RunOutput {
     let out = std::process::Command::new(example_bin("mnist"))
         .args(args)
-        .arg("--no-progress")
+        .args(["--no-progress", "--backend", BACKEND])
         .env("RUST_LOG", "info")
         .output()
         .expect("the example starts");

@@ -70,13 +70,24 @@ enum Cmd {
         backend: Backend,
     },
     /// Run the tests with a backend. The default backend runs the whole workspace suite;
-    /// others run the cross-crate suite on that backend, less the long accuracy test.
+    /// others run the cross-crate suite on that backend, less the long accuracy test and the
+    /// SIGKILL timing test.
     Test {
         #[arg(long, value_enum, default_value_t = Backend::Flex)]
         backend: Backend,
     },
     /// fmt check, clippy with warnings denied, then the tests (default backend).
     Check,
+    /// Measure, in one run: trainer overhead against a hand-written Burn loop, and
+    /// checkpoint save/load against raw I/O of the same bytes. Writes
+    /// target/bench/<backend>.json and .md and prints the tables.
+    Bench {
+        #[arg(long, value_enum, default_value_t = Backend::Flex)]
+        backend: Backend,
+        /// Fewer steps and repetitions (well under 3 minutes on 2 cores).
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn cargo(args: &[String]) -> Result<()> {
@@ -132,8 +143,148 @@ fn test(backend: Backend) -> Result<()> {
             "flashover-tests",
         ]);
         args.extend(b.cargo_args());
-        args.extend(strings(&["--", "--skip", "accuracy::"]));
+        // The long accuracy run and the SIGKILL test (whose kill times are tuned to the CPU
+        // backend's speed) run on the default backend only.
+        args.extend(strings(&[
+            "--",
+            "--skip",
+            "accuracy::",
+            "--skip",
+            "crash::",
+        ]));
         cargo(&args)?;
+    }
+    Ok(())
+}
+
+impl Backend {
+    fn target_dir(self) -> String {
+        match self {
+            Backend::Flex => "target".into(),
+            b => format!("target/backend-{}", b.name()),
+        }
+    }
+}
+
+/// Runs a built example with `args`, pinned to one compute thread, and returns its stdout.
+fn run_example(backend: Backend, name: &str, args: &[String]) -> Result<String> {
+    let bin = format!("{}/release/examples/{name}", backend.target_dir());
+    eprintln!("$ {bin} {}", args.join(" "));
+    let out = Command::new(&bin)
+        .args(args)
+        .args(["--backend", backend.name()])
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .with_context(|| format!("running {bin}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains("No possible adapter")
+            || stderr.contains("CUDA")
+            || stderr.contains("cuda")
+        {
+            bail!(
+                "no device for backend {}: {}",
+                backend.name(),
+                stderr.lines().last().unwrap_or("")
+            );
+        }
+        bail!("{bin} failed with {}:\n{stderr}", out.status);
+    }
+    Ok(stdout)
+}
+
+fn last_json(stdout: &str) -> Result<serde_json::Value> {
+    let line = stdout.lines().last().unwrap_or("");
+    serde_json::from_str(line)
+        .with_context(|| format!("expected a JSON summary line, got {line:?}"))
+}
+
+fn table(stdout: &str) -> String {
+    stdout
+        .lines()
+        .filter(|l| l.starts_with('|'))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn machine(backend: Backend) -> serde_json::Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let commit = Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    serde_json::json!({
+        "cpu": cpu,
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "backend": backend.name(),
+        "profile": "release",
+        "rayon_num_threads": 1,
+        "git_commit": commit,
+    })
+}
+
+fn bench(backend: Backend, quick: bool) -> Result<()> {
+    for b in backend.each() {
+        let mut args = strings(&[
+            "build",
+            "--release",
+            "-p",
+            "flashover-examples",
+            "--example",
+            "overhead",
+            "--example",
+            "checkpoint_io",
+        ]);
+        args.extend(
+            b.cargo_args()
+                .into_iter()
+                .filter(|a| !a.contains("flashover-tests")),
+        );
+        if b != Backend::Flex {
+            let n = args.len();
+            args[n - 1] = format!("flashover-examples/{}", b.name());
+        }
+        cargo(&args)?;
+        let (steps, reps) = if quick { ("30", "3") } else { ("120", "5") };
+        let overhead =
+            match run_example(b, "overhead", &strings(&["--steps", steps, "--reps", reps])) {
+                Ok(o) => o,
+                Err(e) if e.to_string().starts_with("no device") => {
+                    eprintln!("{e}; skipping");
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+        let checkpoint = run_example(b, "checkpoint_io", &strings(&["--reps", reps]))?;
+        let report = serde_json::json!({
+            "machine": machine(b),
+            "quick": quick,
+            "overhead": last_json(&overhead)?,
+            "checkpoint": last_json(&checkpoint)?,
+        });
+        std::fs::create_dir_all("target/bench")?;
+        let json_path = format!("target/bench/{}.json", b.name());
+        std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
+        let md = format!(
+            "# Flashover bench: {} ({})\n\n## Trainer overhead\n\n{}\n\n## Checkpoint I/O\n\n{}\n",
+            b.name(),
+            if quick { "quick" } else { "full" },
+            table(&overhead),
+            table(&checkpoint)
+        );
+        let md_path = format!("target/bench/{}.md", b.name());
+        std::fs::write(&md_path, &md)?;
+        println!("{md}\nwritten: {json_path}, {md_path}");
     }
     Ok(())
 }
@@ -143,6 +294,7 @@ fn main() -> Result<()> {
     match cli.command {
         Cmd::Build { backend } => build(backend),
         Cmd::Test { backend } => test(backend),
+        Cmd::Bench { backend, quick } => bench(backend, quick),
         Cmd::Check => {
             cargo(&strings(&["fmt", "--all", "--check"]))?;
             cargo(&strings(&[

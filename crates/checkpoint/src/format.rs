@@ -188,10 +188,10 @@ fn safe_entry(name: &str) -> bool {
         && matches!(p.components().next(), Some(Component::Normal(_)))
 }
 
-/// Reads and checks a checkpoint directory's manifest, then every listed file's size and
-/// SHA-256 (streamed, so no file is held in memory here). Fails on the first problem, naming
-/// the file.
-pub fn verify(dir: &Path) -> Result<Manifest, CheckpointError> {
+/// Reads and checks a checkpoint directory's manifest: format, version, and that every
+/// listed file is a plain name inside the directory, present, a regular file, of the listed
+/// size. Contents are not hashed here (see [`verify`] and [`read_verified`]).
+pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
     let manifest_path = dir.join(MANIFEST);
     let meta = fs::metadata(&manifest_path).map_err(|e| {
         if e.kind() == std::io::ErrorKind::NotFound {
@@ -262,6 +262,16 @@ pub fn verify(dir: &Path) -> Result<Manifest, CheckpointError> {
                 format!("{} bytes, the manifest says {}", meta.len(), entry.bytes),
             ));
         }
+    }
+    Ok(manifest)
+}
+
+/// [`read_manifest`], then every listed file's SHA-256 (streamed, so no file is held in
+/// memory here). Fails on the first problem, naming the file.
+pub fn verify(dir: &Path) -> Result<Manifest, CheckpointError> {
+    let manifest = read_manifest(dir)?;
+    for entry in &manifest.files {
+        let path = dir.join(&entry.name);
         let mut f = File::open(&path).map_err(CheckpointError::io("read", &path))?;
         let mut h = Sha256::new();
         let mut buf = vec![0u8; 1 << 16];
@@ -285,7 +295,8 @@ pub fn verify(dir: &Path) -> Result<Manifest, CheckpointError> {
     Ok(manifest)
 }
 
-/// Reads a file that [`verify`] has checked, refusing one that changed size since.
+/// Reads one file the manifest lists, checking its size and SHA-256: each file a load uses is
+/// read and hashed exactly once.
 pub fn read_verified(
     dir: &Path,
     manifest: &Manifest,

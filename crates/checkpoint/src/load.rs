@@ -15,7 +15,9 @@ use flashover_core::trainer::Restore;
 use serde_json::Value;
 
 use crate::error::CheckpointError;
-use crate::format::{self, read_verified, verify, Manifest, MODEL, OPTIMIZER, TRAINER_STATE};
+use crate::format::{
+    self, read_manifest, read_verified, verify, Manifest, MODEL, OPTIMIZER, TRAINER_STATE,
+};
 use crate::state_file::TrainerStateFile;
 use crate::weights::{load_weights_bytes, set_param_ids, WeightsLoad, WeightsReport};
 
@@ -54,7 +56,8 @@ impl CheckpointRestore {
         state: &mut State<B, M, O>,
     ) -> Result<BTreeMap<String, Value>, CheckpointError> {
         let dir = &self.dir;
-        let manifest: Manifest = verify(dir)?;
+        // The manifest is checked first; each file is hashed as it is read, before decoding.
+        let manifest: Manifest = read_manifest(dir)?;
         let weights = read_verified(dir, &manifest, MODEL)?;
         let mut failure = None;
         let mut report = WeightsReport::default();

@@ -1,0 +1,185 @@
+//! Measures checkpoint save and load of the MNIST model's full training state (weights,
+//! AdamW moments, trainer state) against writing and reading the same number of bytes raw,
+//! with the same durability (fsync). Interleaved repetitions, medians with min-max.
+//!
+//! ```text
+//! cargo run --release --example checkpoint_io -- --reps 5
+//! ```
+
+use std::fs;
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use burn::tensor::backend::AutodiffBackend;
+use clap::Parser;
+use flashover::backend::{Autodiff, COMPILED};
+use flashover::core::callback::Callback;
+use flashover::core::logger::Logger;
+use flashover::core::trainer::Restore;
+use flashover::prelude::*;
+use flashover_examples::{MnistData, MnistRun};
+use serde_json::json;
+
+/// Time checkpoint save/load against raw file I/O of the same size.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Repetitions (interleaved).
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Backend, among those compiled in.
+    #[arg(long, default_value_t = COMPILED[0].to_string())]
+    backend: String,
+    /// Folder for the files (default: a new folder under the system temp dir).
+    #[arg(long)]
+    dir: Option<std::path::PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    match args.backend.as_str() {
+        #[cfg(feature = "flex")]
+        "flex" => measure::<Autodiff<flashover::backend::Flex>>(&args),
+        #[cfg(feature = "ndarray")]
+        "ndarray" => measure::<Autodiff<flashover::backend::NdArray>>(&args),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => measure::<Autodiff<flashover::backend::Wgpu>>(&args),
+        #[cfg(feature = "cuda")]
+        "cuda" => measure::<Autodiff<flashover::backend::Cuda>>(&args),
+        other => anyhow::bail!(
+            "backend {other:?} is not compiled in; available: {}",
+            COMPILED.join(", ")
+        ),
+    }
+}
+
+fn dir_bytes(dir: &Path) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for e in fs::read_dir(dir)? {
+        total += e?.metadata()?.len();
+    }
+    Ok(total)
+}
+
+fn median_min_max(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    (s[s.len() / 2], s[0], s[s.len() - 1])
+}
+
+fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
+    let device = B::Device::default();
+    let scratch = match &args.dir {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("flashover-ckpt-bench-{}", std::process::id())),
+    };
+    fs::create_dir_all(&scratch)?;
+    // A trainer a few steps in, so the optimizer has moments to save.
+    let mut run = MnistRun::default();
+    run.data = MnistData {
+        train_limit: Some(256),
+        test_limit: Some(10),
+        ..run.data
+    };
+    run.max_duration = Time::Batch(4);
+    let mut trainer = run
+        .builder::<B, _>(MnistRun::adamw::<B>(), &device)?
+        .build()?;
+    trainer.fit()?;
+    let mut logger = Logger::default();
+    let (mut save, mut write, mut load, mut read) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut bytes = 0;
+    for rep in 0..=args.reps {
+        let folder = scratch.join(format!("rep{rep}"));
+        let mut saver = Saver::new(
+            SaverConfig::new(&folder),
+            SaveInterval::Every(Time::Epoch(1)),
+        )?;
+        let t = Instant::now();
+        Callback::<B, _, _>::fit_end(&mut saver, trainer.state_mut(), &mut logger)?;
+        let save_s = t.elapsed().as_secs_f64();
+        let ck = saver
+            .saved()
+            .last()
+            .cloned()
+            .ok_or_else(|| anyhow::anyhow!("the saver wrote nothing"))?;
+        bytes = dir_bytes(&ck)?;
+
+        let blob = vec![0x5Au8; bytes as usize];
+        let raw = scratch.join(format!("raw{rep}.bin"));
+        let t = Instant::now();
+        let mut f = fs::File::create(&raw)?;
+        f.write_all(&blob)?;
+        f.sync_all()?;
+        let write_s = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let restore = Box::new(CheckpointRestore::new(&ck, LoadOptions::default()));
+        Restore::<B, _, _>::restore(restore, trainer.state_mut())?;
+        let load_s = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let mut n = 0;
+        for e in fs::read_dir(&ck)? {
+            n += fs::read(e?.path())?.len();
+        }
+        let read_s = t.elapsed().as_secs_f64();
+        assert_eq!(n as u64, bytes);
+        // Repetition 0 warms the page cache and allocators and is not counted.
+        if rep > 0 {
+            save.push(save_s);
+            write.push(write_s);
+            load.push(load_s);
+            read.push(read_s);
+        }
+    }
+    let _ = fs::remove_dir_all(&scratch);
+    let (s, smin, smax) = median_min_max(&save);
+    let (w, wmin, wmax) = median_min_max(&write);
+    let (l, lmin, lmax) = median_min_max(&load);
+    let (r, rmin, rmax) = median_min_max(&read);
+    println!("| operation ({bytes} bytes) | median ms | min-max ms | ratio to raw |");
+    println!("| --- | --- | --- | --- |");
+    println!(
+        "| checkpoint save | {:.2} | {:.2}-{:.2} | {:.2} |",
+        s * 1e3,
+        smin * 1e3,
+        smax * 1e3,
+        s / w
+    );
+    println!(
+        "| raw write + fsync | {:.2} | {:.2}-{:.2} | 1.00 |",
+        w * 1e3,
+        wmin * 1e3,
+        wmax * 1e3
+    );
+    println!(
+        "| checkpoint load (verify + decode) | {:.2} | {:.2}-{:.2} | {:.2} |",
+        l * 1e3,
+        lmin * 1e3,
+        lmax * 1e3,
+        l / r
+    );
+    println!(
+        "| raw read | {:.2} | {:.2}-{:.2} | 1.00 |",
+        r * 1e3,
+        rmin * 1e3,
+        rmax * 1e3
+    );
+    println!(
+        "{}",
+        json!({
+            "backend": args.backend,
+            "bytes": bytes,
+            "reps": args.reps,
+            "save_median_s": s,
+            "raw_write_median_s": w,
+            "save_over_raw_write": s / w,
+            "load_median_s": l,
+            "raw_read_median_s": r,
+            "load_over_raw_read": l / r,
+        })
+    );
+    Ok(())
+}
