@@ -110,17 +110,11 @@ where
     }
 
     fn iter_from(&self, epoch: u64, start: usize) -> BatchIter<O> {
-        let indices = self.sampler.epoch_indices(epoch);
-        let bs = self.sampler.batch_size();
         let end = self.sampler.num_batches();
-        let batches: Vec<(usize, Vec<usize>)> = (start.min(end)..end)
-            .map(|b| {
-                (
-                    b,
-                    indices[b * bs..((b + 1) * bs).min(indices.len())].to_vec(),
-                )
-            })
-            .collect();
+        let sampler = self.sampler.clone();
+        // Each batch's indices are computed when the batch is loaded: O(batch size), with no
+        // epoch-sized permutation and nothing read before `start`.
+        let batches = (start.min(end)..end).map(move |b| (b, sampler.batch_indices(epoch, b).unwrap_or_default()));
         let dataset = Arc::clone(&self.dataset);
         let batcher = Arc::clone(&self.batcher);
         let device = self.device.clone();

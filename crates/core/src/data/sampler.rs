@@ -1,6 +1,11 @@
 //! The sampler decides which dataset indices make up each batch of each epoch, for one rank.
 //! Its order is a pure function of `(seed, epoch, rank, world size)`: it never reads data and
 //! has no state that advances, so a resumed run asks for "epoch e, batch b" directly.
+//!
+//! The shuffle is a keyed bijection on `0..len` (a four-round Feistel network over the next
+//! power of four, with cycle walking), so the item at any position of any epoch is computed
+//! in O(1) time and memory: jumping to batch b costs the same as reading batch 0, and no
+//! epoch-sized permutation is ever materialised.
 
 use crate::error::{CoreError, Result};
 use crate::rng::{derive_seed, Rng};
@@ -96,30 +101,101 @@ impl Sampler {
         }
     }
 
-    /// This rank's indices for `epoch`, in order: the epoch's permutation of all items,
-    /// padded to a multiple of the world size, then every `world_size`-th item from `rank`.
-    pub fn epoch_indices(&self, epoch: u64) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..self.len).collect();
+    /// The epoch's shuffle: a bijection on `0..len`.
+    fn permutation(&self, epoch: u64) -> Permutation {
+        Permutation::new(self.len as u64, derive_seed(&[self.seed, epoch, 0x05A3_D1E5]))
+    }
+
+    /// The dataset index at position `pos` of this rank's order in `epoch`: the epoch's
+    /// permutation of all items, padded by wrapping to a multiple of the world size, then
+    /// every `world_size`-th item from `rank`. O(1).
+    pub fn index_at(&self, epoch: u64, pos: usize) -> usize {
+        let global = ((pos * self.world_size + self.rank) % self.len.max(1)) as u64;
         if self.shuffle {
-            Rng::new(derive_seed(&[self.seed, epoch, 0x05A3_D1E5])).shuffle(&mut order);
+            self.permutation(epoch).apply(global) as usize
+        } else {
+            global as usize
         }
-        let total = self.rank_len() * self.world_size;
+    }
+
+    /// This rank's whole order for `epoch` (for tests and small datasets; loaders ask for
+    /// single batches).
+    pub fn epoch_indices(&self, epoch: u64) -> Vec<usize> {
+        if self.len == 0 {
+            return Vec::new();
+        }
+        let perm = self.permutation(epoch);
         (0..self.rank_len())
-            .map(|i| i * self.world_size + self.rank)
-            .map(|pos| order[pos % self.len.max(1)])
-            .take(if self.len == 0 { 0 } else { total })
+            .map(|pos| {
+                let global = ((pos * self.world_size + self.rank) % self.len) as u64;
+                if self.shuffle {
+                    perm.apply(global) as usize
+                } else {
+                    global as usize
+                }
+            })
             .collect()
     }
 
-    /// Indices of batch `batch` of `epoch`, or `None` past the end.
+    /// Indices of batch `batch` of `epoch`, or `None` past the end. O(batch size).
     pub fn batch_indices(&self, epoch: u64, batch: usize) -> Option<Vec<usize>> {
         if batch >= self.num_batches() {
             return None;
         }
-        let all = self.epoch_indices(epoch);
         let start = batch * self.batch_size;
-        let end = (start + self.batch_size).min(all.len());
-        Some(all[start..end].to_vec())
+        let end = (start + self.batch_size).min(self.rank_len());
+        let perm = self.permutation(epoch);
+        Some(
+            (start..end)
+                .map(|pos| {
+                    let global = ((pos * self.world_size + self.rank) % self.len) as u64;
+                    if self.shuffle {
+                        perm.apply(global) as usize
+                    } else {
+                        global as usize
+                    }
+                })
+                .collect(),
+        )
+    }
+}
+
+/// A keyed bijection on `0..n`: a balanced four-round Feistel network on `2^(2k) >= n`
+/// values, applied repeatedly until the result falls inside `0..n` (cycle walking). Since the
+/// domain is less than `4n`, the expected number of rounds of walking is below 4.
+#[derive(Debug, Clone, Copy)]
+struct Permutation {
+    n: u64,
+    half_bits: u32,
+    keys: [u64; 4],
+}
+
+impl Permutation {
+    fn new(n: u64, seed: u64) -> Self {
+        let bits = if n <= 1 { 2 } else { 64 - (n - 1).leading_zeros() };
+        let half_bits = bits.div_ceil(2).max(1);
+        let mut rng = Rng::new(seed);
+        let keys = [rng.next_u64(), rng.next_u64(), rng.next_u64(), rng.next_u64()];
+        Permutation { n, half_bits, keys }
+    }
+
+    fn round(&self, x: u64) -> u64 {
+        let mask = (1u64 << self.half_bits) - 1;
+        let (mut left, mut right) = (x >> self.half_bits, x & mask);
+        for key in self.keys {
+            let f = derive_seed(&[key, right]) & mask;
+            (left, right) = (right, left ^ f);
+        }
+        (left << self.half_bits) | right
+    }
+
+    fn apply(&self, x: u64) -> u64 {
+        debug_assert!(x < self.n);
+        let mut y = self.round(x);
+        while y >= self.n {
+            y = self.round(y);
+        }
+        y
     }
 }
 
@@ -133,6 +209,20 @@ mod tests {
         let err = Sampler::new(10, 0, true, 1).unwrap_err().to_string();
         assert!(err.contains("batch_size") && err.contains('0'), "{err}");
         assert!(Sampler::new(10, 2, true, 1).unwrap().sharded(2, 2).is_err());
+    }
+
+    #[test]
+    fn a_shuffled_epoch_moves_items_far() {
+        // A shuffle that left most items near their place would not decorrelate batches:
+        // the mean displacement of a uniform permutation of n is about n/3.
+        let n = 10_000;
+        let s = Sampler::new(n, 64, true, 3).unwrap();
+        let idx = s.epoch_indices(0);
+        let mean: f64 = idx.iter().enumerate().map(|(p, &i)| (p as f64 - i as f64).abs()).sum::<f64>() / n as f64;
+        assert!((mean - n as f64 / 3.0).abs() < n as f64 * 0.02, "mean displacement {mean}");
+        // And the first batch draws from all over the dataset.
+        let first: Vec<usize> = s.batch_indices(0, 0).unwrap();
+        assert!(first.iter().any(|&i| i < n / 4) && first.iter().any(|&i| i > 3 * n / 4));
     }
 
     #[test]
@@ -174,6 +264,15 @@ mod tests {
             prop_assert!(sizes.iter().all(|&n| n == sizes[0]));
             prop_assert!(seen.iter().all(|&c| c >= 1));
             prop_assert!(sizes[0] * world - len < world);
+        }
+
+        #[test]
+        fn positions_are_computed_directly(len in 1usize..300, world in 1usize..4, seed: u64, epoch in 0u64..5) {
+            let s = Sampler::new(len, 4, true, seed).unwrap().sharded(world - 1, world).unwrap();
+            let whole = s.epoch_indices(epoch);
+            for (pos, &i) in whole.iter().enumerate() {
+                prop_assert_eq!(s.index_at(epoch, pos), i);
+            }
         }
 
         #[test]
