@@ -190,3 +190,78 @@ mod components {
         assert!(err.to_string().contains("callback/counter"), "{err}");
     }
 }
+
+#[test]
+fn weights_only_checkpoints_start_new_runs_but_do_not_resume() {
+    let straight = summary_of(&short_args(&[]));
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    summary_of(&short_args(&[
+        "--save-folder",
+        folder,
+        "--save-weights-only",
+        "--stop-after",
+        "8ba",
+    ]));
+    let ck = dir.path().join("ep0-ba8");
+    let (found, skipped) = flashover::checkpoint::find_resumable(dir.path()).unwrap();
+    assert_eq!(found, None, "a weights-only checkpoint cannot resume a run");
+    assert!(
+        skipped.iter().any(|e| e.to_string().contains("ep0-ba8")),
+        "{skipped:?}"
+    );
+    let refused = run_mnist(&short_args(&["--load", ck.to_str().unwrap()]));
+    assert!(
+        !refused.status.success() && refused.stderr.contains("weights only"),
+        "{}",
+        refused.stderr
+    );
+    let fresh = summary_of(&short_args(&[
+        "--load",
+        ck.to_str().unwrap(),
+        "--weights-only",
+    ]));
+    assert_eq!(
+        fresh["batches"], straight["batches"],
+        "a new run from loaded weights trains the whole duration"
+    );
+    assert_ne!(fresh["params_sha256"], straight["params_sha256"]);
+}
+
+mod predicate {
+    use flashover::checkpoint::{list_checkpoints, SaveInterval, Saver, SaverConfig};
+    use flashover::core::event::Event;
+    use flashover_examples::MnistRun;
+    use flashover_tests::*;
+
+    #[test]
+    fn a_save_predicate_decides_when_to_save_and_rotation_keeps_the_newest() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = short_run(256, 32, 20, "1ep");
+        let mut config = SaverConfig::new(dir.path());
+        config.keep = 2;
+        config.name_template = "b{batch}-e{epoch}-r{rank}".into();
+        let interval = SaveInterval::Custom(Box::new(|ts, ev| {
+            ev == Event::BatchCheckpoint && ts.batch % 3 == 0
+        }));
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(Saver::new(config, interval).unwrap())
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        // Saved at batches 3 and 6 by the predicate, and 8 at the end of the fit; the
+        // newest two remain.
+        let mut kept = list_checkpoints(dir.path());
+        kept.sort();
+        assert_eq!(
+            kept,
+            vec![("b6-e0-r0".to_string(), 6), ("b8-e1-r0".to_string(), 8)]
+        );
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("latest")).unwrap(),
+            "b8-e1-r0"
+        );
+    }
+}

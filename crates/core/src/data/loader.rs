@@ -114,7 +114,8 @@ where
         let sampler = self.sampler.clone();
         // Each batch's indices are computed when the batch is loaded: O(batch size), with no
         // epoch-sized permutation and nothing read before `start`.
-        let batches = (start.min(end)..end).map(move |b| (b, sampler.batch_indices(epoch, b).unwrap_or_default()));
+        let batches = (start.min(end)..end)
+            .map(move |b| (b, sampler.batch_indices(epoch, b).unwrap_or_default()));
         let dataset = Arc::clone(&self.dataset);
         let batcher = Arc::clone(&self.batcher);
         let device = self.device.clone();

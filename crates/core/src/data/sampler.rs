@@ -103,7 +103,10 @@ impl Sampler {
 
     /// The epoch's shuffle: a bijection on `0..len`.
     fn permutation(&self, epoch: u64) -> Permutation {
-        Permutation::new(self.len as u64, derive_seed(&[self.seed, epoch, 0x05A3_D1E5]))
+        Permutation::new(
+            self.len as u64,
+            derive_seed(&[self.seed, epoch, 0x05A3_D1E5]),
+        )
     }
 
     /// The dataset index at position `pos` of this rank's order in `epoch`: the epoch's
@@ -172,10 +175,19 @@ struct Permutation {
 
 impl Permutation {
     fn new(n: u64, seed: u64) -> Self {
-        let bits = if n <= 1 { 2 } else { 64 - (n - 1).leading_zeros() };
+        let bits = if n <= 1 {
+            2
+        } else {
+            64 - (n - 1).leading_zeros()
+        };
         let half_bits = bits.div_ceil(2).max(1);
         let mut rng = Rng::new(seed);
-        let keys = [rng.next_u64(), rng.next_u64(), rng.next_u64(), rng.next_u64()];
+        let keys = [
+            rng.next_u64(),
+            rng.next_u64(),
+            rng.next_u64(),
+            rng.next_u64(),
+        ];
         Permutation { n, half_bits, keys }
     }
 
@@ -218,8 +230,16 @@ mod tests {
         let n = 10_000;
         let s = Sampler::new(n, 64, true, 3).unwrap();
         let idx = s.epoch_indices(0);
-        let mean: f64 = idx.iter().enumerate().map(|(p, &i)| (p as f64 - i as f64).abs()).sum::<f64>() / n as f64;
-        assert!((mean - n as f64 / 3.0).abs() < n as f64 * 0.02, "mean displacement {mean}");
+        let mean: f64 = idx
+            .iter()
+            .enumerate()
+            .map(|(p, &i)| (p as f64 - i as f64).abs())
+            .sum::<f64>()
+            / n as f64;
+        assert!(
+            (mean - n as f64 / 3.0).abs() < n as f64 * 0.02,
+            "mean displacement {mean}"
+        );
         // And the first batch draws from all over the dataset.
         let first: Vec<usize> = s.batch_indices(0, 0).unwrap();
         assert!(first.iter().any(|&i| i < n / 4) && first.iter().any(|&i| i > 3 * n / 4));
