@@ -68,6 +68,10 @@ enum Cmd {
     Build {
         #[arg(long, value_enum, default_value_t = Backend::Flex)]
         backend: Backend,
+        /// Type-check only (`cargo check`): proves the backend compiles without code
+        /// generation, for CI.
+        #[arg(long)]
+        check: bool,
     },
     /// Run the tests with a backend. The default backend runs the whole workspace suite;
     /// others run the cross-crate suite on that backend, less the long accuracy test and the
@@ -107,12 +111,13 @@ fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|s| s.to_string()).collect()
 }
 
-fn build(backend: Backend) -> Result<()> {
+fn build(backend: Backend, check: bool) -> Result<()> {
+    let verb = if check { "check" } else { "build" };
     for b in backend.each() {
-        let mut args = strings(&["build", "--release", "--workspace", "--all-targets"]);
+        let mut args = strings(&[verb, "--release", "--workspace", "--all-targets"]);
         if b != Backend::Flex {
             args = strings(&[
-                "build",
+                verb,
                 "--release",
                 "-p",
                 "flashover-examples",
@@ -292,7 +297,7 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Cmd::Build { backend } => build(backend),
+        Cmd::Build { backend, check } => build(backend, check),
         Cmd::Test { backend } => test(backend),
         Cmd::Bench { backend, quick } => bench(backend, quick),
         Cmd::Check => {
