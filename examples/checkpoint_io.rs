@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
-use flashover::backend::{Autodiff, COMPILED};
+use flashover::backend::COMPILED;
 use flashover::core::callback::Callback;
 use flashover::core::logger::Logger;
 use flashover::core::trainer::Restore;
@@ -37,20 +37,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    match args.backend.as_str() {
-        #[cfg(feature = "flex")]
-        "flex" => measure::<Autodiff<flashover::backend::Flex>>(&args),
-        #[cfg(feature = "ndarray")]
-        "ndarray" => measure::<Autodiff<flashover::backend::NdArray>>(&args),
-        #[cfg(feature = "wgpu")]
-        "wgpu" => measure::<Autodiff<flashover::backend::Wgpu>>(&args),
-        #[cfg(feature = "cuda")]
-        "cuda" => measure::<Autodiff<flashover::backend::Cuda>>(&args),
-        other => anyhow::bail!(
-            "backend {other:?} is not compiled in; available: {}",
-            COMPILED.join(", ")
-        ),
-    }
+    flashover_examples::with_backend!(args.backend.as_str(), measure(&args))
 }
 
 fn dir_bytes(dir: &Path) -> anyhow::Result<u64> {

@@ -8,12 +8,12 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
 use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
-use flashover::backend::{Autodiff, COMPILED};
+use flashover::backend::COMPILED;
 use flashover::prelude::*;
 use flashover_examples::{bundled_mnist_dir, defaults, MnistCnn, MnistData, MnistRun};
 use serde_json::json;
@@ -168,20 +168,7 @@ fn main() {
 }
 
 fn dispatch(args: &Args) -> anyhow::Result<()> {
-    match args.backend.as_str() {
-        #[cfg(feature = "flex")]
-        "flex" => run::<Autodiff<flashover::backend::Flex>>(args, Default::default()),
-        #[cfg(feature = "ndarray")]
-        "ndarray" => run::<Autodiff<flashover::backend::NdArray>>(args, Default::default()),
-        #[cfg(feature = "wgpu")]
-        "wgpu" => run::<Autodiff<flashover::backend::Wgpu>>(args, Default::default()),
-        #[cfg(feature = "cuda")]
-        "cuda" => run::<Autodiff<flashover::backend::Cuda>>(args, Default::default()),
-        other => bail!(
-            "backend {other:?} is not compiled into this build; available: {} (enable others with --features wgpu, cuda, ndarray)",
-            COMPILED.join(", ")
-        ),
-    }
+    flashover_examples::with_backend!(args.backend.as_str(), run(args, Default::default()))
 }
 
 fn schedule(args: &Args) -> Scheduler {

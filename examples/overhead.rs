@@ -12,7 +12,7 @@ use anyhow::Context;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
-use flashover::backend::{Autodiff, COMPILED};
+use flashover::backend::COMPILED;
 use flashover::prelude::*;
 use flashover_examples::{mnist_loaders, MnistCnn, MnistData, MnistRun};
 use serde_json::json;
@@ -36,20 +36,7 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    match args.backend.as_str() {
-        #[cfg(feature = "flex")]
-        "flex" => measure::<Autodiff<flashover::backend::Flex>>(&args),
-        #[cfg(feature = "ndarray")]
-        "ndarray" => measure::<Autodiff<flashover::backend::NdArray>>(&args),
-        #[cfg(feature = "wgpu")]
-        "wgpu" => measure::<Autodiff<flashover::backend::Wgpu>>(&args),
-        #[cfg(feature = "cuda")]
-        "cuda" => measure::<Autodiff<flashover::backend::Cuda>>(&args),
-        other => anyhow::bail!(
-            "backend {other:?} is not compiled in; available: {}",
-            COMPILED.join(", ")
-        ),
-    }
+    flashover_examples::with_backend!(args.backend.as_str(), measure(&args))
 }
 
 fn data(args: &Args) -> MnistData {

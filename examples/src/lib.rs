@@ -26,6 +26,30 @@ use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::core::Result;
 
+/// Calls `f::<Autodiff<B>>(args...)` for the backend named by `name` (a `&str`), among those
+/// compiled into this build; any other name is an error listing the available ones. Shared by
+/// the example programs so that each backend is wired in one place.
+#[macro_export]
+macro_rules! with_backend {
+    ($name:expr, $f:ident($($arg:expr),* $(,)?)) => {{
+        use flashover::backend::Autodiff;
+        match $name {
+            #[cfg(feature = "flex")]
+            "flex" => $f::<Autodiff<flashover::backend::Flex>>($($arg),*),
+            #[cfg(feature = "ndarray")]
+            "ndarray" => $f::<Autodiff<flashover::backend::NdArray>>($($arg),*),
+            #[cfg(feature = "wgpu")]
+            "wgpu" => $f::<Autodiff<flashover::backend::Wgpu>>($($arg),*),
+            #[cfg(feature = "cuda")]
+            "cuda" => $f::<Autodiff<flashover::backend::Cuda>>($($arg),*),
+            other => Err(anyhow::anyhow!(
+                "backend {other:?} is not compiled into this build; available: {} (enable others with --features wgpu, cuda, ndarray)",
+                flashover::backend::COMPILED.join(", ")
+            )),
+        }
+    }};
+}
+
 /// The bundled MNIST data (8,000 training and 2,000 test digits), relative to the workspace.
 pub fn bundled_mnist_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -109,16 +109,21 @@ impl Sampler {
         )
     }
 
-    /// The dataset index at position `pos` of this rank's order in `epoch`: the epoch's
-    /// permutation of all items, padded by wrapping to a multiple of the world size, then
-    /// every `world_size`-th item from `rank`. O(1).
-    pub fn index_at(&self, epoch: u64, pos: usize) -> usize {
+    /// The dataset index at position `pos` of this rank's order, given the epoch's shuffle:
+    /// the epoch's permutation of all items, padded by wrapping to a multiple of the world
+    /// size, then every `world_size`-th item from `rank`.
+    fn at(&self, perm: &Permutation, pos: usize) -> usize {
         let global = ((pos * self.world_size + self.rank) % self.len.max(1)) as u64;
         if self.shuffle {
-            self.permutation(epoch).apply(global) as usize
+            perm.apply(global) as usize
         } else {
             global as usize
         }
+    }
+
+    /// The dataset index at position `pos` of this rank's order in `epoch`. O(1).
+    pub fn index_at(&self, epoch: u64, pos: usize) -> usize {
+        self.at(&self.permutation(epoch), pos)
     }
 
     /// This rank's whole order for `epoch` (for tests and small datasets; loaders ask for
@@ -129,14 +134,7 @@ impl Sampler {
         }
         let perm = self.permutation(epoch);
         (0..self.rank_len())
-            .map(|pos| {
-                let global = ((pos * self.world_size + self.rank) % self.len) as u64;
-                if self.shuffle {
-                    perm.apply(global) as usize
-                } else {
-                    global as usize
-                }
-            })
+            .map(|pos| self.at(&perm, pos))
             .collect()
     }
 
@@ -148,18 +146,7 @@ impl Sampler {
         let start = batch * self.batch_size;
         let end = (start + self.batch_size).min(self.rank_len());
         let perm = self.permutation(epoch);
-        Some(
-            (start..end)
-                .map(|pos| {
-                    let global = ((pos * self.world_size + self.rank) % self.len) as u64;
-                    if self.shuffle {
-                        perm.apply(global) as usize
-                    } else {
-                        global as usize
-                    }
-                })
-                .collect(),
-        )
+        Some((start..end).map(|pos| self.at(&perm, pos)).collect())
     }
 }
 
