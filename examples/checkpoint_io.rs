@@ -18,7 +18,7 @@ use flashover::core::callback::Callback;
 use flashover::core::logger::Logger;
 use flashover::core::trainer::Restore;
 use flashover::prelude::*;
-use flashover_examples::{MnistData, MnistRun};
+use flashover_examples::{median_min_max, MnistData, MnistRun};
 use serde_json::json;
 
 /// Time checkpoint save/load against raw file I/O of the same size.
@@ -46,12 +46,6 @@ fn dir_bytes(dir: &Path) -> anyhow::Result<u64> {
         total += e?.metadata()?.len();
     }
     Ok(total)
-}
-
-fn median_min_max(v: &[f64]) -> (f64, f64, f64) {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    (s[s.len() / 2], s[0], s[s.len() - 1])
 }
 
 fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {

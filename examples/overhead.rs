@@ -14,7 +14,7 @@ use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
 use flashover::backend::COMPILED;
 use flashover::prelude::*;
-use flashover_examples::{mnist_loaders, MnistCnn, MnistData, MnistRun};
+use flashover_examples::{median_min_max, mnist_loaders, MnistCnn, MnistData, MnistRun};
 use serde_json::json;
 
 /// Time N training steps with a hand-written loop and with the Flashover trainer.
@@ -95,12 +95,6 @@ fn flashover_trainer<B: AutodiffBackend>(
         start.elapsed().as_secs_f64(),
         params_sha256::<B, _>(trainer.model()),
     ))
-}
-
-fn median_min_max(v: &[f64]) -> (f64, f64, f64) {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    (s[s.len() / 2], s[0], s[s.len() - 1])
 }
 
 fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {

@@ -50,6 +50,14 @@ macro_rules! with_backend {
     }};
 }
 
+/// Median, minimum and maximum of repeated measurements (the median of an even count is the
+/// upper middle value). `v` must not be empty.
+pub fn median_min_max(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    (s[s.len() / 2], s[0], s[s.len() - 1])
+}
+
 /// The bundled MNIST data (8,000 training and 2,000 test digits), relative to the workspace.
 pub fn bundled_mnist_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -6,13 +6,7 @@ use flashover_tests::*;
 
 #[test]
 fn default_recipe_reaches_97_percent_on_bundled_mnist() {
-    let run = MnistRun::default();
-    let mut t = run
-        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
-        .unwrap()
-        .build()
-        .unwrap();
-    t.fit().unwrap();
+    let t = trained(&MnistRun::default());
     let acc = t.state().eval_metrics["test"]["accuracy"];
     assert!(acc >= 0.97, "test accuracy {acc} with the default recipe");
 }

@@ -5,13 +5,7 @@ use flashover_examples::MnistRun;
 use flashover_tests::*;
 
 fn digest(run: &MnistRun) -> String {
-    let mut t = run
-        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
-        .unwrap()
-        .build()
-        .unwrap();
-    t.fit().unwrap();
-    params_sha256::<TB, _>(t.model())
+    params_sha256::<TB, _>(trained(run).model())
 }
 
 #[test]

@@ -11,12 +11,7 @@ use flashover_tests::*;
 #[test]
 fn fit_in_two_calls_equals_one_call() {
     let run = short_run(256, 32, 100, "2ep");
-    let mut once = run
-        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
-        .unwrap()
-        .build()
-        .unwrap();
-    once.fit().unwrap();
+    let mut once = trained(&run);
 
     let mut half = run.clone();
     half.max_duration = Time::Epoch(1);
@@ -161,12 +156,7 @@ fn eval_and_predict_report_sane_values() {
     // Evaluate and predict in the same batches, so both compute exactly the same logits on
     // every backend (a GPU may round differently for another batch shape).
     run.data.eval_batch_size = 100;
-    let mut t = run
-        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
-        .unwrap()
-        .build()
-        .unwrap();
-    t.fit().unwrap();
+    let mut t = trained(&run);
     let metrics = t.eval().unwrap();
     let test = &metrics["test"];
     let (acc, top2, loss) = (test["accuracy"], test["top2_accuracy"], test["loss"]);

@@ -209,6 +209,28 @@ pub fn short_run(train: usize, batch_size: usize, test: usize, max_duration: &st
     }
 }
 
+/// The trainer the example builds (MNIST CNN, AdamW) on the test backend.
+pub type MnistTrainer = flashover::core::trainer::Trainer<
+    TB,
+    flashover_examples::MnistCnn<TB>,
+    burn::optim::adaptor::OptimizerAdaptor<
+        burn::optim::AdamW,
+        flashover_examples::MnistCnn<TB>,
+        TB,
+    >,
+>;
+
+/// `run` with the example's AdamW and nothing else registered, trained to its `max_duration`.
+pub fn trained(run: &MnistRun) -> MnistTrainer {
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .build()
+        .unwrap();
+    t.fit().unwrap();
+    t
+}
+
 /// The device tests run on.
 pub fn device() -> <TB as burn::tensor::backend::BackendTypes>::Device {
     Default::default()
