@@ -422,6 +422,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         "checkpoint_saver"
     }
 
+    fn needs_component_states(&self) -> bool {
+        true
+    }
+
     fn batch_start(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> CoreResult<()> {
         self.before = Some(state.timestamp.clone());
         Ok(())

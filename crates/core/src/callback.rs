@@ -70,6 +70,13 @@ macro_rules! define_callback {
                 }
             }
 
+            /// Whether this callback reads `State::component_states` (a checkpoint saver does).
+            /// Only then does the engine collect every component's state before the
+            /// checkpoint events, which keeps that work off the step of other runs.
+            fn needs_component_states(&self) -> bool {
+                false
+            }
+
             /// The callback's state, for checkpoints (default: nothing to save).
             fn state_dict(&self) -> Value {
                 Value::Null

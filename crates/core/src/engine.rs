@@ -22,6 +22,7 @@ pub struct Engine<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
     pub(crate) callbacks: Vec<Box<dyn Callback<B, M, O>>>,
     pub(crate) logger: Logger,
     idle: bool,
+    collect_states: bool,
 }
 
 impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
@@ -32,11 +33,13 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
         logger: Logger,
     ) -> Self {
         let idle = algorithms.is_empty() && callbacks.is_empty() && logger.is_empty();
+        let collect_states = callbacks.iter().any(|c| c.needs_component_states());
         Engine {
             algorithms,
             callbacks,
             logger,
             idle,
+            collect_states,
         }
     }
 
@@ -112,10 +115,12 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
     }
 
     fn run_all(&mut self, event: Event, state: &mut State<B, M, O>) -> Result<()> {
-        if matches!(
-            event,
-            Event::BatchCheckpoint | Event::EpochCheckpoint | Event::FitEnd
-        ) {
+        if self.collect_states
+            && matches!(
+                event,
+                Event::BatchCheckpoint | Event::EpochCheckpoint | Event::FitEnd
+            )
+        {
             state.component_states = self.component_states();
         }
         if event == Event::Init {

@@ -68,7 +68,8 @@ pub struct State<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
     pub last_eval_batch: Option<u64>,
     /// Saved states of every algorithm and callback, keyed `algorithm/<name>` and
     /// `callback/<name>`; filled by the engine just before `BATCH_CHECKPOINT`,
-    /// `EPOCH_CHECKPOINT` and `FIT_END` so that a checkpoint callback can store them.
+    /// `EPOCH_CHECKPOINT` and `FIT_END` when a callback asks for them
+    /// (`Callback::needs_component_states`), so that a checkpoint saver can store them.
     pub component_states: BTreeMap<String, serde_json::Value>,
     /// Batches whose loss was not finite and were skipped (when skipping is enabled).
     pub skipped_batches: u64,
