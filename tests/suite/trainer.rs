@@ -172,8 +172,31 @@ fn eval_and_predict_report_sane_values() {
     assert_eq!(outputs.len(), 3, "300 digits in batches of 100");
     let logits = Tensor::cat(outputs.iter().map(|o| o.logits.clone()).collect(), 0);
     assert_eq!(logits.dims(), [300, 10]);
-    // Accuracy recomputed from the predictions equals the evaluator's.
+    // Predictions come in dataset order: their targets are the test labels, in order.
     let targets = Tensor::cat(outputs.iter().map(|o| o.targets.clone()).collect(), 0);
+    let labels: Vec<i64> = targets
+        .clone()
+        .into_data()
+        .convert::<i64>()
+        .to_vec()
+        .unwrap();
+    let dataset = flashover::core::data::MnistDataset::from_dir(
+        &run.data.dir,
+        flashover::core::data::MnistSplit::Test,
+    )
+    .unwrap();
+    let expected: Vec<i64> = (0..300)
+        .map(|i| {
+            flashover::core::data::Dataset::get(&dataset, i)
+                .unwrap()
+                .label as i64
+        })
+        .collect();
+    assert_eq!(labels, expected);
+    // Accuracy recomputed from the predictions equals the evaluator's. On the CPU backends
+    // two forward passes over the same batches are bit-identical, so the two agree exactly.
+    // Burn 0.21's wgpu backend on Mesa's software Vulkan was seen (1 run in 3) to flip one
+    // near-tied prediction between two passes, so there the bound is one sample.
     let correct = logits
         .argmax(1)
         .flatten::<1>(0, 1)
@@ -182,7 +205,16 @@ fn eval_and_predict_report_sane_values() {
         .sum()
         .into_scalar();
     let correct: i64 = burn::tensor::ElementConversion::elem(correct);
-    assert!((correct as f64 / 300.0 - acc).abs() < 1e-12);
+    let tolerance = if matches!(BACKEND, "flex" | "ndarray") {
+        1e-12
+    } else {
+        1.0 / 300.0 + 1e-12
+    };
+    assert!(
+        (correct as f64 / 300.0 - acc).abs() <= tolerance,
+        "predict gives accuracy {} and eval {acc} on {BACKEND}",
+        correct as f64 / 300.0
+    );
 }
 
 #[test]
