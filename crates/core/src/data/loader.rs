@@ -52,7 +52,8 @@ where
     }
 
     /// How many batches to prepare ahead on a background thread; 0 loads each batch on the
-    /// training thread when it is asked for.
+    /// training thread when it is asked for. GPU backends always load on the training thread
+    /// (see `threads_safe`).
     pub fn with_prefetch(mut self, batches: usize) -> Self {
         self.prefetch = batches;
         self
@@ -120,7 +121,7 @@ where
         let batcher = Arc::clone(&self.batcher);
         let device = self.device.clone();
         let name = self.name.clone();
-        if self.prefetch == 0 {
+        if self.prefetch == 0 || !threads_safe::<B>(&self.device) {
             let iter = batches.into_iter().map(move |(b, idx)| {
                 load_batch::<B, I, O>(&name, dataset.as_ref(), batcher.as_ref(), &idx, b, &device)
             });
@@ -166,6 +167,17 @@ where
             remaining: end.saturating_sub(start),
         }
     }
+}
+
+/// Whether batches for this backend may be built on a loader thread. On Burn 0.21's GPU
+/// backends a tensor created on one thread and used on another was seen to give wrong results
+/// (wgpu on Mesa's software Vulkan: evaluation accuracy 0.55 instead of 0.77 for the same
+/// weights and batches), so only the CPU backends prefetch on a thread; GPU backends load
+/// each batch on the training thread until that is understood.
+fn threads_safe<B: Backend>(device: &B::Device) -> bool {
+    let name = B::name(device).to_lowercase();
+    // Autodiff wraps the name ("autodiff<flex>"), hence `contains`.
+    name.contains("flex") || name.contains("ndarray")
 }
 
 enum Inner<T> {
