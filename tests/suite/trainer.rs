@@ -77,17 +77,6 @@ fn a_stop_request_ends_the_fit_after_the_batch_and_fit_resumes_after_it() {
     );
 }
 
-/// The state of the example's default run (MNIST CNN with AdamW) on the test backend.
-type MnistState = flashover::core::state::State<
-    TB,
-    flashover_examples::MnistCnn<TB>,
-    burn::optim::adaptor::OptimizerAdaptor<
-        burn::optim::AdamW,
-        flashover_examples::MnistCnn<TB>,
-        TB,
-    >,
->;
-
 fn poison_loss_at(batch: u64) -> impl FnMut(&mut MnistState) -> flashover::core::Result<()> + Send {
     move |s| {
         if s.timestamp.batch == batch {

@@ -209,16 +209,20 @@ pub fn short_run(train: usize, batch_size: usize, test: usize, max_duration: &st
     }
 }
 
-/// The trainer the example builds (MNIST CNN, AdamW) on the test backend.
-pub type MnistTrainer = flashover::core::trainer::Trainer<
-    TB,
+/// The example's optimizer (AdamW over the MNIST CNN) on the test backend.
+pub type MnistOptimizer = burn::optim::adaptor::OptimizerAdaptor<
+    burn::optim::AdamW,
     flashover_examples::MnistCnn<TB>,
-    burn::optim::adaptor::OptimizerAdaptor<
-        burn::optim::AdamW,
-        flashover_examples::MnistCnn<TB>,
-        TB,
-    >,
+    TB,
 >;
+
+/// The trainer the example builds (MNIST CNN, AdamW) on the test backend.
+pub type MnistTrainer =
+    flashover::core::trainer::Trainer<TB, flashover_examples::MnistCnn<TB>, MnistOptimizer>;
+
+/// The state of that trainer.
+pub type MnistState =
+    flashover::core::state::State<TB, flashover_examples::MnistCnn<TB>, MnistOptimizer>;
 
 /// `run` with the example's AdamW and nothing else registered, trained to its `max_duration`.
 pub fn trained(run: &MnistRun) -> MnistTrainer {
