@@ -15,7 +15,9 @@ use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
 use flashover::backend::COMPILED;
 use flashover::prelude::*;
-use flashover_examples::{bundled_mnist_dir, defaults, MnistCnn, MnistData, MnistRun};
+use flashover_examples::{
+    bundled_mnist_dir, defaults, AccuracyCurve, MnistCnn, MnistData, MnistRun,
+};
 use serde_json::json;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -71,9 +73,20 @@ struct Args {
     /// Linear warmup at the start of the schedule.
     #[arg(long, default_value = defaults::WARMUP)]
     warmup: Time,
-    /// Multiply the run's length and schedule milestones by this ratio.
-    #[arg(long, default_value_t = 1.0)]
-    scale_schedule_ratio: f64,
+    /// Multiply the run's length and schedule milestones by this ratio (default 1, or the
+    /// recipe's ratio with --recipe).
+    #[arg(long)]
+    scale_schedule_ratio: Option<f64>,
+    /// A preset stack of speed-up algorithms with its scale-schedule ratio: mild, medium or hot.
+    #[arg(long)]
+    recipe: Option<String>,
+    /// Speed-up algorithms, comma-separated, each with optional `:key=value` parameters, for
+    /// example `label_smoothing,mixup:alpha=0.2,ema:half_life=100ba`. Names: label_smoothing,
+    /// mixup, cutmix, cutout, colout, progressive_resizing, randaugment, augmix,
+    /// selective_backprop, gradient_clipping, ema, swa, sam, layer_freezing. Added after the
+    /// recipe's.
+    #[arg(long, default_value = "")]
+    algorithms: String,
     /// Seed for weights, data order and every random draw.
     #[arg(long, default_value_t = defaults::SEED)]
     seed: u64,
@@ -229,7 +242,7 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     optimizer: O,
 ) -> anyhow::Result<()> {
     let started = Instant::now();
-    let recipe = MnistRun {
+    let mut recipe = MnistRun {
         data: MnistData {
             dir: args.data_dir.clone().unwrap_or_else(bundled_mnist_dir),
             batch_size: args.batch_size,
@@ -243,17 +256,26 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         microbatch_size: args.microbatch_size,
         lr: args.lr,
         scheduler: schedule(args),
-        scale_schedule_ratio: args.scale_schedule_ratio,
+        scale_schedule_ratio: 1.0,
         seed: args.seed,
         eval_interval: args.eval_interval,
         skip_nonfinite_loss: args.skip_nonfinite_loss,
+        algorithms: flashover::algorithms::spec::parse_list(&args.algorithms)?,
     };
+    if let Some(name) = &args.recipe {
+        recipe = recipe.with_recipe(name)?;
+    }
+    if let Some(ssr) = args.scale_schedule_ratio {
+        recipe.scale_schedule_ratio = ssr;
+    }
+    let curve = AccuracyCurve::default();
     let mut builder = recipe
         .builder::<B, O>(optimizer, &device)
         .context("setting up the run")?
         .logger(ConsoleLogger::new(args.log_every))
         .hyperparameter("backend", args.backend.clone())
-        .hyperparameter("optimizer", format!("{:?}", args.optimizer).to_lowercase());
+        .hyperparameter("optimizer", format!("{:?}", args.optimizer).to_lowercase())
+        .callback(curve.clone());
     if !args.no_progress {
         builder = builder.callback(ProgressBar::new());
     }
@@ -331,6 +353,10 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         "backend": args.backend,
         "seed": args.seed,
         "max_duration": state.max_duration.to_string(),
+        "recipe": args.recipe,
+        "algorithms": recipe.algorithms.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+        "scale_schedule_ratio": recipe.scale_schedule_ratio,
+        "accuracy_curve": curve.points(),
     });
     if let Some(out) = &args.out {
         std::fs::create_dir_all(out)

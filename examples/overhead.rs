@@ -60,7 +60,7 @@ fn handwritten<B: AutodiffBackend>(
         for batch in train.iter_from(epoch, 0) {
             let batch = batch?;
             let logits = model.logits(batch.inputs.clone());
-            let loss = flashover_examples::cross_entropy(logits, batch.targets.clone());
+            let loss = flashover::core::loss::cross_entropy(logits, batch.targets.clone());
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             model = optim.step(1e-3, model, grads);
             step += 1;

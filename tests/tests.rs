@@ -12,9 +12,14 @@
 //! - `determinism`: same seed, same bits; another seed, other bits.
 //! - `bad_input`: every bad configuration is a typed error that names the value.
 //! - `accuracy`: the example's default recipe reaches 97% on the bundled MNIST test digits.
+//! - `algorithms`: every speed-up algorithm and recipe trains the MNIST CNN, changes what it
+//!   should and resumes exactly in a new process; target rewriters compose in a defined order;
+//!   bad algorithm lists are errors; sequence-length warmup trains a character model.
 
 #[path = "suite/accuracy.rs"]
 mod accuracy;
+#[path = "suite/algorithms.rs"]
+mod algorithms;
 #[path = "suite/bad_input.rs"]
 mod bad_input;
 #[path = "suite/crash.rs"]

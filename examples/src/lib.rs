@@ -12,16 +12,24 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{Linear, LinearConfig, PaddingConfig2d, Relu};
 use burn::optim::Optimizer;
-use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor};
+use burn::tensor::module::adaptive_avg_pool2d;
+use burn::tensor::Tensor;
+use flashover::algorithms::augment::Normalization;
+use flashover::algorithms::recipes::recipe;
+use flashover::algorithms::spec::{build_image_classification, AlgorithmSpec};
+use flashover::core::callback::Callback;
 use flashover::core::data::{
-    DataLoader, Dataset, MnistBatcher, MnistDataset, MnistItem, MnistSplit, Sampler,
+    DataLoader, Dataset, MnistBatcher, MnistDataset, MnistItem, MnistSplit, Sampler, MNIST_MEAN,
+    MNIST_STD,
 };
+use flashover::core::logger::Logger;
+use flashover::core::loss::{classification_loss, cross_entropy};
 use flashover::core::metric::{Accuracy, LossMetric, TopKAccuracy};
 use flashover::core::model::{ClassificationBatch, ClassificationOutput, EvalModel, TrainModel};
 use flashover::core::params::init_model;
 use flashover::core::schedule::Scheduler;
+use flashover::core::state::State;
 use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::core::Result;
@@ -95,24 +103,23 @@ impl<B: Backend> MnistCnn<B> {
         })
     }
 
-    /// Logits `[batch, 10]` for images `[batch, 1, 28, 28]`.
+    /// Logits `[batch, 10]` for images `[batch, 1, 28, 28]`. Smaller images (progressive
+    /// resizing, ColOut) are accepted: their feature maps are average-pooled to the 7x7 the
+    /// classifier expects; at full size that step is skipped, so the baseline is unchanged.
     pub fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
         let x = self
             .pool
             .forward(self.relu.forward(self.conv1.forward(images)));
         let x = self.pool.forward(self.relu.forward(self.conv2.forward(x)));
+        let [_, _, h, w] = x.dims();
+        let x = if (h, w) == (7, 7) {
+            x
+        } else {
+            adaptive_avg_pool2d(x, [7, 7])
+        };
         let x: Tensor<B, 2> = x.flatten(1, 3);
         self.fc2.forward(self.relu.forward(self.fc1.forward(x)))
     }
-}
-
-/// Mean cross-entropy of `logits` against class indices.
-pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
-    let n = targets.dims()[0];
-    log_softmax(logits, 1)
-        .gather(1, targets.reshape([n, 1]))
-        .mean()
-        .neg()
 }
 
 impl<B: AutodiffBackend> TrainModel<B> for MnistCnn<B> {
@@ -124,7 +131,8 @@ impl<B: AutodiffBackend> TrainModel<B> for MnistCnn<B> {
     }
 
     fn loss(&self, logits: &Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
-        cross_entropy(logits.clone(), batch.targets.clone())
+        // Soft targets (label smoothing, MixUp, CutMix) when an algorithm set them.
+        classification_loss(logits.clone(), batch)
     }
 }
 
@@ -236,6 +244,8 @@ pub struct MnistRun {
     pub eval_interval: Time,
     /// Skip batches with a non-finite loss.
     pub skip_nonfinite_loss: bool,
+    /// Speed-up algorithms, in the order they are added to the trainer.
+    pub algorithms: Vec<AlgorithmSpec>,
 }
 
 /// Defaults of the MNIST example, as strings where the CLI parses them.
@@ -271,11 +281,31 @@ impl Default for MnistRun {
             seed: defaults::SEED,
             eval_interval: Time::Epoch(1),
             skip_nonfinite_loss: false,
+            algorithms: Vec::new(),
         }
     }
 }
 
+/// How the MNIST batcher normalises pixels, for the augmentations that work on raw pixels.
+pub fn mnist_normalization() -> Normalization {
+    Normalization {
+        mean: vec![MNIST_MEAN],
+        std: vec![MNIST_STD],
+    }
+}
+
 impl MnistRun {
+    /// Applies the named recipe (`mild`, `medium`, `hot`): its algorithms go first, and its
+    /// scale-schedule ratio replaces this run's.
+    pub fn with_recipe(mut self, name: &str) -> Result<Self> {
+        let r = recipe(name)?;
+        let mut specs = r.specs();
+        specs.append(&mut self.algorithms);
+        self.algorithms = specs;
+        self.scale_schedule_ratio = r.scale_schedule_ratio;
+        Ok(self)
+    }
+
     /// The default AdamW optimizer of the example.
     pub fn adamw<B: AutodiffBackend>(
     ) -> burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, MnistCnn<B>, B> {
@@ -315,6 +345,79 @@ impl MnistRun {
         if let Some(mb) = self.microbatch_size {
             b = b.microbatch_size(mb);
         }
+        let norm = mnist_normalization();
+        for spec in &self.algorithms {
+            b = b.boxed_algorithm(build_image_classification::<B, MnistCnn<B>, O>(
+                spec, &norm,
+            )?);
+        }
+        if !self.algorithms.is_empty() {
+            let names: Vec<String> = self.algorithms.iter().map(|a| a.to_string()).collect();
+            b = b.hyperparameter("algorithm_specs", names);
+        }
         Ok(b)
+    }
+}
+
+/// One point of a run's accuracy curve.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct CurvePoint {
+    /// Seconds spent in training batches so far (evaluation and data waits excluded).
+    pub train_seconds: f64,
+    /// Batches done.
+    pub batch: u64,
+    /// Test accuracy of the evaluator labelled `test`.
+    pub accuracy: f64,
+}
+
+/// Records the test accuracy after every evaluation against the training time spent, for
+/// time-to-accuracy measurements. Clone the handle to read the curve after training.
+#[derive(Debug, Clone, Default)]
+pub struct AccuracyCurve {
+    points: Arc<std::sync::Mutex<Vec<CurvePoint>>>,
+}
+
+impl AccuracyCurve {
+    /// The points recorded so far.
+    pub fn points(&self) -> Vec<CurvePoint> {
+        self.points.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    /// Training seconds at the first evaluation whose accuracy reached `target`, if any.
+    pub fn seconds_to(&self, target: f64) -> Option<f64> {
+        self.points()
+            .iter()
+            .find(|p| p.accuracy >= target)
+            .map(|p| p.train_seconds)
+    }
+}
+
+impl<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>> Callback<B, MnistCnn<B>, O>
+    for AccuracyCurve
+{
+    fn name(&self) -> &str {
+        "accuracy_curve"
+    }
+
+    fn eval_after_all(
+        &mut self,
+        state: &mut State<B, MnistCnn<B>, O>,
+        _logger: &mut Logger,
+    ) -> Result<()> {
+        if let Some(acc) = state
+            .eval_metrics
+            .get("test")
+            .and_then(|m| m.get("accuracy"))
+        {
+            let p = CurvePoint {
+                train_seconds: state.timestamp.total_wall_time.as_secs_f64(),
+                batch: state.timestamp.batch,
+                accuracy: *acc,
+            };
+            if let Ok(mut v) = self.points.lock() {
+                v.push(p);
+            }
+        }
+        Ok(())
     }
 }

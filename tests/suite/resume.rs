@@ -3,7 +3,7 @@
 
 use flashover_tests::*;
 
-fn resumed(extra: &[&str], first: &[&str], resume: impl Fn(&str) -> Vec<String>) {
+pub(crate) fn resumed(extra: &[&str], first: &[&str], resume: impl Fn(&str) -> Vec<String>) {
     let straight = summary_of(&short_args(extra));
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().to_str().unwrap().to_string();
@@ -27,7 +27,7 @@ fn resumed(extra: &[&str], first: &[&str], resume: impl Fn(&str) -> Vec<String>)
     );
 }
 
-fn autoresume(_: &str) -> Vec<String> {
+pub(crate) fn autoresume(_: &str) -> Vec<String> {
     vec!["--autoresume".into()]
 }
 

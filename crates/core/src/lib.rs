@@ -14,6 +14,7 @@ pub mod engine;
 pub mod error;
 pub mod event;
 pub mod logger;
+pub mod loss;
 pub mod metric;
 pub mod model;
 pub mod params;
@@ -34,7 +35,8 @@ pub mod prelude {
     pub use crate::logger::{Logger, LoggerDestination};
     pub use crate::metric::{Accuracy, LossMetric, Metric, TopKAccuracy};
     pub use crate::model::{
-        Batch, ClassificationBatch, ClassificationOutput, EvalModel, TrainModel,
+        Batch, ClassTargets, ClassificationBatch, ClassificationOutput, EvalModel, ImageBatch,
+        Logits, SelectSamples, SequenceBatch, TokenBatch, TrainModel,
     };
     pub use crate::params::{init_model, params_sha256};
     pub use crate::schedule::{LrSchedule, Scheduler};

@@ -69,6 +69,20 @@ pub struct ClassificationBatch<B: Backend, const D: usize> {
     pub inputs: Tensor<B, D>,
     /// Class indices, one per sample.
     pub targets: Tensor<B, 1, Int>,
+    /// Class distributions `[batch, classes]` that replace `targets` in the loss when set
+    /// (label smoothing, MixUp and CutMix write them; loaders leave them empty).
+    pub soft_targets: Option<Tensor<B, 2>>,
+}
+
+impl<B: Backend, const D: usize> ClassificationBatch<B, D> {
+    /// A batch with hard class targets only.
+    pub fn new(inputs: Tensor<B, D>, targets: Tensor<B, 1, Int>) -> Self {
+        ClassificationBatch {
+            inputs,
+            targets,
+            soft_targets: None,
+        }
+    }
 }
 
 impl<B: Backend, const D: usize> Batch for ClassificationBatch<B, D> {
@@ -88,9 +102,175 @@ impl<B: Backend, const D: usize> Batch for ClassificationBatch<B, D> {
                 ClassificationBatch {
                     inputs: self.inputs.clone().narrow(0, start, len),
                     targets: self.targets.clone().narrow(0, start, len),
+                    soft_targets: self
+                        .soft_targets
+                        .as_ref()
+                        .map(|t| t.clone().narrow(0, start, len)),
                 }
             })
             .collect()
+    }
+}
+
+impl<B: Backend> ImageBatch<B> for ClassificationBatch<B, 4> {
+    fn images(&self) -> &Tensor<B, 4> {
+        &self.inputs
+    }
+
+    fn set_images(&mut self, images: Tensor<B, 4>) {
+        self.inputs = images;
+    }
+}
+
+impl<B: Backend, const D: usize> ClassTargets<B> for ClassificationBatch<B, D> {
+    fn classes(&self) -> &Tensor<B, 1, Int> {
+        &self.targets
+    }
+
+    fn soft_targets(&self) -> Option<&Tensor<B, 2>> {
+        self.soft_targets.as_ref()
+    }
+
+    fn set_soft_targets(&mut self, targets: Option<Tensor<B, 2>>) {
+        self.soft_targets = targets;
+    }
+}
+
+impl<B: Backend, const D: usize> SelectSamples<B> for ClassificationBatch<B, D> {
+    fn select(self, indices: Tensor<B, 1, Int>) -> Self {
+        ClassificationBatch {
+            inputs: self.inputs.select(0, indices.clone()),
+            targets: self.targets.select(0, indices.clone()),
+            soft_targets: self.soft_targets.map(|t| t.select(0, indices)),
+        }
+    }
+}
+
+/// A batch of images, `[batch, channels, height, width]`, that data algorithms (CutOut,
+/// MixUp, progressive resizing, RandAugment...) may rewrite. Requiring this bound is how an
+/// image algorithm refuses, at compile time, a model that does not train on images.
+pub trait ImageBatch<B: Backend>: Batch {
+    /// The images.
+    fn images(&self) -> &Tensor<B, 4>;
+    /// Replaces the images (the batch size must stay the same; height and width may change).
+    fn set_images(&mut self, images: Tensor<B, 4>);
+}
+
+/// A batch with one class per sample, whose targets algorithms may replace by class
+/// distributions ("soft targets"). A model trained on such batches must read the soft
+/// targets in its loss when they are set (see [`crate::loss::classification_loss`]).
+pub trait ClassTargets<B: Backend>: Batch {
+    /// Class indices, `[batch]`.
+    fn classes(&self) -> &Tensor<B, 1, Int>;
+    /// Class distributions `[batch, classes]`, when an algorithm has set them.
+    fn soft_targets(&self) -> Option<&Tensor<B, 2>>;
+    /// Sets (or clears, with `None`) the class distributions.
+    fn set_soft_targets(&mut self, targets: Option<Tensor<B, 2>>);
+
+    /// The targets as distributions over `num_classes`: the soft targets when set, otherwise
+    /// the one-hot encoding of the classes.
+    fn target_distribution(&self, num_classes: usize) -> Tensor<B, 2> {
+        match self.soft_targets() {
+            Some(t) => t.clone(),
+            None => self.classes().clone().one_hot::<2>(num_classes).float(),
+        }
+    }
+}
+
+/// A batch that can keep a subset (or a permutation) of its samples.
+pub trait SelectSamples<B: Backend>: Batch {
+    /// The samples at `indices`, in that order (every field of the batch is selected alike).
+    fn select(self, indices: Tensor<B, 1, Int>) -> Self;
+}
+
+/// A model output that holds class scores, so that algorithms can read the number of classes
+/// and score samples (selective backprop).
+pub trait Logits<B: Backend> {
+    /// Unnormalised class scores, `[batch, classes]`.
+    fn logits(&self) -> &Tensor<B, 2>;
+}
+
+impl<B: Backend> Logits<B> for Tensor<B, 2> {
+    fn logits(&self) -> &Tensor<B, 2> {
+        self
+    }
+}
+
+impl<B: Backend> Logits<B> for ClassificationOutput<B> {
+    fn logits(&self) -> &Tensor<B, 2> {
+        &self.logits
+    }
+}
+
+/// A batch of token sequences for language modelling: `tokens[b, t]` predicts
+/// `targets[b, t]` (usually the next token).
+#[derive(Debug, Clone)]
+pub struct TokenBatch<B: Backend> {
+    /// Input token ids, `[batch, seq_len]`.
+    pub tokens: Tensor<B, 2, Int>,
+    /// Target token ids, `[batch, seq_len]`.
+    pub targets: Tensor<B, 2, Int>,
+}
+
+impl<B: Backend> Batch for TokenBatch<B> {
+    fn len(&self) -> usize {
+        self.tokens.dims()[0]
+    }
+
+    fn split(self, size: usize) -> Vec<Self> {
+        let n = self.len();
+        if size >= n {
+            return vec![self];
+        }
+        (0..n)
+            .step_by(size)
+            .map(|start| {
+                let len = size.min(n - start);
+                TokenBatch {
+                    tokens: self.tokens.clone().narrow(0, start, len),
+                    targets: self.targets.clone().narrow(0, start, len),
+                }
+            })
+            .collect()
+    }
+
+    fn num_tokens(&self) -> u64 {
+        let [b, t] = self.tokens.dims();
+        (b * t) as u64
+    }
+}
+
+/// A batch of sequences whose length algorithms may change (sequence-length warmup).
+pub trait SequenceBatch<B: Backend>: Batch {
+    /// Length of every sequence in the batch.
+    fn seq_len(&self) -> usize;
+    /// Keeps the first `len` positions of every sequence (`1 <= len <= seq_len`).
+    fn truncate(self, len: usize) -> Self;
+    /// Cuts every sequence into pieces of `len` positions, which become separate sequences
+    /// (`batch * (seq_len / len)` of them); a remainder shorter than `len` is dropped.
+    fn fold(self, len: usize) -> Self;
+}
+
+impl<B: Backend> SequenceBatch<B> for TokenBatch<B> {
+    fn seq_len(&self) -> usize {
+        self.tokens.dims()[1]
+    }
+
+    fn truncate(self, len: usize) -> Self {
+        TokenBatch {
+            tokens: self.tokens.narrow(1, 0, len),
+            targets: self.targets.narrow(1, 0, len),
+        }
+    }
+
+    fn fold(self, len: usize) -> Self {
+        let [b, t] = self.tokens.dims();
+        let pieces = t / len;
+        let keep = pieces * len;
+        TokenBatch {
+            tokens: self.tokens.narrow(1, 0, keep).reshape([b * pieces, len]),
+            targets: self.targets.narrow(1, 0, keep).reshape([b * pieces, len]),
+        }
     }
 }
 

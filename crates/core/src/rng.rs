@@ -83,6 +83,73 @@ impl Rng {
         (m >> 64) as u64
     }
 
+    /// A uniform float in `[low, high)`.
+    pub fn uniform(&mut self, low: f64, high: f64) -> f64 {
+        low + (high - low) * self.next_f64()
+    }
+
+    /// A standard normal draw (Box-Muller; one of the pair is used, so the stream stays a
+    /// plain function of the number of draws).
+    pub fn normal(&mut self) -> f64 {
+        // 1 - u lies in (0, 1], so the logarithm is finite.
+        let u1 = 1.0 - self.next_f64();
+        let u2 = self.next_f64();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
+    /// A Gamma(`shape`, 1) draw, `shape > 0` (Marsaglia and Tsang, 2000; for `shape < 1` the
+    /// draw for `shape + 1` is scaled by `U^(1/shape)`).
+    pub fn gamma(&mut self, shape: f64) -> f64 {
+        debug_assert!(shape > 0.0);
+        if shape < 1.0 {
+            let u = 1.0 - self.next_f64();
+            return self.gamma(shape + 1.0) * u.powf(1.0 / shape);
+        }
+        let d = shape - 1.0 / 3.0;
+        let c = 1.0 / (9.0 * d).sqrt();
+        loop {
+            let x = self.normal();
+            let v = (1.0 + c * x).powi(3);
+            if v <= 0.0 {
+                continue;
+            }
+            let u = 1.0 - self.next_f64();
+            if u.ln() < 0.5 * x * x + d - d * v + d * v.ln() {
+                return d * v;
+            }
+        }
+    }
+
+    /// A Beta(`a`, `b`) draw in `[0, 1]`, `a, b > 0`.
+    pub fn beta(&mut self, a: f64, b: f64) -> f64 {
+        let x = self.gamma(a);
+        let y = self.gamma(b);
+        if x + y == 0.0 {
+            // Both draws underflowed (tiny shapes): the mass sits at the ends equally.
+            return if self.next_f64() < a / (a + b) {
+                1.0
+            } else {
+                0.0
+            };
+        }
+        x / (x + y)
+    }
+
+    /// A Dirichlet draw with `k` equal concentrations `alpha > 0`: `k` weights summing to 1.
+    pub fn dirichlet(&mut self, alpha: f64, k: usize) -> Vec<f64> {
+        let mut w: Vec<f64> = (0..k).map(|_| self.gamma(alpha)).collect();
+        let sum: f64 = w.iter().sum();
+        if sum == 0.0 {
+            let i = self.below(k as u64) as usize;
+            w.iter_mut()
+                .enumerate()
+                .for_each(|(j, x)| *x = f64::from(j == i));
+            return w;
+        }
+        w.iter_mut().for_each(|x| *x /= sum);
+        w
+    }
+
     /// Shuffles `items` in place (Fisher-Yates).
     pub fn shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
@@ -117,6 +184,49 @@ mod tests {
         let mean: f64 = (0..n).map(|_| r.next_f64()).sum::<f64>() / n as f64;
         // Standard error of the mean is sqrt(1/12/n) ~ 0.0009; allow 5 of them.
         assert!((mean - 0.5).abs() < 0.0046, "mean {mean}");
+    }
+
+    fn moments(draws: &[f64]) -> (f64, f64) {
+        let n = draws.len() as f64;
+        let mean = draws.iter().sum::<f64>() / n;
+        let var = draws.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0);
+        (mean, var)
+    }
+
+    #[test]
+    fn distributions_have_their_published_moments() {
+        let mut r = Rng::new(11);
+        let n = 200_000;
+        let normal: Vec<f64> = (0..n).map(|_| r.normal()).collect();
+        let (m, v) = moments(&normal);
+        assert!(m.abs() < 0.012 && (v - 1.0).abs() < 0.015, "normal {m} {v}");
+        // Gamma(k, 1): mean k, variance k; both the k >= 1 and the k < 1 branch.
+        for k in [0.3, 1.0, 2.5] {
+            let g: Vec<f64> = (0..n).map(|_| r.gamma(k)).collect();
+            let (m, v) = moments(&g);
+            assert!(g.iter().all(|x| *x >= 0.0));
+            assert!((m - k).abs() < 0.02 * k.max(1.0), "gamma({k}) mean {m}");
+            assert!((v - k).abs() < 0.06 * k.max(1.0), "gamma({k}) var {v}");
+        }
+        // Beta(a, b): mean a/(a+b), variance ab/((a+b)^2 (a+b+1)).
+        for (a, b) in [(0.2, 0.2), (1.0, 1.0), (2.0, 5.0)] {
+            let d: Vec<f64> = (0..n).map(|_| r.beta(a, b)).collect();
+            let (m, v) = moments(&d);
+            let em = a / (a + b);
+            let ev = a * b / ((a + b).powi(2) * (a + b + 1.0));
+            assert!(d.iter().all(|x| (0.0..=1.0).contains(x)));
+            assert!((m - em).abs() < 0.005, "beta({a},{b}) mean {m} vs {em}");
+            assert!((v - ev).abs() < 0.005, "beta({a},{b}) var {v} vs {ev}");
+        }
+        // Dirichlet(1, 1, 1): each weight has mean 1/3; weights sum to 1.
+        let mut first = Vec::new();
+        for _ in 0..50_000 {
+            let w = r.dirichlet(1.0, 3);
+            assert!((w.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+            first.push(w[0]);
+        }
+        let (m, _) = moments(&first);
+        assert!((m - 1.0 / 3.0).abs() < 0.006, "dirichlet mean {m}");
     }
 
     proptest! {

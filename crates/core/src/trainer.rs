@@ -252,6 +252,18 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
                 });
             }
         }
+        // An algorithm added twice would apply its change twice (two label smoothings, two
+        // MixUps) and its two states would share one checkpoint key: refuse it.
+        let mut names = std::collections::BTreeSet::new();
+        for a in &self.algorithms {
+            if !names.insert(a.name().to_string()) {
+                return Err(CoreError::config(
+                    "algorithms",
+                    format!("`{}` added twice", a.name()),
+                    "each algorithm at most once (merge their settings into one)",
+                ));
+            }
+        }
         let max_duration = self.max_duration.scaled(ssr);
         let samples_per_epoch = self.train.num_samples() as u64;
         let progress = Progress {

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub use burn;
+pub use flashover_algorithms as algorithms;
 pub use flashover_callbacks as callbacks;
 pub use flashover_checkpoint as checkpoint;
 pub use flashover_core as core;

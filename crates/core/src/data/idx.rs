@@ -313,7 +313,7 @@ impl<B: Backend> Batcher<B, MnistItem, ClassificationBatch<B, 4>> for MnistBatch
         }
         let inputs = Tensor::<B, 4>::from_data(TensorData::new(pixels, [n, 1, rows, cols]), device);
         let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(labels, [n]), device);
-        ClassificationBatch { inputs, targets }
+        ClassificationBatch::new(inputs, targets)
     }
 }
 

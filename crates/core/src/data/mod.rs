@@ -12,6 +12,7 @@ pub use burn::data::dataloader::batcher::Batcher;
 pub use burn::data::dataset::Dataset;
 pub use idx::{
     read_idx_images, read_idx_labels, IdxImages, MnistBatcher, MnistDataset, MnistItem, MnistSplit,
+    MNIST_MEAN, MNIST_STD,
 };
 pub use loader::{BatchIter, DataLoader};
 pub use sampler::Sampler;

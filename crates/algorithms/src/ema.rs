@@ -1,0 +1,230 @@
+//! Exponential moving average of the weights (Polyak and Juditsky, 1992; as in Composer's
+//! EMA): keep `ema = d * ema + (1 - d) * w` after every optimizer step and evaluate with `ema`.
+//! The decay comes from a half-life in any time unit: after `delta` units,
+//! `d = 0.5^(delta / half_life)`, so the weight of old values halves every half-life whatever
+//! the batch size.
+//!
+//! Hyperparameter: `half_life` (default `1000ba`, Composer's). Evaluation (and prediction)
+//! uses the averaged weights; they are swapped in at `EVAL_BEFORE_ALL` (`PREDICT_START`) and
+//! the training weights swapped back at `EVAL_AFTER_ALL` (`PREDICT_END`), so training itself
+//! is unchanged. The average starts from the weights at `FIT_START` and is saved in
+//! checkpoints bit for bit.
+//!
+//! The averaged copy lives apart from the model (a [`ParamSet`] keyed by parameter id), never
+//! as a clone of the module, so that no state is shared with the training model.
+
+use burn::optim::Optimizer;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::Tensor;
+use flashover_core::callback::Algorithm;
+use flashover_core::event::Event;
+use flashover_core::logger::Logger;
+use flashover_core::model::TrainModel;
+use flashover_core::state::State;
+use flashover_core::time::Time;
+use serde_json::{json, Value};
+
+use crate::error::{AlgorithmError, Result};
+use crate::params::ParamSet;
+
+/// Decay for `delta` units of time with half-life `half_life` units: `0.5^(delta/half_life)`.
+pub fn decay_for(delta: f64, half_life: f64) -> f64 {
+    0.5f64.powf(delta / half_life)
+}
+
+/// One EMA step: `decay * avg + (1 - decay) * w`.
+pub fn ema_update<B: Backend, const D: usize>(
+    avg: Tensor<B, D>,
+    w: Tensor<B, D>,
+    decay: f64,
+) -> Tensor<B, D> {
+    avg.mul_scalar(decay) + w.mul_scalar(1.0 - decay)
+}
+
+/// The EMA algorithm; see the module docs.
+pub struct Ema<B: AutodiffBackend> {
+    half_life: Time,
+    averaged: Option<ParamSet<B::InnerBackend>>,
+    /// Elapsed time (in the half-life's unit) at the last update.
+    last: f64,
+    /// The training weights while the averaged ones are swapped in.
+    training: Option<ParamSet<B::InnerBackend>>,
+    /// Saved state waiting for a device to be decoded on.
+    pending: Option<Value>,
+}
+
+impl<B: AutodiffBackend> Ema<B> {
+    /// EMA with `half_life` greater than zero, in any unit.
+    pub fn new(half_life: Time) -> Result<Self> {
+        if half_life.is_zero() || !half_life.value().is_finite() {
+            return Err(AlgorithmError::param(
+                "ema",
+                "half_life",
+                half_life,
+                "a time greater than zero, e.g. 100ba or 0.05dur",
+            ));
+        }
+        Ok(Ema {
+            half_life,
+            averaged: None,
+            last: 0.0,
+            training: None,
+            pending: None,
+        })
+    }
+
+    /// The averaged weights, once training has started.
+    pub fn averaged(&self) -> Option<&ParamSet<B::InnerBackend>> {
+        self.averaged.as_ref()
+    }
+
+    fn elapsed<M: TrainModel<B>, O: Optimizer<M, B>>(&self, state: &State<B, M, O>) -> f64 {
+        state
+            .progress()
+            .elapsed(&state.timestamp, self.half_life.unit())
+    }
+
+    fn decode_pending(&mut self, device: &B::Device) -> Result<()> {
+        if let Some(v) = self.pending.take() {
+            self.averaged = Some(ParamSet::from_json(&v["averaged"], device, "ema")?);
+            self.last = v["last"].as_f64().ok_or_else(|| AlgorithmError::BadState {
+                algorithm: "ema",
+                reason: "no `last` time".into(),
+            })?;
+        }
+        Ok(())
+    }
+}
+
+impl<B, M, O> Algorithm<B, M, O> for Ema<B>
+where
+    B: AutodiffBackend,
+    M: TrainModel<B>,
+    O: Optimizer<M, B>,
+{
+    fn name(&self) -> &str {
+        "ema"
+    }
+
+    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
+        matches!(
+            event,
+            Event::FitStart
+                | Event::BatchEnd
+                | Event::EvalBeforeAll
+                | Event::EvalAfterAll
+                | Event::PredictStart
+                | Event::PredictEnd
+        )
+    }
+
+    fn apply(
+        &mut self,
+        event: Event,
+        state: &mut State<B, M, O>,
+        _logger: &mut Logger,
+    ) -> flashover_core::Result<()> {
+        self.decode_pending(&state.device)?;
+        match event {
+            Event::FitStart if self.averaged.is_none() => {
+                self.averaged = Some(ParamSet::of_autodiff(state.model()));
+                self.last = self.elapsed(state);
+            }
+            Event::BatchEnd => {
+                let now = self.elapsed(state);
+                let decay = decay_for(now - self.last, self.half_life.value());
+                self.last = now;
+                let current = ParamSet::of_autodiff(state.model());
+                match self.averaged.as_mut() {
+                    Some(avg) => avg.zip_update(&current, "ema", |a, w| ema_update(a, w, decay))?,
+                    None => self.averaged = Some(current),
+                }
+            }
+            Event::EvalBeforeAll | Event::PredictStart => {
+                if let Some(avg) = &self.averaged {
+                    self.training = Some(ParamSet::of_autodiff(state.model()));
+                    let mut result = Ok(());
+                    state.map_model(|m| match avg.load_into(m.clone(), "ema") {
+                        Ok(m) => m,
+                        Err(e) => {
+                            result = Err(e);
+                            m
+                        }
+                    });
+                    result?;
+                }
+            }
+            Event::EvalAfterAll | Event::PredictEnd => {
+                if let Some(train) = self.training.take() {
+                    let mut result = Ok(());
+                    state.map_model(|m| match train.load_into(m.clone(), "ema") {
+                        Ok(m) => m,
+                        Err(e) => {
+                            result = Err(e);
+                            m
+                        }
+                    });
+                    result?;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn state_dict(&self) -> Value {
+        match (&self.averaged, &self.pending) {
+            (Some(avg), _) => json!({ "averaged": avg.to_json(), "last": self.last }),
+            (None, Some(p)) => p.clone(),
+            (None, None) => Value::Null,
+        }
+    }
+
+    fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
+        if !state.is_null() {
+            self.averaged = None;
+            self.pending = Some(state);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::TensorData;
+
+    #[test]
+    fn decay_halves_the_old_weight_every_half_life() {
+        assert!((decay_for(100.0, 100.0) - 0.5).abs() < 1e-15);
+        assert!((decay_for(1.0, 100.0) - 0.5f64.powf(0.01)).abs() < 1e-15);
+        // 100 per-batch steps equal one step of 100 batches.
+        let d1 = decay_for(1.0, 100.0);
+        assert!((d1.powi(100) - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn update_with_a_known_half_life_matches_the_formula() {
+        // Average 0, weights 1, half-life 2 batches, one batch: d = 2^-0.5 = 0.70711;
+        // ema = 1 - d = 0.29289. A second step: ema = d * 0.29289 + (1 - d) = 0.5 exactly,
+        // as two steps make one half-life.
+        let dev = Default::default();
+        let w = Tensor::<Flex, 1>::from_data(TensorData::new(vec![1.0f32], [1]), &dev);
+        let d = decay_for(1.0, 2.0);
+        let a = ema_update(Tensor::<Flex, 1>::zeros([1], &dev), w.clone(), d);
+        let v: f32 = a.clone().into_scalar();
+        assert!((v as f64 - (1.0 - 0.5f64.sqrt())).abs() < 1e-6);
+        let v: f32 = ema_update(a, w, d).into_scalar();
+        assert!((v - 0.5).abs() < 1e-6);
+    }
+
+    #[test]
+    fn zero_half_life_is_refused() {
+        let e = Ema::<burn::backend::Autodiff<Flex>>::new(Time::Batch(0))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("half_life") && e.contains("0ba"), "{e}");
+    }
+}

@@ -1,0 +1,269 @@
+//! Gradient clipping at `AFTER_TRAIN_BATCH`, after all microbatches are accumulated and
+//! before the optimizer step:
+//! - **value**: every gradient element clamped to `[-threshold, threshold]`;
+//! - **norm**: all gradients scaled together by `min(1, max_norm / (total_norm + 1e-6))`,
+//!   where `total_norm` is the L2 norm over every parameter at once (as PyTorch's
+//!   `clip_grad_norm_`), not per tensor;
+//! - **adaptive** (Brock et al., 2021, "High-Performance Large-Scale Image Recognition Without
+//!   Normalization", AGC): each parameter's gradient is scaled so that its unit-wise norm is at
+//!   most `threshold` times the unit-wise norm of the weights (at least `1e-3`), where a unit
+//!   is one output row for weights of rank 2 or more and the whole tensor otherwise.
+//!
+//! Hyperparameters: `clipping_type` (value, norm, adaptive) and `clipping_threshold`.
+//! Stabilises training with large learning rates or batch sizes; costs one pass over the
+//! gradients.
+
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor};
+use flashover_core::callback::Algorithm;
+use flashover_core::event::Event;
+use flashover_core::logger::Logger;
+use flashover_core::model::TrainModel;
+use flashover_core::state::State;
+
+use crate::error::{AlgorithmError, Result};
+use crate::params::{grads_of, set_grad, GradView};
+
+/// Which clipping to apply.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ClippingType {
+    /// Clamp each element.
+    Value,
+    /// Scale by the global L2 norm.
+    Norm,
+    /// Adaptive gradient clipping (unit-wise ratio to the weights).
+    Adaptive,
+}
+
+impl ClippingType {
+    /// Parses `value`, `norm` or `adaptive`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "value" => Ok(ClippingType::Value),
+            "norm" => Ok(ClippingType::Norm),
+            "adaptive" => Ok(ClippingType::Adaptive),
+            other => Err(AlgorithmError::param(
+                "gradient_clipping",
+                "clipping_type",
+                other,
+                "value, norm or adaptive",
+            )),
+        }
+    }
+}
+
+/// The global L2 norm over every gradient in `views`.
+pub fn global_norm<B: Backend>(views: &[GradView<B>]) -> f64 {
+    let Some(first) = views.first() else {
+        return 0.0;
+    };
+    let mut total = first.grad.clone().powi_scalar(2).sum();
+    for v in &views[1..] {
+        total = total + v.grad.clone().powi_scalar(2).sum();
+    }
+    total.into_scalar().elem::<f64>().sqrt()
+}
+
+/// The factor `min(1, max_norm / (norm + 1e-6))` that norm clipping scales by.
+pub fn norm_clip_factor(norm: f64, max_norm: f64) -> f64 {
+    (max_norm / (norm + 1e-6)).min(1.0)
+}
+
+/// Unit-wise L2 norms of a flat tensor of `shape`: per output row (first dimension) for rank
+/// 2 and above, broadcast back over the row; the whole norm for rank 0 and 1.
+fn unitwise_norm<B: Backend>(t: &Tensor<B, 1>, shape: &[usize]) -> Tensor<B, 1> {
+    let n: usize = shape.iter().product();
+    if shape.len() <= 1 {
+        let norm = t.clone().powi_scalar(2).sum().sqrt();
+        return norm.expand([n]);
+    }
+    let rows = shape[0];
+    let cols = n / rows;
+    let m = t.clone().reshape([rows, cols]);
+    m.powi_scalar(2)
+        .sum_dim(1)
+        .sqrt()
+        .expand([rows, cols])
+        .reshape([n])
+}
+
+/// Clips `grads` of `model` in place and returns the global gradient norm before clipping
+/// (the functional form).
+pub fn clip_gradients<B: AutodiffBackend, M: burn::module::AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+    kind: ClippingType,
+    threshold: f64,
+) -> f64 {
+    let views = grads_of(model, grads);
+    let norm = global_norm(&views);
+    match kind {
+        ClippingType::Value => {
+            for v in &views {
+                set_grad(grads, v, v.grad.clone().clamp(-threshold, threshold));
+            }
+        }
+        ClippingType::Norm => {
+            let f = norm_clip_factor(norm, threshold);
+            if f < 1.0 {
+                for v in &views {
+                    set_grad(grads, v, v.grad.clone().mul_scalar(f));
+                }
+            }
+        }
+        ClippingType::Adaptive => {
+            for v in &views {
+                let p_norm = unitwise_norm(&v.param, &v.shape).clamp_min(1e-3);
+                let g_norm = unitwise_norm(&v.grad, &v.shape);
+                let max_norm = p_norm.mul_scalar(threshold);
+                // Scale only where the gradient's norm exceeds the bound.
+                let factor = (max_norm.clone() / g_norm.clone().clamp_min(1e-6)).clamp_max(1.0);
+                set_grad(grads, v, v.grad.clone() * factor);
+            }
+        }
+    }
+    norm
+}
+
+/// The gradient-clipping algorithm; see the module docs.
+#[derive(Debug, Clone)]
+pub struct GradientClipping {
+    kind: ClippingType,
+    threshold: f64,
+}
+
+impl GradientClipping {
+    /// Clipping of `kind` at `threshold > 0`.
+    pub fn new(kind: ClippingType, threshold: f64) -> Result<Self> {
+        if !(threshold.is_finite() && threshold > 0.0) {
+            return Err(AlgorithmError::param(
+                "gradient_clipping",
+                "clipping_threshold",
+                threshold,
+                "a finite number > 0",
+            ));
+        }
+        Ok(GradientClipping { kind, threshold })
+    }
+}
+
+impl<B, M, O> Algorithm<B, M, O> for GradientClipping
+where
+    B: AutodiffBackend,
+    M: TrainModel<B>,
+    O: Optimizer<M, B>,
+{
+    fn name(&self) -> &str {
+        "gradient_clipping"
+    }
+
+    fn matches(&self, event: Event, state: &State<B, M, O>) -> bool {
+        event == Event::AfterTrainBatch && state.grads.is_some()
+    }
+
+    fn apply(
+        &mut self,
+        _event: Event,
+        state: &mut State<B, M, O>,
+        _logger: &mut Logger,
+    ) -> flashover_core::Result<()> {
+        if let Some(mut grads) = state.grads.take() {
+            clip_gradients(state.model(), &mut grads, self.kind, self.threshold);
+            state.grads = Some(grads);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+    use burn::module::{Module, Param};
+    use burn::tensor::TensorData;
+
+    type AB = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Tiny<B: Backend> {
+        w: Param<Tensor<B, 2>>,
+        b: Param<Tensor<B, 1>>,
+    }
+
+    /// A model whose loss `sum(w * cw) + sum(b * cb)` has gradients exactly `cw` and `cb`.
+    fn setup(w: Vec<f32>, cw: Vec<f32>, cb: Vec<f32>) -> (Tiny<AB>, GradientsParams) {
+        let d = Default::default();
+        let m = Tiny {
+            w: Param::from_tensor(Tensor::<AB, 2>::from_data(TensorData::new(w, [2, 2]), &d)),
+            b: Param::from_tensor(Tensor::<AB, 1>::from_data(
+                TensorData::new(vec![1.0f32, 1.0], [2]),
+                &d,
+            )),
+        };
+        let gw = Tensor::<AB, 2>::from_data(TensorData::new(cw, [2, 2]), &d);
+        let gb = Tensor::<AB, 1>::from_data(TensorData::new(cb, [2]), &d);
+        let loss = (m.w.val() * gw).sum() + (m.b.val() * gb).sum();
+        let grads = GradientsParams::from_grads(loss.backward(), &m);
+        (m, grads)
+    }
+
+    fn grad_values(m: &Tiny<AB>, g: &GradientsParams) -> Vec<f32> {
+        grads_of(m, g)
+            .iter()
+            .flat_map(|v| v.grad.clone().into_data().to_vec::<f32>().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn norm_clipping_uses_the_global_norm() {
+        // Gradients (3, 0, 0, 0) and (0, 4): global norm 5 (per-tensor norms would be 3 and 4).
+        let (m, mut g) = setup(vec![1.0; 4], vec![3.0, 0.0, 0.0, 0.0], vec![0.0, 4.0]);
+        let norm = clip_gradients(&m, &mut g, ClippingType::Norm, 1.0);
+        assert!((norm - 5.0).abs() < 1e-6);
+        let f = 1.0 / (5.0 + 1e-6);
+        let v = grad_values(&m, &g);
+        let want = [3.0 * f, 0.0, 0.0, 0.0, 0.0, 4.0 * f];
+        for (a, b) in v.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-6, "{v:?}");
+        }
+        // Below the threshold nothing changes.
+        let (m, mut g) = setup(vec![1.0; 4], vec![3.0, 0.0, 0.0, 0.0], vec![0.0, 4.0]);
+        clip_gradients(&m, &mut g, ClippingType::Norm, 10.0);
+        assert_eq!(grad_values(&m, &g), vec![3.0, 0.0, 0.0, 0.0, 0.0, 4.0]);
+    }
+
+    #[test]
+    fn value_clipping_clamps_each_element() {
+        let (m, mut g) = setup(vec![1.0; 4], vec![3.0, -0.2, -7.0, 0.5], vec![0.0, 4.0]);
+        clip_gradients(&m, &mut g, ClippingType::Value, 1.0);
+        assert_eq!(grad_values(&m, &g), vec![1.0, -0.2, -1.0, 0.5, 0.0, 1.0]);
+    }
+
+    #[test]
+    fn adaptive_clipping_bounds_each_unit_by_its_weight_norm() {
+        // w rows (3, 4) and (0, 0.001): unit norms 5 and 0.001 -> clamped to 1e-3.
+        // Gradient rows (6, 8) (norm 10) and (1, 0) (norm 1); threshold 0.1.
+        // Row 0: bound 0.5 < 10 -> scaled by 0.05 -> (0.3, 0.4).
+        // Row 1: bound 1e-4 < 1 -> scaled by 1e-4 -> (1e-4, 0).
+        // b = (1, 1): norm sqrt 2; gradient (0.1, 0) norm 0.1 < 0.1 * sqrt 2 -> unchanged.
+        let (m, mut g) = setup(
+            vec![3.0, 4.0, 0.0, 0.001],
+            vec![6.0, 8.0, 1.0, 0.0],
+            vec![0.1, 0.0],
+        );
+        clip_gradients(&m, &mut g, ClippingType::Adaptive, 0.1);
+        let v = grad_values(&m, &g);
+        let want = [0.3, 0.4, 1e-4, 0.0, 0.1, 0.0];
+        for (a, b) in v.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-6, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        assert!(GradientClipping::new(ClippingType::Norm, 0.0).is_err());
+        let e = ClippingType::parse("l3").err().unwrap().to_string();
+        assert!(e.contains("l3") && e.contains("adaptive"), "{e}");
+    }
+}

@@ -1,0 +1,54 @@
+//! Flashover's speed-up algorithms. Each module holds one method: its plain function (the
+//! functional form, for hand-written loops) and an [`Algorithm`](flashover_core::callback::Algorithm)
+//! that hooks the trainer's events as Composer's version does.
+//!
+//! What a method needs from the batch or the model is a trait bound from
+//! `flashover_core::model` ([`ImageBatch`](flashover_core::model::ImageBatch),
+//! [`ClassTargets`](flashover_core::model::ClassTargets), ...), so adding an image algorithm
+//! to a language model does not compile. All randomness comes from the trainer's
+//! `(seed, rank, epoch, batch)` generator, so runs reproduce and resume exactly.
+//!
+//! | name | module | hooks |
+//! |---|---|---|
+//! | `label_smoothing` | [`label_smoothing`] | BEFORE_LOSS, AFTER_LOSS |
+//! | `mixup`, `cutmix` | [`mixup`], [`cutmix`] | BEFORE_FORWARD, BEFORE_LOSS, AFTER_LOSS |
+//! | `cutout`, `colout`, `progressive_resizing`, `randaugment`, `augmix` | ... | AFTER_DATALOADER |
+//! | `selective_backprop`, `seq_length_warmup` | ... | AFTER_DATALOADER |
+//! | `gradient_clipping`, `sam` | ... | AFTER_TRAIN_BATCH |
+//! | `ema` | [`ema`] | FIT_START, BATCH_END, EVAL_BEFORE_ALL/AFTER_ALL, PREDICT_START/END |
+//! | `swa` | [`swa`] | BATCH_START, BATCH_END |
+//! | `layer_freezing` | [`layer_freezing`] | FIT_START, EPOCH_START |
+//!
+//! Several methods rewrite the targets (label smoothing, MixUp, CutMix). Each transforms the
+//! distribution already in the batch, in the order the algorithms were added, and undoes its
+//! change at `AFTER_LOSS`; the transforms are affine, so the order does not change the
+//! result. The same algorithm cannot be added twice (the trainer refuses it).
+//!
+//! This crate never touches the filesystem and depends on no other Flashover crate but core.
+#![warn(missing_docs)]
+#![forbid(unsafe_code)]
+
+pub mod augment;
+pub mod augmix;
+pub mod colout;
+pub mod cutmix;
+pub mod cutout;
+pub mod ema;
+pub mod error;
+pub mod gradient_clipping;
+pub mod label_smoothing;
+pub mod layer_freezing;
+pub mod mixup;
+pub mod params;
+pub mod progressive_resizing;
+pub mod randaugment;
+pub mod recipes;
+pub mod sam;
+pub mod selective_backprop;
+pub mod seq_length_warmup;
+pub mod spec;
+pub mod swa;
+mod util;
+
+pub use error::{AlgorithmError, Result};
+pub use util::ImageClassBatch;

@@ -1,0 +1,82 @@
+//! Named presets that stack methods for image classification, as Composer's ResNet recipes
+//! do: mild for the shortest budget, hot for the best accuracy at the full budget. Tuned on
+//! the bundled MNIST task (see the README's time-to-accuracy table for what each buys there,
+//! and ARCHITECTURE.md for the methods that were tried and left out because they cost this
+//! small CNN accuracy or time).
+
+use crate::error::{AlgorithmError, Result};
+use crate::spec::{parse_list, AlgorithmSpec};
+
+/// A recipe: its algorithms and the scale-schedule ratio it trains with.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recipe {
+    /// `mild`, `medium` or `hot`.
+    pub name: &'static str,
+    /// The algorithm list, in the `--algorithms` syntax.
+    pub algorithms: &'static str,
+    /// Multiplier of the run's length and of its schedule's milestones.
+    pub scale_schedule_ratio: f64,
+}
+
+/// The recipes, mildest first.
+pub const RECIPES: &[Recipe] = &[
+    // The shortest budget: half the epochs, with label smoothing to make up the accuracy.
+    Recipe {
+        name: "mild",
+        algorithms: "label_smoothing:smoothing=0.1",
+        scale_schedule_ratio: 0.5,
+    },
+    // Two thirds of the epochs; EMA weights for evaluation smooth the late noise.
+    Recipe {
+        name: "medium",
+        algorithms: "label_smoothing:smoothing=0.1,ema:half_life=25ba",
+        scale_schedule_ratio: 0.67,
+    },
+    // The full budget, for the best final accuracy.
+    Recipe {
+        name: "hot",
+        algorithms: "label_smoothing:smoothing=0.1,ema:half_life=25ba",
+        scale_schedule_ratio: 1.0,
+    },
+];
+
+/// The recipe called `name`.
+pub fn recipe(name: &str) -> Result<&'static Recipe> {
+    RECIPES
+        .iter()
+        .find(|r| r.name == name)
+        .ok_or_else(|| AlgorithmError::UnknownRecipe {
+            name: name.to_string(),
+            valid: RECIPES
+                .iter()
+                .map(|r| r.name)
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+impl Recipe {
+    /// The recipe's algorithms, parsed.
+    pub fn specs(&self) -> Vec<AlgorithmSpec> {
+        // The lists above are constants checked by the tests below.
+        parse_list(self.algorithms).expect("recipe lists are valid")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_recipe_parses_and_unknown_ones_are_named() {
+        for r in RECIPES {
+            assert!(!r.specs().is_empty());
+            assert!(r.scale_schedule_ratio > 0.0 && r.scale_schedule_ratio <= 1.0);
+        }
+        let e = recipe("spicy").err().unwrap().to_string();
+        assert!(
+            e.contains("spicy") && e.contains("mild, medium, hot"),
+            "{e}"
+        );
+    }
+}

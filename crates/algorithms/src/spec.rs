@@ -1,0 +1,343 @@
+//! Algorithms by name: the `--algorithms` list syntax
+//! (`label_smoothing,mixup:alpha=0.2,ema:half_life=100ba`; several parameters are separated by
+//! `:` as in `cutout:num_holes=2:length=0.3`) and building the named algorithms for an
+//! image-classification model. An unknown name or parameter is an error listing the valid ones.
+
+use burn::optim::Optimizer;
+use burn::tensor::backend::AutodiffBackend;
+use flashover_core::callback::Algorithm;
+use flashover_core::model::{Logits, TrainModel};
+use flashover_core::time::Time;
+
+use crate::augment::{AugmentationSet, Normalization};
+use crate::augmix::{AugMix, AugMixConfig};
+use crate::colout::ColOut;
+use crate::cutmix::CutMix;
+use crate::cutout::CutOut;
+use crate::ema::Ema;
+use crate::error::{AlgorithmError, Result};
+use crate::gradient_clipping::{ClippingType, GradientClipping};
+use crate::label_smoothing::LabelSmoothing;
+use crate::layer_freezing::LayerFreezing;
+use crate::mixup::MixUp;
+use crate::progressive_resizing::{ProgressiveResizing, ResizeMode};
+use crate::randaugment::RandAugment;
+use crate::sam::Sam;
+use crate::selective_backprop::SelectiveBackprop;
+use crate::swa::{Anneal, Swa, SwaConfig};
+use crate::util::ImageClassBatch;
+
+/// One entry of an algorithm list: a name and its `key=value` parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AlgorithmSpec {
+    /// The algorithm's snake-case name.
+    pub name: String,
+    /// Parameters in the order given.
+    pub params: Vec<(String, String)>,
+}
+
+impl std::fmt::Display for AlgorithmSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)?;
+        for (k, v) in &self.params {
+            write!(f, ":{k}={v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Every algorithm name and its parameters, for error messages and `--help`.
+pub const ALGORITHMS: &[(&str, &[&str])] = &[
+    ("label_smoothing", &["smoothing"]),
+    ("mixup", &["alpha", "interpolate_loss"]),
+    ("cutmix", &["alpha", "interpolate_loss"]),
+    ("cutout", &["num_holes", "length"]),
+    ("colout", &["p_row", "p_col"]),
+    (
+        "progressive_resizing",
+        &[
+            "initial_scale",
+            "delay_fraction",
+            "finetune_fraction",
+            "size_increment",
+            "mode",
+        ],
+    ),
+    ("randaugment", &["depth", "severity", "augmentation_set"]),
+    (
+        "augmix",
+        &["severity", "depth", "width", "alpha", "augmentation_set"],
+    ),
+    ("selective_backprop", &["start", "end", "keep", "interrupt"]),
+    (
+        "gradient_clipping",
+        &["clipping_type", "clipping_threshold"],
+    ),
+    ("ema", &["half_life"]),
+    (
+        "swa",
+        &[
+            "swa_start",
+            "swa_end",
+            "update_interval",
+            "schedule_swa_lr",
+            "swa_lr",
+            "anneal_batches",
+            "anneal_strategy",
+        ],
+    ),
+    ("sam", &["rho", "epsilon", "interval"]),
+    ("layer_freezing", &["freeze_start", "freeze_level"]),
+];
+
+fn valid_names() -> String {
+    ALGORITHMS
+        .iter()
+        .map(|(n, _)| *n)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Parses an algorithm list (see the module docs). An empty string is an empty list.
+pub fn parse_list(input: &str) -> Result<Vec<AlgorithmSpec>> {
+    let mut out = Vec::new();
+    for item in input.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let mut parts = item.split(':');
+        let name = parts.next().unwrap_or_default().trim().to_string();
+        let Some((_, allowed)) = ALGORITHMS.iter().find(|(n, _)| *n == name) else {
+            return Err(AlgorithmError::UnknownAlgorithm {
+                name,
+                valid: valid_names(),
+            });
+        };
+        let mut params = Vec::new();
+        for p in parts {
+            let Some((k, v)) = p.split_once('=') else {
+                return Err(AlgorithmError::Parse {
+                    input: item.to_string(),
+                    reason: format!("parameter {p:?} is not key=value"),
+                });
+            };
+            let (k, v) = (k.trim(), v.trim());
+            if !allowed.contains(&k) {
+                return Err(AlgorithmError::UnknownParameter {
+                    algorithm: name,
+                    name: k.to_string(),
+                    valid: allowed.join(", "),
+                });
+            }
+            params.push((k.to_string(), v.to_string()));
+        }
+        out.push(AlgorithmSpec { name, params });
+    }
+    Ok(out)
+}
+
+/// Typed access to a spec's parameters with defaults.
+struct Params<'a> {
+    spec: &'a AlgorithmSpec,
+}
+
+impl Params<'_> {
+    fn raw(&self, key: &str) -> Option<&str> {
+        self.spec
+            .params
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn parse<T: std::str::FromStr>(&self, key: &str, default: T, what: &str) -> Result<T> {
+        match self.raw(key) {
+            None => Ok(default),
+            Some(v) => v.parse().map_err(|_| AlgorithmError::Parse {
+                input: format!("{}:{key}={v}", self.spec.name),
+                reason: format!("expected {what}"),
+            }),
+        }
+    }
+
+    fn f64(&self, key: &str, default: f64) -> Result<f64> {
+        self.parse(key, default, "a number")
+    }
+
+    fn usize(&self, key: &str, default: usize) -> Result<usize> {
+        self.parse(key, default, "a non-negative integer")
+    }
+
+    fn bool(&self, key: &str, default: bool) -> Result<bool> {
+        self.parse(key, default, "true or false")
+    }
+
+    fn time(&self, key: &str, default: Time) -> Result<Time> {
+        match self.raw(key) {
+            None => Ok(default),
+            Some(v) => v
+                .parse()
+                .map_err(|e: flashover_core::CoreError| AlgorithmError::Parse {
+                    input: format!("{}:{key}={v}", self.spec.name),
+                    reason: e.to_string(),
+                }),
+        }
+    }
+
+    fn str<'b>(&'b self, key: &str, default: &'b str) -> &'b str {
+        self.raw(key).unwrap_or(default)
+    }
+}
+
+/// Builds the algorithm `spec` names for an image-classification model whose images are
+/// normalised by `norm` (used by RandAugment and AugMix).
+pub fn build_image_classification<B, M, O>(
+    spec: &AlgorithmSpec,
+    norm: &Normalization,
+) -> Result<Box<dyn Algorithm<B, M, O>>>
+where
+    B: AutodiffBackend,
+    M: TrainModel<B, Batch: ImageClassBatch<B>, Output: Logits<B>>,
+    O: Optimizer<M, B>,
+{
+    let p = Params { spec };
+    Ok(match spec.name.as_str() {
+        "label_smoothing" => Box::new(LabelSmoothing::new(p.f64("smoothing", 0.1)?)?),
+        "mixup" => Box::new(
+            MixUp::new(p.f64("alpha", 0.2)?)?
+                .with_interpolate_loss(p.bool("interpolate_loss", false)?),
+        ),
+        "cutmix" => Box::new(
+            CutMix::new(p.f64("alpha", 1.0)?)?
+                .with_interpolate_loss(p.bool("interpolate_loss", false)?),
+        ),
+        "cutout" => Box::new(CutOut::new(
+            p.usize("num_holes", 1)?,
+            p.f64("length", 0.5)?,
+        )?),
+        "colout" => Box::new(ColOut::new(p.f64("p_row", 0.15)?, p.f64("p_col", 0.15)?)?),
+        "progressive_resizing" => {
+            let mode = match p.str("mode", "resize") {
+                "resize" => ResizeMode::Resize,
+                "crop" => ResizeMode::Crop,
+                other => {
+                    return Err(AlgorithmError::param(
+                        "progressive_resizing",
+                        "mode",
+                        other,
+                        "resize or crop",
+                    ))
+                }
+            };
+            Box::new(ProgressiveResizing::new().with(
+                p.f64("initial_scale", 0.5)?,
+                p.f64("delay_fraction", 0.5)?,
+                p.f64("finetune_fraction", 0.2)?,
+                p.usize("size_increment", 4)?,
+                mode,
+            )?)
+        }
+        "randaugment" => Box::new(RandAugment::new(
+            p.usize("depth", 1)?,
+            p.f64("severity", 9.0)?,
+            AugmentationSet::parse(p.str("augmentation_set", "all"), "randaugment")?,
+            norm.clone(),
+        )?),
+        "augmix" => Box::new(AugMix::new(
+            AugMixConfig {
+                severity: p.f64("severity", 3.0)? as f32,
+                depth: p.parse("depth", -1i64, "-1 or an integer >= 1")?,
+                width: p.usize("width", 3)?,
+                alpha: p.f64("alpha", 1.0)?,
+                set: AugmentationSet::parse(p.str("augmentation_set", "all"), "augmix")?,
+            },
+            norm.clone(),
+        )?),
+        "selective_backprop" => Box::new(SelectiveBackprop::new(
+            p.f64("start", 0.5)?,
+            p.f64("end", 0.9)?,
+            p.f64("keep", 0.5)?,
+            p.parse("interrupt", 2u64, "a non-negative integer")?,
+        )?),
+        "gradient_clipping" => Box::new(GradientClipping::new(
+            ClippingType::parse(p.str("clipping_type", "norm"))?,
+            p.f64("clipping_threshold", 1.0)?,
+        )?),
+        "ema" => Box::new(Ema::<B>::new(p.time("half_life", Time::Batch(1000))?)?),
+        "swa" => {
+            let anneal = match p.str("anneal_strategy", "linear") {
+                "linear" => Anneal::Linear,
+                "cos" => Anneal::Cos,
+                other => {
+                    return Err(AlgorithmError::param(
+                        "swa",
+                        "anneal_strategy",
+                        other,
+                        "linear or cos",
+                    ))
+                }
+            };
+            let swa_lr = match p.raw("swa_lr") {
+                None => None,
+                Some(_) => Some(p.f64("swa_lr", 0.0)?),
+            };
+            Box::new(Swa::<B>::new(SwaConfig {
+                swa_start: p.f64("swa_start", 0.7)?,
+                swa_end: p.f64("swa_end", 1.0)?,
+                update_interval: p.time("update_interval", Time::Epoch(1))?,
+                schedule_swa_lr: p.bool("schedule_swa_lr", false)?,
+                swa_lr,
+                anneal_batches: p.parse("anneal_batches", 10u64, "a non-negative integer")?,
+                anneal,
+            })?)
+        }
+        "sam" => Box::new(Sam::new(
+            p.f64("rho", 0.05)?,
+            p.f64("epsilon", 1e-12)?,
+            p.parse("interval", 1u64, "an integer >= 1")?,
+        )?),
+        "layer_freezing" => Box::new(LayerFreezing::new(
+            p.f64("freeze_start", 0.5)?,
+            p.f64("freeze_level", 1.0)?,
+        )?),
+        other => {
+            return Err(AlgorithmError::UnknownAlgorithm {
+                name: other.to_string(),
+                valid: valid_names(),
+            })
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_names_and_parameters() {
+        let l = parse_list(
+            "label_smoothing, mixup:alpha=0.2,ema:half_life=100ba,cutout:num_holes=2:length=0.3",
+        )
+        .unwrap();
+        assert_eq!(l.len(), 4);
+        assert_eq!(l[1].params, vec![("alpha".to_string(), "0.2".to_string())]);
+        assert_eq!(l[3].to_string(), "cutout:num_holes=2:length=0.3");
+        assert!(parse_list("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn unknown_names_and_parameters_list_the_valid_ones() {
+        let e = parse_list("mixup,blurpool").err().unwrap().to_string();
+        assert!(
+            e.contains("\"blurpool\"")
+                && e.contains("label_smoothing")
+                && e.contains("layer_freezing"),
+            "{e}"
+        );
+        let e = parse_list("mixup:beta=1").err().unwrap().to_string();
+        assert!(
+            e.contains("\"beta\"") && e.contains("alpha, interpolate_loss"),
+            "{e}"
+        );
+        let e = parse_list("mixup:alpha").err().unwrap().to_string();
+        assert!(e.contains("key=value"), "{e}");
+    }
+}

