@@ -4,6 +4,8 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod shakespeare;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

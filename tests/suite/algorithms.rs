@@ -301,3 +301,73 @@ fn every_recipe_resumes_exactly() {
         );
     }
 }
+
+mod sequence {
+    use std::sync::{Arc, Mutex};
+
+    use flashover::algorithms::seq_length_warmup::{warmup_length, SeqLengthWarmup};
+    use flashover::core::event::Event;
+    use flashover::core::time::Time;
+    use flashover::core::trainer::Trainer;
+    use flashover_examples::shakespeare::{bundled_shakespeare, token_loader, CharCorpus, CharLm};
+    use flashover_tests::*;
+
+    type Lm = CharLm<TB>;
+
+    /// Trains the character model for 40 batches of 16 windows of 64 characters with
+    /// sequence-length warmup over the first half; returns the tokens trained on and the
+    /// first and last losses.
+    fn train(truncate: bool) -> (u64, Vec<f64>) {
+        let corpus = CharCorpus::load(&bundled_shakespeare()).unwrap();
+        assert_eq!(
+            corpus.vocab.len(),
+            84,
+            "the README's count of distinct characters"
+        );
+        let dev = device();
+        let loader = token_loader::<TB>(&corpus, 64, 16, Some(640), 3, &dev).unwrap();
+        let model = Lm::new(&dev, corpus.vocab.len(), 64, 3);
+        let opt = burn::optim::AdamConfig::new().init::<TB, Lm>();
+        let losses = Arc::new(Mutex::new(Vec::new()));
+        let sink = losses.clone();
+        let mut t = Trainer::builder(model, opt, loader, Time::Batch(40), dev)
+            .lr(1e-2)
+            .algorithm(SeqLengthWarmup::new(0.5, 8, 64, 8, truncate).unwrap())
+            .callback(At {
+                event: Event::BatchEnd,
+                f: move |s: &mut flashover::core::state::State<TB, Lm, _>| {
+                    sink.lock().unwrap().push(s.loss_value.unwrap());
+                    Ok(())
+                },
+            })
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        let v = losses.lock().unwrap().clone();
+        (t.state().timestamp.token, v)
+    }
+
+    #[test]
+    fn seq_length_warmup_trains_a_character_model_on_shakespeare() {
+        // Truncation: batch k trains 16 sequences of warmup_length(k / 40) tokens.
+        let expected: u64 = (0..40u64)
+            .map(|k| 16 * warmup_length(k as f64 / 40.0, 0.5, 8, 64, 8) as u64)
+            .sum();
+        let (tokens, losses) = train(true);
+        assert_eq!(tokens, expected);
+        assert!(tokens < 40 * 16 * 64, "warmup trains on fewer tokens");
+        let first: f64 = losses[..5].iter().sum::<f64>() / 5.0;
+        let last: f64 = losses[35..].iter().sum::<f64>() / 5.0;
+        assert!(last < first - 0.5, "loss fell from {first} to {last}");
+        assert!(last < (84f64).ln(), "better than uniform guessing");
+        // Folding keeps every whole piece: 64 / len pieces of len tokens per sequence.
+        let expected: u64 = (0..40u64)
+            .map(|k| {
+                let l = warmup_length(k as f64 / 40.0, 0.5, 8, 64, 8) as u64;
+                16 * (64 / l) * l
+            })
+            .sum();
+        let (tokens, _) = train(false);
+        assert_eq!(tokens, expected);
+    }
+}

@@ -150,12 +150,17 @@ fn test(backend: Backend) -> Result<()> {
         args.extend(b.cargo_args());
         // The long accuracy run and the SIGKILL test (whose kill times are tuned to the CPU
         // backend's speed) run on the default backend only.
+        // Per-algorithm resumption (14 runs of three processes each) is exercised on the
+        // default backend; GPU backends run the combined resumption test with every stateful
+        // algorithm on.
         args.extend(strings(&[
             "--",
             "--skip",
             "accuracy::",
             "--skip",
             "crash::",
+            "--skip",
+            "algorithms::resume_each::",
         ]));
         cargo(&args)?;
     }
@@ -249,6 +254,8 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
             "overhead",
             "--example",
             "checkpoint_io",
+            "--example",
+            "time_to_accuracy",
         ]);
         args.extend(
             b.cargo_args()
@@ -271,21 +278,35 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
                 Err(e) => return Err(e),
             };
         let checkpoint = run_example(b, "checkpoint_io", &strings(&["--reps", reps]))?;
+        // Each repetition trains the baseline and three recipes to the end (about 100 s on
+        // two CPU cores), so the quick mode runs one.
+        let tta_reps = if quick { "1" } else { "3" };
+        std::fs::create_dir_all("target/bench")?;
+        let curves_path = format!("target/bench/{}-curves.json", b.name());
+        let tta = run_example(
+            b,
+            "time_to_accuracy",
+            &strings(&["--reps", tta_reps, "--curves", &curves_path]),
+        )?;
+        let tta_json = last_json(&tta)?;
         let report = serde_json::json!({
             "machine": machine(b),
             "quick": quick,
             "overhead": last_json(&overhead)?,
             "checkpoint": last_json(&checkpoint)?,
+            "recipes": tta_json["recipes"],
+            "time_to_accuracy": tta_json,
         });
-        std::fs::create_dir_all("target/bench")?;
         let json_path = format!("target/bench/{}.json", b.name());
         std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
         let md = format!(
-            "# Flashover bench: {} ({})\n\n## Trainer overhead\n\n{}\n\n## Checkpoint I/O\n\n{}\n",
+            "# Flashover bench: {} ({})\n\n## Trainer overhead\n\n{}\n\n## Checkpoint I/O\n\n{}\n\n## Time to accuracy\n\n{}\n\n{}\n",
             b.name(),
             if quick { "quick" } else { "full" },
             table(&overhead),
-            table(&checkpoint)
+            table(&checkpoint),
+            tta.lines().find(|l| l.starts_with("Target:")).unwrap_or(""),
+            table(&tta)
         );
         let md_path = format!("target/bench/{}.md", b.name());
         std::fs::write(&md_path, &md)?;

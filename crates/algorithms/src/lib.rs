@@ -24,6 +24,27 @@
 //! change at `AFTER_LOSS`; the transforms are affine, so the order does not change the
 //! result. The same algorithm cannot be added twice (the trainer refuses it).
 //!
+//! Requirements are bounds, so a method that needs images does not compile for a model trained
+//! on token batches:
+//!
+//! ```compile_fail
+//! use burn::backend::{Autodiff, Flex};
+//! use flashover_core::model::{ImageBatch, TokenBatch};
+//! fn needs_images<T: ImageBatch<Autodiff<Flex>>>() {}
+//! needs_images::<TokenBatch<Autodiff<Flex>>>();
+//! ```
+//!
+//! while the same call with an image batch does:
+//!
+//! ```
+//! use burn::backend::{Autodiff, Flex};
+//! use flashover_core::model::{ClassificationBatch, ImageBatch};
+//! fn needs_images<T: ImageBatch<Autodiff<Flex>>>() {}
+//! needs_images::<ClassificationBatch<Autodiff<Flex>, 4>>();
+//! let ok = true;
+//! assert!(ok);
+//! ```
+//!
 //! This crate never touches the filesystem and depends on no other Flashover crate but core.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]

@@ -1,0 +1,192 @@
+//! Time to accuracy: trains the baseline (the example's default run) and each recipe on the
+//! bundled MNIST data, evaluating on the 2,000 test digits every `--eval-every` batches, and
+//! reports for each recipe the training seconds to first reach the baseline's final test
+//! accuracy against the baseline's own seconds to reach it (the same rule for both), its
+//! final accuracy, and every run's accuracy at the shortest run's training time (accuracy at
+//! equal wall time). Runs are interleaved (baseline, mild, medium, hot, baseline, ...);
+//! figures are medians over `--reps`. Training seconds exclude evaluation.
+//!
+//! ```text
+//! cargo run --release --example time_to_accuracy -- --reps 3
+//! ```
+
+use anyhow::Context;
+use burn::tensor::backend::AutodiffBackend;
+use clap::Parser;
+use flashover::algorithms::recipes::RECIPES;
+use flashover::backend::COMPILED;
+use flashover::core::time::Time;
+use flashover_examples::{median_min_max, AccuracyCurve, CurvePoint, MnistRun};
+use serde_json::json;
+
+/// Seconds to the baseline's accuracy, per recipe, on the bundled MNIST data.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Repetitions of each run (interleaved).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Evaluate every this many batches.
+    #[arg(long, default_value_t = 25)]
+    eval_every: u64,
+    /// Backend, among those compiled in.
+    #[arg(long, default_value_t = COMPILED[0].to_string())]
+    backend: String,
+    /// Also write the curves as JSON here.
+    #[arg(long)]
+    curves: Option<std::path::PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    if args.reps == 0 || args.eval_every == 0 {
+        anyhow::bail!(
+            "--reps ({}) and --eval-every ({}) must be at least 1",
+            args.reps,
+            args.eval_every
+        );
+    }
+    flashover_examples::with_backend!(args.backend.as_str(), measure(&args))
+}
+
+/// One training run of `recipe` (`None`: the baseline); returns its accuracy curve.
+fn one<B: AutodiffBackend>(args: &Args, recipe: Option<&str>) -> anyhow::Result<Vec<CurvePoint>> {
+    let mut run = MnistRun {
+        eval_interval: Time::Batch(args.eval_every),
+        ..MnistRun::default()
+    };
+    if let Some(name) = recipe {
+        run = run.with_recipe(name)?;
+    }
+    let curve = AccuracyCurve::default();
+    let device = Default::default();
+    let mut t = run
+        .builder::<B, _>(MnistRun::adamw::<B>(), &device)?
+        .callback(curve.clone())
+        .build()?;
+    t.fit()?;
+    // The final weights are evaluated unless the last interval already did.
+    if t.state().last_eval_batch != Some(t.state().timestamp.batch) {
+        t.eval()?;
+    }
+    Ok(curve.points())
+}
+
+fn accuracy_at(curve: &[CurvePoint], seconds: f64) -> f64 {
+    curve
+        .iter()
+        .take_while(|p| p.train_seconds <= seconds + 1e-9)
+        .last()
+        .map_or(f64::NAN, |p| p.accuracy)
+}
+
+fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
+    let names: Vec<Option<&str>> = std::iter::once(None)
+        .chain(RECIPES.iter().map(|r| Some(r.name)))
+        .collect();
+    let mut curves: Vec<Vec<Vec<CurvePoint>>> = vec![Vec::new(); names.len()];
+    for rep in 0..args.reps {
+        for (i, name) in names.iter().enumerate() {
+            eprintln!(
+                "rep {}/{}: {}",
+                rep + 1,
+                args.reps,
+                name.unwrap_or("baseline")
+            );
+            curves[i].push(one::<B>(args, *name)?);
+        }
+    }
+    let final_acc = |c: &Vec<CurvePoint>| c.last().map_or(f64::NAN, |p| p.accuracy);
+    let total = |c: &Vec<CurvePoint>| c.last().map_or(f64::NAN, |p| p.train_seconds);
+    // Every baseline run has the same seed, so the same final accuracy on CPU backends; the
+    // median keeps the target well defined where a GPU backend is not bit-reproducible.
+    let base_finals: Vec<f64> = curves[0].iter().map(final_acc).collect();
+    let target = median_min_max(&base_finals).0;
+    let budget = curves
+        .iter()
+        .flatten()
+        .map(total)
+        .fold(f64::INFINITY, f64::min);
+    let mut rows = Vec::new();
+    let mut recipes = serde_json::Map::new();
+    let mut base_seconds = f64::NAN;
+    for (i, name) in names.iter().enumerate() {
+        let label = name.unwrap_or("baseline");
+        let runs = &curves[i];
+        let to: Vec<Option<f64>> = runs
+            .iter()
+            .map(|c| {
+                c.iter()
+                    .find(|p| p.accuracy >= target)
+                    .map(|p| p.train_seconds)
+            })
+            .collect();
+        let reached: Vec<f64> = to.iter().flatten().copied().collect();
+        // A recipe counts as reaching the target only if every repetition reached it.
+        let secs = (reached.len() == runs.len()).then(|| median_min_max(&reached));
+        if i == 0 {
+            base_seconds = secs.map_or(f64::NAN, |s| s.0);
+        }
+        let finals: Vec<f64> = runs.iter().map(final_acc).collect();
+        let totals: Vec<f64> = runs.iter().map(total).collect();
+        let at_budget: Vec<f64> = runs.iter().map(|c| accuracy_at(c, budget)).collect();
+        let (fin, _, _) = median_min_max(&finals);
+        let (tot, tot_lo, tot_hi) = median_min_max(&totals);
+        let (atb, _, _) = median_min_max(&at_budget);
+        let speedup = secs.map(|s| base_seconds / s.0);
+        let batches = runs[0].last().map_or(0, |p| p.batch);
+        let algorithms = name
+            .and_then(|n| RECIPES.iter().find(|r| r.name == n))
+            .map_or("(none)".to_string(), |r| {
+                format!("{} (ssr {})", r.algorithms, r.scale_schedule_ratio)
+            });
+        rows.push(format!(
+            "| {label} | {} | {} | {} | {fin:.4} | {tot:.1} ({tot_lo:.1}-{tot_hi:.1}) | {atb:.4} | {batches} |",
+            secs.map_or("not reached".to_string(), |s| format!("{:.1} ({:.1}-{:.1})", s.0, s.1, s.2)),
+            speedup.map_or("-".to_string(), |s| format!("{s:.2}x")),
+            algorithms,
+        ));
+        let mut entry = json!({
+            "final_accuracy": fin,
+            "train_seconds": tot,
+            "accuracy_at_equal_time": atb,
+            "batches": batches,
+        });
+        if let Some(s) = secs {
+            entry["seconds_to_baseline_accuracy"] = json!(s.0);
+        }
+        if let Some(s) = speedup.filter(|_| i > 0) {
+            entry["speedup_to_baseline_accuracy"] = json!(s);
+        }
+        recipes.insert(label.to_string(), entry);
+    }
+    println!(
+        "Target: the baseline's final test accuracy {target:.4}; equal-time budget {budget:.1} s; {} rep(s), evaluation every {} batches.\n",
+        args.reps, args.eval_every
+    );
+    println!("| run | s to target | speed-up | algorithms | final acc | train s | acc at {budget:.1} s | batches |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!("{r}");
+    }
+    if let Some(path) = &args.curves {
+        let all: serde_json::Map<String, serde_json::Value> = names
+            .iter()
+            .zip(&curves)
+            .map(|(n, c)| (n.unwrap_or("baseline").to_string(), json!(c)))
+            .collect();
+        std::fs::write(path, serde_json::to_string(&all)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    println!(
+        "{}",
+        json!({
+            "target_accuracy": target,
+            "equal_time_budget_seconds": budget,
+            "reps": args.reps,
+            "eval_every_batches": args.eval_every,
+            "baseline_seconds_to_target": base_seconds,
+            "recipes": recipes,
+        })
+    );
+    Ok(())
+}
