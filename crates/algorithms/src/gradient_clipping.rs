@@ -53,14 +53,21 @@ impl ClippingType {
     }
 }
 
+/// Sum of squares of a flat tensor, as a one-element tensor, in a fixed order. `sum_dim`
+/// rather than `sum`: on the GPU backends Burn 0.21's full `sum` may add with atomics, whose
+/// order (and so the last bits) changes from run to run, which would break exact resumption.
+pub(crate) fn sum_of_squares<B: Backend>(t: &Tensor<B, 1>) -> Tensor<B, 1> {
+    t.clone().powi_scalar(2).sum_dim(0)
+}
+
 /// The global L2 norm over every gradient in `views`.
 pub fn global_norm<B: Backend>(views: &[GradView<B>]) -> f64 {
     let Some(first) = views.first() else {
         return 0.0;
     };
-    let mut total = first.grad.clone().powi_scalar(2).sum();
+    let mut total = sum_of_squares(&first.grad);
     for v in &views[1..] {
-        total = total + v.grad.clone().powi_scalar(2).sum();
+        total = total + sum_of_squares(&v.grad);
     }
     total.into_scalar().elem::<f64>().sqrt()
 }
@@ -75,7 +82,7 @@ pub fn norm_clip_factor(norm: f64, max_norm: f64) -> f64 {
 fn unitwise_norm<B: Backend>(t: &Tensor<B, 1>, shape: &[usize]) -> Tensor<B, 1> {
     let n: usize = shape.iter().product();
     if shape.len() <= 1 {
-        let norm = t.clone().powi_scalar(2).sum().sqrt();
+        let norm = sum_of_squares(t).sqrt();
         return norm.expand([n]);
     }
     let rows = shape[0];
