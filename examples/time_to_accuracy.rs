@@ -15,6 +15,7 @@ use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
 use flashover::algorithms::recipes::RECIPES;
 use flashover::backend::COMPILED;
+use flashover::callbacks::plot::{LineChart, Series};
 use flashover::core::time::Time;
 use flashover_examples::{median_min_max, AccuracyCurve, CurvePoint, MnistRun};
 use serde_json::json;
@@ -34,6 +35,9 @@ struct Args {
     /// Also write the curves as JSON here.
     #[arg(long)]
     curves: Option<std::path::PathBuf>,
+    /// Also draw the curves (first repetition of each run) as a PNG here.
+    #[arg(long)]
+    plot: Option<std::path::PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -167,6 +171,35 @@ fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!("{r}");
+    }
+    if let Some(path) = &args.plot {
+        let mut series: Vec<Series> = names
+            .iter()
+            .zip(&curves)
+            .map(|(n, c)| Series {
+                name: n.unwrap_or("baseline").to_string(),
+                points: c[0].iter().map(|p| (p.train_seconds, p.accuracy)).collect(),
+            })
+            .collect();
+        let end = curves.iter().flatten().map(total).fold(0.0, f64::max);
+        series.push(Series {
+            name: format!("target {target:.4}"),
+            points: vec![(0.0, target), (end, target)],
+        });
+        let chart = LineChart {
+            title: format!(
+                "MNIST test accuracy against training time ({})",
+                args.backend
+            ),
+            x_label: "training seconds (evaluation excluded)".into(),
+            y_label: "test accuracy".into(),
+            series,
+            size: (960, 600),
+            y_range: Some((0.95, 0.99)),
+        };
+        chart
+            .write_png(path)
+            .with_context(|| format!("drawing {}", path.display()))?;
     }
     if let Some(path) = &args.curves {
         let all: serde_json::Map<String, serde_json::Value> = names

@@ -6,6 +6,8 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod plot;
+
 use std::io::IsTerminal;
 
 use burn::optim::Optimizer;
