@@ -116,7 +116,7 @@ struct Args {
     #[arg(long)]
     skip_nonfinite_loss: bool,
     /// Log the training loss every N batches.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = defaults::LOG_EVERY)]
     log_every: u64,
     /// No progress bar.
     #[arg(long)]

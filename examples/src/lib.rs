@@ -4,6 +4,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod overhead;
 pub mod shakespeare;
 
 use std::path::{Path, PathBuf};
@@ -91,15 +92,21 @@ pub struct MnistCnn<B: Backend> {
 impl<B: Backend> MnistCnn<B> {
     /// A CNN whose parameters are drawn, in field order, from a generator seeded by `seed`.
     pub fn new(device: &B::Device, seed: u64) -> Self {
+        Self::with_widths(device, seed, 16, 32, 128)
+    }
+
+    /// The same architecture with `c1` and `c2` convolution channels and `hidden` units (the
+    /// larger model of the scaling benchmark).
+    pub fn with_widths(device: &B::Device, seed: u64, c1: usize, c2: usize, hidden: usize) -> Self {
         init_model::<B, _>(device, seed, |d| MnistCnn {
-            conv1: Conv2dConfig::new([1, 16], [3, 3])
+            conv1: Conv2dConfig::new([1, c1], [3, 3])
                 .with_padding(PaddingConfig2d::Same)
                 .init(d),
-            conv2: Conv2dConfig::new([16, 32], [3, 3])
+            conv2: Conv2dConfig::new([c1, c2], [3, 3])
                 .with_padding(PaddingConfig2d::Same)
                 .init(d),
-            fc1: LinearConfig::new(32 * 7 * 7, 128).init(d),
-            fc2: LinearConfig::new(128, 10).init(d),
+            fc1: LinearConfig::new(c2 * 7 * 7, hidden).init(d),
+            fc2: LinearConfig::new(hidden, 10).init(d),
             pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
             relu: Relu::new(),
         })
@@ -264,6 +271,8 @@ pub mod defaults {
     pub const WARMUP: &str = "30ba";
     /// Seed.
     pub const SEED: u64 = 42;
+    /// Batches between console log lines.
+    pub const LOG_EVERY: u64 = 50;
 }
 
 impl Default for MnistRun {

@@ -88,7 +88,8 @@ enum Cmd {
     Bench {
         #[arg(long, value_enum, default_value_t = Backend::Flex)]
         backend: Backend,
-        /// Fewer steps and repetitions (well under 3 minutes on 2 cores).
+        /// Fewer steps and repetitions, one time-to-accuracy run (under 2 minutes on 2 cores,
+        /// once built).
         #[arg(long)]
         quick: bool,
     },
@@ -179,8 +180,14 @@ impl Backend {
 /// Runs a built example with `args`, pinned to one compute thread, and returns its stdout.
 fn run_example(backend: Backend, name: &str, args: &[String]) -> Result<String> {
     let bin = format!("{}/release/examples/{name}", backend.target_dir());
+    run_binary(backend, &bin, args)
+}
+
+/// Runs the program `bin` with `args` and `--backend`, pinned to one compute thread, and
+/// returns its stdout; a missing device is reported as "no device".
+fn run_binary(backend: Backend, bin: &str, args: &[String]) -> Result<String> {
     eprintln!("$ {bin} {}", args.join(" "));
-    let out = Command::new(&bin)
+    let out = Command::new(bin)
         .args(args)
         .args(["--backend", backend.name()])
         .env("RAYON_NUM_THREADS", "1")
@@ -208,6 +215,17 @@ fn last_json(stdout: &str) -> Result<serde_json::Value> {
     let line = stdout.lines().last().unwrap_or("");
     serde_json::from_str(line)
         .with_context(|| format!("expected a JSON summary line, got {line:?}"))
+}
+
+/// The overhead section: Flashover against the hand-written loop on the default build, and
+/// burn-train's Learner against the hand-written loop on burn-train's own build.
+fn overhead_json(plain: &str, learner: &str) -> Result<serde_json::Value> {
+    let mut o = last_json(plain)?;
+    let l = last_json(learner)?;
+    o["burn_train_over_handwritten"] = l["burn_train_over_handwritten"].clone();
+    o["burn_train_over_flashover"] = l["burn_train_over_flashover"].clone();
+    o["burn_train_build"] = l;
+    Ok(o)
 }
 
 fn table(stdout: &str) -> String {
@@ -256,6 +274,8 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
             "checkpoint_io",
             "--example",
             "time_to_accuracy",
+            "--example",
+            "scaling",
         ]);
         args.extend(
             b.cargo_args()
@@ -278,35 +298,73 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
                 Err(e) => return Err(e),
             };
         let checkpoint = run_example(b, "checkpoint_io", &strings(&["--reps", reps]))?;
+        // burn-train's Learner, from its own workspace (see benches/learner/Cargo.toml).
+        let mut learner_build = strings(&[
+            "build",
+            "--release",
+            "--manifest-path",
+            "benches/learner/Cargo.toml",
+            "--target-dir",
+            "target/learner",
+        ]);
+        if b != Backend::Flex {
+            learner_build.extend(strings(&["--no-default-features", "--features", b.name()]));
+        }
+        cargo(&learner_build)?;
+        let learner = run_binary(
+            b,
+            "target/learner/release/flashover-learner-bench",
+            &strings(&["--steps", steps, "--reps", reps]),
+        )?;
         // Each repetition trains the baseline and three recipes to the end (about 100 s on
         // two CPU cores), so the quick mode runs one.
-        let tta_reps = if quick { "1" } else { "3" };
+        // The quick mode also evaluates half as often (every 50 batches).
+        let (tta_reps, eval_every) = if quick { ("1", "50") } else { ("3", "25") };
         std::fs::create_dir_all("target/bench")?;
         let curves_path = format!("target/bench/{}-curves.json", b.name());
+        let plot_path = format!("target/bench/{}-time-to-accuracy.png", b.name());
         let tta = run_example(
             b,
             "time_to_accuracy",
-            &strings(&["--reps", tta_reps, "--curves", &curves_path]),
+            &strings(&[
+                "--reps",
+                tta_reps,
+                "--eval-every",
+                eval_every,
+                "--curves",
+                &curves_path,
+                "--plot",
+                &plot_path,
+            ]),
         )?;
         let tta_json = last_json(&tta)?;
+        let (scale_steps, scale_reps) = if quick { ("10", "1") } else { ("40", "5") };
+        let scaling = run_example(
+            b,
+            "scaling",
+            &strings(&["--steps", scale_steps, "--reps", scale_reps]),
+        )?;
         let report = serde_json::json!({
             "machine": machine(b),
             "quick": quick,
-            "overhead": last_json(&overhead)?,
+            "overhead": overhead_json(&overhead, &learner)?,
             "checkpoint": last_json(&checkpoint)?,
             "recipes": tta_json["recipes"],
             "time_to_accuracy": tta_json,
+            "scaling": last_json(&scaling)?,
         });
         let json_path = format!("target/bench/{}.json", b.name());
         std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
         let md = format!(
-            "# Flashover bench: {} ({})\n\n## Trainer overhead\n\n{}\n\n## Checkpoint I/O\n\n{}\n\n## Time to accuracy\n\n{}\n\n{}\n",
+            "# Flashover bench: {} ({})\n\n## Trainer overhead\n\n{}\n\n{}\n\n## Checkpoint I/O\n\n{}\n\n## Time to accuracy\n\n{}\n\n{}\n\nCurves: `{plot_path}`\n\n## Scaling\n\n{}\n",
             b.name(),
             if quick { "quick" } else { "full" },
             table(&overhead),
+            table(&learner),
             table(&checkpoint),
             tta.lines().find(|l| l.starts_with("Target:")).unwrap_or(""),
-            table(&tta)
+            table(&tta),
+            table(&scaling)
         );
         let md_path = format!("target/bench/{}.md", b.name());
         std::fs::write(&md_path, &md)?;
@@ -323,6 +381,12 @@ fn main() -> Result<()> {
         Cmd::Bench { backend, quick } => bench(backend, quick),
         Cmd::Check => {
             cargo(&strings(&["fmt", "--all", "--check"]))?;
+            cargo(&strings(&[
+                "fmt",
+                "--manifest-path",
+                "benches/learner/Cargo.toml",
+                "--check",
+            ]))?;
             cargo(&strings(&[
                 "clippy",
                 "--release",

@@ -1,0 +1,88 @@
+//! The timed training loops that the overhead benchmarks compare, shared by the `overhead`
+//! example and the burn-train comparison (`benches/learner`): the same MNIST CNN, initial
+//! weights, AdamW at a constant 1e-3, batches (same loader, seed and order) and step count.
+
+use std::time::Instant;
+
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use flashover::callbacks::{ConsoleLogger, ProgressBar};
+use flashover::core::data::BatchSource;
+use flashover::core::params::params_sha256;
+use flashover::core::time::Time;
+use flashover::core::trainer::Trainer;
+use flashover::core::Result;
+
+use crate::{defaults, mnist_loaders, MnistCnn, MnistData, MnistRun};
+
+/// The training data of the overhead runs: the bundled digits in batches of `batch_size`,
+/// order seeded with 1.
+pub fn data(batch_size: usize) -> MnistData {
+    let mut d = MnistData::bundled(batch_size, 1);
+    d.test_limit = Some(10);
+    d
+}
+
+/// The loop a Burn user writes by hand: forward, loss, backward, step; no loss read-back.
+/// Returns the seconds of the loop and the final weights' digest.
+pub fn handwritten<B: AutodiffBackend>(
+    steps: u64,
+    batch_size: usize,
+    device: &B::Device,
+) -> Result<(f64, String)> {
+    let (train, _) = mnist_loaders::<B>(&data(batch_size), device)?;
+    let mut model = MnistCnn::<B>::new(device, 1);
+    let mut optim = MnistRun::adamw::<B>();
+    let start = Instant::now();
+    let mut step = 0;
+    let mut epoch = 0;
+    while step < steps {
+        for batch in train.iter_from(epoch, 0) {
+            let batch = batch?;
+            let logits = model.logits(batch.inputs.clone());
+            let loss = flashover::core::loss::cross_entropy(logits, batch.targets.clone());
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(1e-3, model, grads);
+            step += 1;
+            if step == steps {
+                break;
+            }
+        }
+        epoch += 1;
+    }
+    Ok((start.elapsed().as_secs_f64(), params_sha256::<B, _>(&model)))
+}
+
+/// The same work through Flashover's trainer, with no algorithms or callbacks, or (`observed`)
+/// with the console logger at the example's default interval and the progress bar. Returns the
+/// seconds of `fit` and the final weights' digest.
+pub fn flashover<B: AutodiffBackend>(
+    steps: u64,
+    batch_size: usize,
+    observed: bool,
+    device: &B::Device,
+) -> Result<(f64, String)> {
+    let (train, _) = mnist_loaders::<B>(&data(batch_size), device)?;
+    let model = MnistCnn::<B>::new(device, 1);
+    let mut builder = Trainer::builder(
+        model,
+        MnistRun::adamw::<B>(),
+        train,
+        Time::Batch(steps),
+        device.clone(),
+    )
+    .lr(1e-3)
+    .seed(1);
+    if observed {
+        builder = builder
+            .logger(ConsoleLogger::new(defaults::LOG_EVERY))
+            .callback(ProgressBar::new());
+    }
+    let mut trainer = builder.build()?;
+    let start = Instant::now();
+    trainer.fit()?;
+    Ok((
+        start.elapsed().as_secs_f64(),
+        params_sha256::<B, _>(trainer.model()),
+    ))
+}
