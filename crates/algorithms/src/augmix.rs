@@ -23,7 +23,7 @@ use flashover_core::state::State;
 
 use crate::augment::{apply_layer, AugOp, AugmentationSet, Normalization, OpDraw};
 use crate::error::{check_range, AlgorithmError, Result};
-use crate::util::{inner_images, per_sample, set_inner_images};
+use crate::util::{map_images, per_sample};
 
 /// AugMix's settings.
 #[derive(Debug, Clone)]
@@ -165,11 +165,8 @@ where
         state: &mut State<B, M, O>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let mut rng = state.rng("augmix");
-        if let Some(batch) = state.batch.as_mut() {
-            let x = inner_images(batch);
-            set_inner_images(batch, augmix(x, &mut rng, &self.cfg, &self.norm));
-        }
+        let (cfg, norm) = (&self.cfg, &self.norm);
+        map_images(state, "augmix", |x, rng| augmix(x, rng, cfg, norm));
         Ok(())
     }
 }

@@ -20,7 +20,7 @@ use flashover_core::rng::Rng;
 use flashover_core::state::State;
 
 use crate::error::{check_range, Result};
-use crate::util::{index_tensor, inner_images, set_inner_images};
+use crate::util::{index_tensor, map_images};
 
 /// The sorted indices kept when dropping `floor(p * n)` of `n` positions at random.
 pub fn kept_indices(rng: &mut Rng, n: usize, p: f64) -> Vec<usize> {
@@ -84,11 +84,8 @@ where
         state: &mut State<B, M, O>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let mut rng = state.rng("colout");
-        if let Some(batch) = state.batch.as_mut() {
-            let x = inner_images(batch);
-            set_inner_images(batch, colout(x, &mut rng, self.p_row, self.p_col));
-        }
+        let (p_row, p_col) = (self.p_row, self.p_col);
+        map_images(state, "colout", |x, rng| colout(x, rng, p_row, p_col));
         Ok(())
     }
 }

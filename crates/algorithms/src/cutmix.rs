@@ -16,12 +16,12 @@ use burn::tensor::{Int, Tensor, TensorData};
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::{ClassTargets, Logits, TrainModel};
+use flashover_core::model::{Logits, TrainModel};
 use flashover_core::rng::Rng;
 use flashover_core::state::State;
 
 use crate::error::{AlgorithmError, Result};
-use crate::mixup::mix;
+use crate::mixup::PartnerTargets;
 use crate::util::{
     index_tensor, inner_images, permutation, set_inner_images, CallCounter, ImageClassBatch,
 };
@@ -98,10 +98,7 @@ pub fn draw_box(rng: &mut Rng, alpha: f64, h: usize, w: usize) -> CutBox {
 /// The CutMix algorithm; see the module docs.
 pub struct CutMix<B: Backend> {
     alpha: f64,
-    interpolate_loss: bool,
-    /// Weight of the partner's targets and the permutation.
-    current: Option<(f64, Vec<usize>)>,
-    saved: Option<Option<Tensor<B, 2>>>,
+    targets: PartnerTargets<B>,
     calls: CallCounter,
 }
 
@@ -118,16 +115,14 @@ impl<B: Backend> CutMix<B> {
         }
         Ok(CutMix {
             alpha,
-            interpolate_loss: false,
-            current: None,
-            saved: None,
+            targets: PartnerTargets::new(),
             calls: CallCounter::default(),
         })
     }
 
     /// Mix the losses instead of the targets.
     pub fn with_interpolate_loss(mut self, on: bool) -> Self {
-        self.interpolate_loss = on;
+        self.targets.interpolate_loss = on;
         self
     }
 }
@@ -169,45 +164,9 @@ where
                 let perm = permutation(&mut rng, n);
                 let p = index_tensor(&perm, &x.device());
                 set_inner_images(batch, paste_box(x, p, &b));
-                self.current = Some((1.0 - box_label_weight(&b, h, w), perm));
+                self.targets.set(1.0 - box_label_weight(&b, h, w), perm);
             }
-            Event::BeforeLoss if !self.interpolate_loss => {
-                let (Some((partner, perm)), Some(batch), Some(out)) = (
-                    self.current.as_ref(),
-                    state.batch.as_mut(),
-                    state.outputs.as_ref(),
-                ) else {
-                    return Ok(());
-                };
-                let k = out.logits().dims()[1];
-                let dist = batch.target_distribution(k);
-                let p = index_tensor(perm, &dist.device());
-                self.saved = Some(batch.soft_targets().cloned());
-                batch.set_soft_targets(Some(mix(dist, p, *partner)));
-            }
-            Event::AfterLoss => {
-                if self.interpolate_loss {
-                    let (Some((partner, perm)), Some(batch), Some(out), Some(loss)) = (
-                        self.current.as_ref(),
-                        state.batch.as_ref(),
-                        state.outputs.as_ref(),
-                        state.loss.take(),
-                    ) else {
-                        return Ok(());
-                    };
-                    let k = out.logits().dims()[1];
-                    let dist = batch.target_distribution(k);
-                    let p = index_tensor(perm, &dist.device());
-                    let mut other = batch.clone();
-                    other.set_soft_targets(Some(dist.select(0, p)));
-                    let l2 = state.model().loss(out, &other);
-                    state.loss = Some(loss.mul_scalar(1.0 - partner) + l2.mul_scalar(*partner));
-                } else if let (Some(prev), Some(batch)) = (self.saved.take(), state.batch.as_mut())
-                {
-                    batch.set_soft_targets(prev);
-                }
-                self.current = None;
-            }
+            Event::BeforeLoss | Event::AfterLoss => self.targets.apply(event, state)?,
             _ => {}
         }
         Ok(())

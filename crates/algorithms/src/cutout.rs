@@ -19,7 +19,7 @@ use flashover_core::rng::Rng;
 use flashover_core::state::State;
 
 use crate::error::{AlgorithmError, Result};
-use crate::util::{inner_images, set_inner_images};
+use crate::util::map_images;
 
 /// Side of a hole in pixels for an `h x w` image.
 pub fn hole_side(length: f64, h: usize, w: usize) -> usize {
@@ -129,11 +129,8 @@ where
         state: &mut State<B, M, O>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let mut rng = state.rng("cutout");
-        if let Some(batch) = state.batch.as_mut() {
-            let x = inner_images(batch);
-            set_inner_images(batch, cutout(x, &mut rng, self.num_holes, self.length));
-        }
+        let (holes, length) = (self.num_holes, self.length);
+        map_images(state, "cutout", |x, rng| cutout(x, rng, holes, length));
         Ok(())
     }
 }

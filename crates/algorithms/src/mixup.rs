@@ -63,9 +63,7 @@ pub fn mixup_batch<B: Backend, T: ImageClassBatch<B>>(
 /// The MixUp algorithm; see the module docs.
 pub struct MixUp<B: Backend> {
     alpha: f64,
-    interpolate_loss: bool,
-    current: Option<(f64, Vec<usize>)>,
-    saved: Option<Option<Tensor<B, 2>>>,
+    targets: PartnerTargets<B>,
     calls: CallCounter,
 }
 
@@ -82,17 +80,95 @@ impl<B: Backend> MixUp<B> {
         }
         Ok(MixUp {
             alpha,
-            interpolate_loss: false,
-            current: None,
-            saved: None,
+            targets: PartnerTargets::new(),
             calls: CallCounter::default(),
         })
     }
 
     /// Mix the losses instead of the targets.
     pub fn with_interpolate_loss(mut self, on: bool) -> Self {
-        self.interpolate_loss = on;
+        self.targets.interpolate_loss = on;
         self
+    }
+}
+
+/// The target side that MixUp and CutMix share. Once a (micro)batch's images are mixed with
+/// partner weight `w` and permutation `perm` (`set`), either the targets become
+/// `(1 - w) * y + w * y[perm]` at `BEFORE_LOSS` (restored at `AFTER_LOSS`), or, with
+/// `interpolate_loss`, the loss becomes `(1 - w) * loss + w * loss(y[perm])` at `AFTER_LOSS`.
+pub(crate) struct PartnerTargets<B: Backend> {
+    pub(crate) interpolate_loss: bool,
+    current: Option<(f64, Vec<usize>)>,
+    saved: Option<Option<Tensor<B, 2>>>,
+}
+
+impl<B: Backend> PartnerTargets<B> {
+    pub(crate) fn new() -> Self {
+        PartnerTargets {
+            interpolate_loss: false,
+            current: None,
+            saved: None,
+        }
+    }
+
+    /// Records the partner weight and permutation of the current microbatch.
+    pub(crate) fn set(&mut self, weight: f64, perm: Vec<usize>) {
+        self.current = Some((weight, perm));
+    }
+}
+
+impl<B: AutodiffBackend> PartnerTargets<B> {
+    /// Runs the target side at `BEFORE_LOSS` or `AFTER_LOSS`.
+    pub(crate) fn apply<M, O>(
+        &mut self,
+        event: Event,
+        state: &mut State<B, M, O>,
+    ) -> flashover_core::Result<()>
+    where
+        M: TrainModel<B, Batch: ImageClassBatch<B>, Output: Logits<B>>,
+        O: Optimizer<M, B>,
+    {
+        match event {
+            Event::BeforeLoss if !self.interpolate_loss => {
+                let (Some((w, perm)), Some(batch), Some(out)) = (
+                    self.current.as_ref(),
+                    state.batch.as_mut(),
+                    state.outputs.as_ref(),
+                ) else {
+                    return Ok(());
+                };
+                let k = out.logits().dims()[1];
+                let dist = batch.target_distribution(k);
+                let p = index_tensor(perm, &dist.device());
+                self.saved = Some(batch.soft_targets().cloned());
+                batch.set_soft_targets(Some(mix(dist, p, *w)));
+            }
+            Event::AfterLoss => {
+                if self.interpolate_loss {
+                    let (Some((w, perm)), Some(batch), Some(out), Some(loss)) = (
+                        self.current.as_ref(),
+                        state.batch.as_ref(),
+                        state.outputs.as_ref(),
+                        state.loss.take(),
+                    ) else {
+                        return Ok(());
+                    };
+                    let k = out.logits().dims()[1];
+                    let dist = batch.target_distribution(k);
+                    let p = index_tensor(perm, &dist.device());
+                    let mut partner = batch.clone();
+                    partner.set_soft_targets(Some(dist.select(0, p)));
+                    let other = state.model().loss(out, &partner);
+                    state.loss = Some(loss.mul_scalar(1.0 - w) + other.mul_scalar(*w));
+                } else if let (Some(prev), Some(batch)) = (self.saved.take(), state.batch.as_mut())
+                {
+                    batch.set_soft_targets(prev);
+                }
+                self.current = None;
+            }
+            _ => {}
+        }
+        Ok(())
     }
 }
 
@@ -133,45 +209,9 @@ where
                 let x = inner_images(batch);
                 let p = index_tensor(&perm, &x.device());
                 set_inner_images(batch, mix(x, p, lambda));
-                self.current = Some((lambda, perm));
+                self.targets.set(lambda, perm);
             }
-            Event::BeforeLoss if !self.interpolate_loss => {
-                let (Some((lambda, perm)), Some(batch), Some(out)) = (
-                    self.current.as_ref(),
-                    state.batch.as_mut(),
-                    state.outputs.as_ref(),
-                ) else {
-                    return Ok(());
-                };
-                let k = out.logits().dims()[1];
-                let dist = batch.target_distribution(k);
-                let p = index_tensor(perm, &dist.device());
-                self.saved = Some(batch.soft_targets().cloned());
-                batch.set_soft_targets(Some(mix(dist, p, *lambda)));
-            }
-            Event::AfterLoss => {
-                if self.interpolate_loss {
-                    let (Some((lambda, perm)), Some(batch), Some(out), Some(loss)) = (
-                        self.current.as_ref(),
-                        state.batch.as_ref(),
-                        state.outputs.as_ref(),
-                        state.loss.take(),
-                    ) else {
-                        return Ok(());
-                    };
-                    let k = out.logits().dims()[1];
-                    let dist = batch.target_distribution(k);
-                    let p = index_tensor(perm, &dist.device());
-                    let mut partner = batch.clone();
-                    partner.set_soft_targets(Some(dist.select(0, p)));
-                    let other = state.model().loss(out, &partner);
-                    state.loss = Some(loss.mul_scalar(1.0 - lambda) + other.mul_scalar(*lambda));
-                } else if let (Some(prev), Some(batch)) = (self.saved.take(), state.batch.as_mut())
-                {
-                    batch.set_soft_targets(prev);
-                }
-                self.current = None;
-            }
+            Event::BeforeLoss | Event::AfterLoss => self.targets.apply(event, state)?,
             _ => {}
         }
         Ok(())

@@ -23,7 +23,7 @@ use flashover_core::rng::Rng;
 use flashover_core::state::State;
 
 use crate::error::{check_range, AlgorithmError, Result};
-use crate::util::{fraction, inner_images, set_inner_images};
+use crate::util::{fraction, map_images};
 
 /// How images are made smaller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,16 +203,12 @@ where
         if scale >= 1.0 {
             return Ok(());
         }
-        let mut rng = state.rng("progressive_resizing");
-        if let Some(batch) = state.batch.as_mut() {
-            let x = inner_images(batch);
+        let (inc, mode) = (self.size_increment, self.mode);
+        map_images(state, "progressive_resizing", |x, rng| {
             let [_, _, h, w] = x.dims();
-            let (nh, nw) = (
-                scaled_side(h, scale, self.size_increment),
-                scaled_side(w, scale, self.size_increment),
-            );
-            set_inner_images(batch, resize_images(x, nh, nw, self.mode, &mut rng));
-        }
+            let (nh, nw) = (scaled_side(h, scale, inc), scaled_side(w, scale, inc));
+            resize_images(x, nh, nw, mode, rng)
+        });
         Ok(())
     }
 }

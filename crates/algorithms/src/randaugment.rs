@@ -21,7 +21,7 @@ use flashover_core::state::State;
 
 use crate::augment::{apply_layer, AugmentationSet, Normalization, OpDraw};
 use crate::error::{check_range, AlgorithmError, Result};
-use crate::util::{inner_images, set_inner_images};
+use crate::util::map_images;
 
 /// Applies RandAugment to normalised `images` (the functional form).
 pub fn randaugment<B: Backend>(
@@ -98,14 +98,10 @@ where
         state: &mut State<B, M, O>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let mut rng = state.rng("randaugment");
-        if let Some(batch) = state.batch.as_mut() {
-            let x = inner_images(batch);
-            set_inner_images(
-                batch,
-                randaugment(x, &mut rng, self.depth, self.severity, self.set, &self.norm),
-            );
-        }
+        let (depth, severity, set, norm) = (self.depth, self.severity, self.set, &self.norm);
+        map_images(state, "randaugment", |x, rng| {
+            randaugment(x, rng, depth, severity, set, norm)
+        });
         Ok(())
     }
 }

@@ -72,6 +72,25 @@ pub(crate) fn inner_images<B: AutodiffBackend, T: ImageBatch<B>>(
     batch.images().clone().inner()
 }
 
+/// Replaces the current batch's images by `f(images, rng)`, working on the gradient-free
+/// tensors with the batch's random stream `stream`: the shape of every `AFTER_DATALOADER`
+/// image method.
+pub(crate) fn map_images<B, M, O>(
+    state: &mut State<B, M, O>,
+    stream: &str,
+    f: impl FnOnce(Tensor<B::InnerBackend, 4>, &mut Rng) -> Tensor<B::InnerBackend, 4>,
+) where
+    B: AutodiffBackend,
+    M: TrainModel<B, Batch: ImageBatch<B>>,
+    O: Optimizer<M, B>,
+{
+    let mut rng = state.rng(stream);
+    if let Some(batch) = state.batch.as_mut() {
+        let x = inner_images(batch);
+        set_inner_images(batch, f(x, &mut rng));
+    }
+}
+
 /// Puts gradient-free images back into a batch.
 pub(crate) fn set_inner_images<B: AutodiffBackend, T: ImageBatch<B>>(
     batch: &mut T,
