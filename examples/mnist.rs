@@ -100,7 +100,8 @@ struct Args {
     /// Backend to run on, among those compiled in.
     #[arg(long, default_value_t = COMPILED[0].to_string())]
     backend: String,
-    /// Write model.safetensors and summary.json here.
+    /// Write model.safetensors, summary.json and training.png (loss, accuracy and learning
+    /// rate against batches) here.
     #[arg(long)]
     out: Option<PathBuf>,
     /// Train on only the first N training digits.
@@ -159,6 +160,34 @@ struct Args {
     /// With --load: parameter paths to keep as initialised (glob, `*` wildcard; repeatable).
     #[arg(long)]
     ignore_keys: Vec<String>,
+    /// Write the run's logs here: metrics.jsonl, metrics.csv (with
+    /// metrics.hyperparameters.json), and the monitors' values in them (learning rate, speed,
+    /// time left, memory, gradient and weight norms every --log-every batches). Also checks
+    /// every loss and gradient for NaN/Inf.
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
+    /// Also write TensorBoard event files into <log-dir>/tensorboard.
+    #[arg(long, requires = "log_dir")]
+    tensorboard: bool,
+    /// Record a Chrome trace of training steps into <log-dir>/trace.json (open it in
+    /// ui.perfetto.dev), on --profile-schedule.
+    #[arg(long, requires = "log_dir")]
+    profile: bool,
+    /// Steps the profiler records: skip_first,wait,warmup,active,repeat (repeat 0: to the end).
+    #[arg(long, default_value = "10,1,1,5,1")]
+    profile_schedule: String,
+    /// Peak FLOP/s of the device, for model FLOPs utilisation (throughput/mfu) in the logs.
+    #[arg(long)]
+    peak_flops: Option<f64>,
+    /// Early stopping: METRIC[:patience=TIME][:min_delta=X][:mode=max|min], for example
+    /// `test/accuracy:patience=2ep:min_delta=0.001` (metrics: train/loss, test/accuracy,
+    /// test/loss, test/top2_accuracy).
+    #[arg(long)]
+    early_stop: Option<String>,
+    /// Stop when a metric reaches a value: METRIC=VALUE[:mode=max|min], for example
+    /// `test/accuracy=0.98`.
+    #[arg(long)]
+    stop_threshold: Option<String>,
     /// Stop cleanly once training reaches this time (the state is saved if --save-folder is
     /// set), for example to resume later.
     #[arg(long)]
@@ -204,6 +233,52 @@ fn schedule(args: &Args) -> Scheduler {
     } else {
         s.with_warmup(args.warmup)
     }
+}
+
+/// Adds what --log-dir, --tensorboard, --profile, --early-stop, --stop-threshold and --out
+/// ask for.
+fn observability<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
+    mut builder: flashover::core::trainer::TrainerBuilder<B, MnistCnn<B>, O>,
+    args: &Args,
+) -> anyhow::Result<flashover::core::trainer::TrainerBuilder<B, MnistCnn<B>, O>> {
+    use flashover::callbacks::monitors::*;
+    use flashover::callbacks::profiler::{Profiler, ProfilerSchedule};
+    use flashover::callbacks::{
+        CsvLogger, JsonlLogger, MetricStopper, TensorBoardLogger, TrainingPlot,
+    };
+    if let Some(dir) = &args.log_dir {
+        let every = Time::Batch(args.log_every.max(1));
+        let mut speed = SpeedMonitor::new(100)?;
+        if let Some(peak) = args.peak_flops {
+            speed = speed.with_peak_flops(peak)?;
+        }
+        builder = builder
+            .logger(JsonlLogger::create(dir.join("metrics.jsonl"))?)
+            .logger(CsvLogger::create(dir.join("metrics.csv"))?)
+            .callback(NanMonitor::new())
+            .callback(LrMonitor::new())
+            .callback(speed)
+            .callback(RuntimeEstimator::new(50)?)
+            .callback(MemoryMonitor::new(every)?)
+            .callback(NormMonitor::new(every)?);
+        if args.tensorboard {
+            builder = builder.logger(TensorBoardLogger::create(dir.join("tensorboard"))?);
+        }
+        if args.profile {
+            let schedule = ProfilerSchedule::parse(&args.profile_schedule)?;
+            builder = builder.callback(Profiler::new(dir.join("trace.json"), schedule)?);
+        }
+    }
+    if let Some(spec) = &args.early_stop {
+        builder = builder.callback(MetricStopper::parse_early(spec)?);
+    }
+    if let Some(spec) = &args.stop_threshold {
+        builder = builder.callback(MetricStopper::parse_threshold(spec)?);
+    }
+    if let Some(dir) = args.out.as_ref().or(args.log_dir.as_ref()) {
+        builder = builder.callback(TrainingPlot::new(dir.join("training.png")));
+    }
+    Ok(builder)
 }
 
 fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> anyhow::Result<()> {
@@ -277,8 +352,9 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         .hyperparameter("optimizer", format!("{:?}", args.optimizer).to_lowercase())
         .callback(curve.clone());
     if !args.no_progress {
-        builder = builder.callback(ProgressBar::new());
+        builder = builder.logger(ProgressBar::new());
     }
+    builder = observability(builder, args)?;
     if let Some(at) = args.stop_after {
         builder = builder.callback(StopAt::new(at));
     }
@@ -357,6 +433,7 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         "algorithms": recipe.algorithms.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
         "scale_schedule_ratio": recipe.scale_schedule_ratio,
         "accuracy_curve": curve.points(),
+        "stopped": report.stopped,
     });
     if let Some(out) = &args.out {
         std::fs::create_dir_all(out)

@@ -70,7 +70,7 @@ fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
         om / hm
     );
     println!(
-        "| Flashover + console logger + progress bar | {vm:.3} | {vmin:.3}-{vmax:.3} | {:.3} |",
+        "| Flashover + console + JSONL + progress bar | {vm:.3} | {vmin:.3}-{vmax:.3} | {:.3} |",
         vm / hm
     );
     let summary = json!({

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
-use flashover::callbacks::{ConsoleLogger, ProgressBar};
+use flashover::callbacks::{ConsoleLogger, JsonlLogger, ProgressBar};
 use flashover::core::data::BatchSource;
 use flashover::core::params::params_sha256;
 use flashover::core::time::Time;
@@ -54,8 +54,10 @@ pub fn handwritten<B: AutodiffBackend>(
 }
 
 /// The same work through Flashover's trainer, with no algorithms or callbacks, or (`observed`)
-/// with the console logger at the example's default interval and the progress bar. Returns the
-/// seconds of `fit` and the final weights' digest.
+/// with the console logger at the example's default interval, a JSON Lines file of every
+/// logged value (in the system's temporary folder, removed afterwards) and the progress bar
+/// (kept up to date but drawn nowhere, so that its cost counts without a terminal). Returns
+/// the seconds of `fit` and the final weights' digest.
 pub fn flashover<B: AutodiffBackend>(
     steps: u64,
     batch_size: usize,
@@ -73,16 +75,31 @@ pub fn flashover<B: AutodiffBackend>(
     )
     .lr(1e-3)
     .seed(1);
+    let jsonl =
+        std::env::temp_dir().join(format!("flashover-overhead-{}.jsonl", std::process::id()));
     if observed {
         builder = builder
             .logger(ConsoleLogger::new(defaults::LOG_EVERY))
-            .callback(ProgressBar::new());
+            .logger(JsonlLogger::create(&jsonl)?)
+            .logger(ProgressBar::hidden());
     }
     let mut trainer = builder.build()?;
     let start = Instant::now();
     trainer.fit()?;
-    Ok((
-        start.elapsed().as_secs_f64(),
-        params_sha256::<B, _>(trainer.model()),
-    ))
+    let seconds = start.elapsed().as_secs_f64();
+    let digest = params_sha256::<B, _>(trainer.model());
+    drop(trainer);
+    if observed {
+        let lines = std::fs::read_to_string(&jsonl).map(|t| t.lines().count());
+        let _ = std::fs::remove_file(&jsonl);
+        // One line of hyperparameters and one per batch: the logger really wrote.
+        if lines.ok() != Some(steps as usize + 1) {
+            return Err(flashover::core::CoreError::config(
+                "overhead JSONL log",
+                jsonl.display(),
+                format!("{} lines (hyperparameters and one per batch)", steps + 1),
+            ));
+        }
+    }
+    Ok((seconds, digest))
 }

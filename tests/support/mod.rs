@@ -15,7 +15,7 @@ use flashover::core::event::Event;
 use flashover::core::logger::{Logger, LoggerDestination};
 use flashover::core::model::TrainModel;
 use flashover::core::state::State;
-use flashover::core::time::{Time, Timestamp};
+use flashover::core::time::{Progress, Time, Timestamp};
 use flashover_examples::{MnistData, MnistRun};
 
 /// The inner backend the tests run on: the most specific one compiled in.
@@ -121,7 +121,7 @@ impl LoggerDestination for RecordingLogger {
     fn name(&self) -> &str {
         &self.name
     }
-    fn run_event(&mut self, event: Event, _ts: &Timestamp) -> Result<()> {
+    fn run_event(&mut self, event: Event, _ts: &Timestamp, _p: &Progress) -> Result<()> {
         self.log
             .lock()
             .unwrap()

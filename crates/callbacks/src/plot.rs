@@ -112,19 +112,27 @@ fn range(values: impl Iterator<Item = f64>) -> Option<(f64, f64)> {
 impl LineChart {
     /// Draws the chart into a PNG file at `path`.
     pub fn write_png(&self, path: &Path) -> Result<(), PlotError> {
-        ensure_font()?;
+        write_panels(std::slice::from_ref(self), self.size, path)
+    }
+
+    fn draw_on(
+        &self,
+        area: &DrawingArea<BitMapBackend<'_>, plotters::coord::Shift>,
+        path: &Path,
+    ) -> Result<(), PlotError> {
         let draw_err = |e: &dyn std::fmt::Display| PlotError::Draw {
             path: path.to_path_buf(),
             reason: e.to_string(),
+        };
+        let empty = || PlotError::Empty {
+            path: path.to_path_buf(),
         };
         let (x0, x1) = range(
             self.series
                 .iter()
                 .flat_map(|s| s.points.iter().map(|p| p.0)),
         )
-        .ok_or_else(|| PlotError::Empty {
-            path: path.to_path_buf(),
-        })?;
+        .ok_or_else(empty)?;
         let (y0, y1) = match self.y_range {
             Some(r) => r,
             None => range(
@@ -132,17 +140,25 @@ impl LineChart {
                     .iter()
                     .flat_map(|s| s.points.iter().map(|p| p.1)),
             )
-            .ok_or_else(|| PlotError::Empty {
-                path: path.to_path_buf(),
-            })?,
+            .ok_or_else(empty)?,
         };
-        let root = BitMapBackend::new(path, self.size).into_drawing_area();
-        root.fill(&WHITE).map_err(|e| draw_err(&e))?;
-        let mut chart = ChartBuilder::on(&root)
+        // The legend goes to the right-hand corner the lines end farther from.
+        let ends: Vec<f64> = self
+            .series
+            .iter()
+            .filter_map(|s| s.points.last().map(|p| p.1))
+            .collect();
+        let mid = (y0 + y1) / 2.0;
+        let legend_position = if ends.iter().filter(|&&y| y > mid).count() * 2 >= ends.len() {
+            SeriesLabelPosition::LowerRight
+        } else {
+            SeriesLabelPosition::UpperRight
+        };
+        let mut chart = ChartBuilder::on(area)
             .caption(&self.title, ("sans-serif", 22))
             .margin(12)
             .x_label_area_size(40)
-            .y_label_area_size(60)
+            .y_label_area_size(70)
             .build_cartesian_2d(x0..x1, y0..y1)
             .map_err(|e| draw_err(&e))?;
         chart
@@ -155,7 +171,7 @@ impl LineChart {
             let color = Palette99::pick(i).to_rgba();
             chart
                 .draw_series(LineSeries::new(
-                    s.points.iter().copied(),
+                    s.points.iter().copied().filter(|p| p.1.is_finite()),
                     color.stroke_width(2),
                 ))
                 .map_err(|e| draw_err(&e))?
@@ -168,12 +184,36 @@ impl LineChart {
             .configure_series_labels()
             .background_style(WHITE.mix(0.85))
             .border_style(BLACK)
-            .position(SeriesLabelPosition::LowerRight)
+            .position(legend_position)
             .draw()
             .map_err(|e| draw_err(&e))?;
-        root.present().map_err(|e| draw_err(&e))?;
         Ok(())
     }
+}
+
+/// Draws `charts` stacked top to bottom in one PNG of `size` pixels at `path` (each chart's
+/// own `size` is ignored). Charts without points are an error, like a single empty chart.
+pub fn write_panels(charts: &[LineChart], size: (u32, u32), path: &Path) -> Result<(), PlotError> {
+    ensure_font()?;
+    if charts.is_empty() {
+        return Err(PlotError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
+    let root = BitMapBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| PlotError::Draw {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let areas = root.split_evenly((charts.len(), 1));
+    for (chart, area) in charts.iter().zip(&areas) {
+        chart.draw_on(area, path)?;
+    }
+    root.present().map_err(|e| PlotError::Draw {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    Ok(())
 }
 
 #[cfg(test)]

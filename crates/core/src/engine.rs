@@ -124,7 +124,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
             state.component_states = self.component_states();
         }
         if event == Event::Init {
-            self.logger.run_event(event, &state.timestamp)?;
+            self.logger
+                .run_event(event, &state.timestamp, &state.progress())?;
         }
         if event.is_after() {
             for a in self.algorithms.iter_mut().rev() {
@@ -143,7 +144,8 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
             c.run_event(event, state, &mut self.logger)?;
         }
         if event != Event::Init {
-            self.logger.run_event(event, &state.timestamp)?;
+            self.logger
+                .run_event(event, &state.timestamp, &state.progress())?;
         }
         Ok(())
     }

@@ -6,7 +6,7 @@ use serde_json::Value;
 
 use crate::error::Result;
 use crate::event::Event;
-use crate::time::Timestamp;
+use crate::time::{Progress, Timestamp};
 
 /// Where logged values go: a console, a file, a dashboard.
 ///
@@ -16,7 +16,8 @@ pub trait LoggerDestination: Send {
     /// A name for error messages.
     fn name(&self) -> &str;
 
-    /// Called once per run with the run's configuration.
+    /// Called once per run, at the first `FIT_START` (before any callback sees it), with the
+    /// run's configuration.
     fn log_hyperparameters(&mut self, params: &serde_json::Map<String, Value>) -> Result<()> {
         let _ = params;
         Ok(())
@@ -28,9 +29,15 @@ pub trait LoggerDestination: Send {
         Ok(())
     }
 
-    /// Called at every event, after algorithms and callbacks (at `INIT`, before them).
-    fn run_event(&mut self, event: Event, timestamp: &Timestamp) -> Result<()> {
-        let _ = (event, timestamp);
+    /// Called at every event, after algorithms and callbacks (at `INIT`, before them), with
+    /// where the run stands and how long it is to be (`progress.max_duration`).
+    fn run_event(
+        &mut self,
+        event: Event,
+        timestamp: &Timestamp,
+        progress: &Progress,
+    ) -> Result<()> {
+        let _ = (event, timestamp, progress);
         Ok(())
     }
 }
@@ -68,9 +75,14 @@ impl Logger {
         Ok(())
     }
 
-    pub(crate) fn run_event(&mut self, event: Event, timestamp: &Timestamp) -> Result<()> {
+    pub(crate) fn run_event(
+        &mut self,
+        event: Event,
+        timestamp: &Timestamp,
+        progress: &Progress,
+    ) -> Result<()> {
         for d in &mut self.destinations {
-            d.run_event(event, timestamp)?;
+            d.run_event(event, timestamp, progress)?;
         }
         Ok(())
     }

@@ -49,6 +49,13 @@ pub trait TrainModel<B: AutodiffBackend>:
 
     /// The mean loss of `output` against `batch`, as a one-element tensor.
     fn loss(&self, output: &Self::Output, batch: &Self::Batch) -> Tensor<B, 1>;
+
+    /// Floating-point operations one training sample costs (forward and backward, usually
+    /// three times the forward count), if the model knows; a speed monitor turns it into
+    /// model FLOPs per second and utilisation. Default: unknown.
+    fn flops_per_sample(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// A model that can be evaluated: forward without gradients, producing what its metrics read.

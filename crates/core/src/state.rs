@@ -66,6 +66,9 @@ pub struct State<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
     pub eval_metrics: BTreeMap<String, BTreeMap<String, f64>>,
     /// Value of `timestamp.batch` at the last evaluation, if any ran.
     pub last_eval_batch: Option<u64>,
+    /// Labels of the evaluators that ran in the current (or last) round of `EVAL_*` events,
+    /// in order: their entries in `eval_metrics` are fresh, the others' are older.
+    pub evaluated: Vec<String>,
     /// Saved states of every algorithm and callback, keyed `algorithm/<name>` and
     /// `callback/<name>`; filled by the engine just before `BATCH_CHECKPOINT`,
     /// `EPOCH_CHECKPOINT` and `FIT_END` when a callback asks for them

@@ -182,7 +182,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
         self.skip_nonfinite_loss = skip;
         self
     }
-    /// Extra hyperparameters to log at `INIT` (the trainer adds its own).
+    /// Extra hyperparameters to log once, at the first `FIT_START` (the trainer adds its own).
     pub fn hyperparameter(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
         self.hyperparameters.insert(key.into(), value.into());
         self
@@ -309,6 +309,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
             grads: None,
             eval_metrics: BTreeMap::new(),
             last_eval_batch: None,
+            evaluated: Vec::new(),
             component_states: BTreeMap::new(),
             skipped_batches: 0,
             world: self.world,
@@ -325,9 +326,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> TrainerBuilder<B,
             eval_interval: self.eval_interval,
             microbatch_size: self.microbatch_size,
             skip_nonfinite_loss: self.skip_nonfinite_loss,
+            hyperparameters: None,
         };
+        trainer.hyperparameters = Some(hp);
         trainer.engine.run(Event::Init, &mut trainer.state)?;
-        trainer.engine.logger().log_hyperparameters(&hp)?;
         trainer.engine.run(Event::BeforeLoad, &mut trainer.state)?;
         if let Some(restore) = self.restore {
             let components = restore.restore(&mut trainer.state)?;
@@ -364,6 +366,8 @@ pub struct Trainer<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
     eval_interval: Time,
     microbatch_size: Option<usize>,
     skip_nonfinite_loss: bool,
+    /// The run's configuration until it has been logged (at the first `FIT_START`).
+    hyperparameters: Option<serde_json::Map<String, Value>>,
 }
 
 /// Stream tag for the backend seed set at each batch start.
@@ -498,6 +502,9 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
         let mut steps = 0;
         let mut data_wait = Duration::ZERO;
         self.state.stop_reason = None;
+        if let Some(hp) = self.hyperparameters.take() {
+            self.engine.logger().log_hyperparameters(&hp)?;
+        }
         self.engine.run(Event::FitStart, &mut self.state)?;
         let num_batches = self.train.num_batches();
         'epochs: loop {
@@ -740,6 +747,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
     /// results in `State::eval_metrics`.
     fn run_evaluators(&mut self, select: impl Fn(&Self, &Evaluator<B, M>) -> bool) -> Result<()> {
         let chosen: Vec<bool> = self.evaluators.iter().map(|e| select(self, e)).collect();
+        self.state.evaluated.clear();
         self.engine.run(Event::EvalBeforeAll, &mut self.state)?;
         let model = self.state.model().valid();
         for (ev, _) in self.evaluators.iter_mut().zip(&chosen).filter(|(_, &c)| c) {
@@ -777,6 +785,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Trainer<B, M, O> 
                 self.engine.logger().log_metrics(&ts, &values)?;
             }
             self.state.eval_metrics.insert(ev.label.clone(), results);
+            self.state.evaluated.push(ev.label.clone());
             self.engine.run(Event::EvalEnd, &mut self.state)?;
         }
         self.state.last_eval_batch = Some(self.state.timestamp.batch);

@@ -41,7 +41,14 @@ pub mod backend {
 
 /// Everything most training programs use.
 pub mod prelude {
-    pub use flashover_callbacks::{ConsoleLogger, ProgressBar, StopAt};
+    pub use flashover_callbacks::monitors::{
+        LrMonitor, MemoryMonitor, NanMonitor, NormMonitor, RuntimeEstimator, SpeedMonitor,
+    };
+    pub use flashover_callbacks::profiler::{Profiler, ProfilerSchedule};
+    pub use flashover_callbacks::{
+        ConsoleLogger, CsvLogger, JsonlLogger, MetricStopper, ProgressBar, StopAt,
+        TensorBoardLogger, TrainingPlot,
+    };
     pub use flashover_checkpoint::{
         autoresume, load_weights, save_weights, CheckpointError, CheckpointRestore, LoadOptions,
         SaveInterval, Saver, SaverConfig,

@@ -1,0 +1,256 @@
+//! Gradient and parameter norms, global and per layer.
+
+use std::collections::BTreeMap;
+
+use burn::module::{ModuleVisitor, Param};
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use flashover_core::callback::Callback;
+use flashover_core::error::Result;
+use flashover_core::logger::Logger;
+use flashover_core::model::TrainModel;
+use flashover_core::state::State;
+use flashover_core::time::Time;
+
+use super::{batch_interval, due};
+
+/// What [`ParamStats`] computes per tensor.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stat {
+    /// The sum of squares (one value).
+    SumOfSquares,
+    /// How many elements are NaN, and how many infinite (two values).
+    NonFinite,
+}
+
+impl Stat {
+    fn width(self) -> usize {
+        match self {
+            Stat::SumOfSquares => 1,
+            Stat::NonFinite => 2,
+        }
+    }
+}
+
+/// A statistic of every float parameter (or of its gradient), with the parameter's path, all
+/// read back to the host in one transfer.
+pub(crate) struct ParamStats<'a, AB: AutodiffBackend> {
+    path: Vec<String>,
+    grads: Option<&'a GradientsParams>,
+    stat: Stat,
+    names: Vec<String>,
+    values: Vec<Tensor<AB::InnerBackend, 1>>,
+}
+
+impl<'a, AB: AutodiffBackend> ParamStats<'a, AB> {
+    /// `stat` of each gradient in `grads` (parameters without a gradient are left out), or of
+    /// each parameter when `grads` is `None`.
+    pub(crate) fn of<M: burn::module::Module<AB>>(
+        model: &M,
+        grads: Option<&'a GradientsParams>,
+        stat: Stat,
+    ) -> Vec<(String, Vec<f64>)> {
+        let mut v = ParamStats {
+            path: Vec::new(),
+            grads,
+            stat,
+            names: Vec::new(),
+            values: Vec::new(),
+        };
+        model.visit(&mut v);
+        if v.values.is_empty() {
+            return Vec::new();
+        }
+        let all: Vec<f64> = Tensor::cat(v.values, 0).into_data().iter::<f64>().collect();
+        v.names
+            .into_iter()
+            .zip(all.chunks(stat.width()).map(<[f64]>::to_vec))
+            .collect()
+    }
+
+    /// Sums of squares, one per parameter.
+    pub(crate) fn sums<M: burn::module::Module<AB>>(
+        model: &M,
+        grads: Option<&'a GradientsParams>,
+    ) -> Vec<(String, f64)> {
+        Self::of(model, grads, Stat::SumOfSquares)
+            .into_iter()
+            .map(|(n, v)| (n, v[0]))
+            .collect()
+    }
+
+    fn push<const D: usize>(&mut self, t: Tensor<AB::InnerBackend, D>) {
+        let mut name = self.path.join(".");
+        if name.is_empty() {
+            name = format!("param{}", self.names.len());
+        }
+        self.names.push(name);
+        // Reduced along one flattened axis: a fixed reduction order on every backend.
+        let flat = t.flatten::<1>(0, D - 1);
+        let value = match self.stat {
+            Stat::SumOfSquares => flat.clone().mul(flat).sum_dim(0),
+            Stat::NonFinite => Tensor::cat(
+                vec![
+                    flat.clone().is_nan().int().sum().float(),
+                    flat.is_inf().int().sum().float(),
+                ],
+                0,
+            ),
+        };
+        self.values.push(value);
+    }
+}
+
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for ParamStats<'_, AB> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        match self.grads {
+            Some(grads) => {
+                if let Some(g) = grads.get::<AB::InnerBackend, D>(param.id) {
+                    self.push(g);
+                }
+            }
+            None => self.push(param.val().inner()),
+        }
+    }
+}
+
+/// The parameter's layer: its path without the final name (`conv1.weight` -> `conv1`).
+pub(crate) fn layer_of(path: &str) -> &str {
+    path.rsplit_once('.').map(|(l, _)| l).unwrap_or(path)
+}
+
+/// Global and per-layer L2 norms from per-parameter sums of squares: `(global, [(layer,
+/// norm)])`, layers in the model's order.
+pub fn norms_by_layer(sums: &[(String, f64)]) -> (f64, Vec<(String, f64)>) {
+    let mut order: Vec<String> = Vec::new();
+    let mut by_layer: BTreeMap<String, f64> = BTreeMap::new();
+    for (path, s) in sums {
+        let layer = layer_of(path).to_string();
+        if !by_layer.contains_key(&layer) {
+            order.push(layer.clone());
+        }
+        *by_layer.entry(layer).or_insert(0.0) += s;
+    }
+    let global = sums.iter().map(|(_, s)| s).sum::<f64>().sqrt();
+    let layers = order
+        .into_iter()
+        .map(|l| {
+            let n = by_layer[&l].sqrt();
+            (l, n)
+        })
+        .collect();
+    (global, layers)
+}
+
+/// Logs L2 norms every `interval`: of the gradients the optimizer step used (after any
+/// clipping), `l2_norm/grad/global` and `l2_norm/grad/<layer>`, and of the weights after the
+/// step, `l2_norm/param/global` and `l2_norm/param/<layer>`. A layer is a parameter's path
+/// without its last part (`conv1.weight` and `conv1.bias` make `conv1`).
+///
+/// Each logged batch costs one pass over the parameters and one read back to the host;
+/// batches in between cost nothing.
+///
+/// ```
+/// use flashover_callbacks::monitors::NormMonitor;
+/// use flashover_core::time::Time;
+/// let norms = NormMonitor::new(Time::Batch(50))?.per_layer(true);
+/// # let _ = norms;
+/// # Ok::<(), flashover_callbacks::CallbackError>(())
+/// ```
+pub struct NormMonitor {
+    every: Time,
+    per_layer: bool,
+    grads: Option<Vec<(String, f64)>>,
+}
+
+impl NormMonitor {
+    /// Norms every `every` (batches or epochs, greater than zero), global and per layer.
+    pub fn new(every: Time) -> crate::error::Result<Self> {
+        Ok(NormMonitor {
+            every: batch_interval("norm_monitor", every)?,
+            per_layer: true,
+            grads: None,
+        })
+    }
+
+    /// Whether to log each layer's norms as well as the global ones (default true).
+    pub fn per_layer(mut self, per_layer: bool) -> Self {
+        self.per_layer = per_layer;
+        self
+    }
+
+    fn due_next<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
+        &self,
+        state: &State<B, M, O>,
+    ) -> bool {
+        // At AFTER_TRAIN_BATCH the batch has not been counted yet.
+        let ts = &state.timestamp;
+        due(
+            self.every,
+            ts.batch + 1,
+            ts.epoch,
+            ts.batch_in_epoch + 1,
+            state.batches_per_epoch,
+        )
+    }
+}
+
+fn push_norms(out: &mut Vec<(String, f64)>, kind: &str, sums: &[(String, f64)], per_layer: bool) {
+    let (global, layers) = norms_by_layer(sums);
+    out.push((format!("l2_norm/{kind}/global"), global));
+    if per_layer {
+        for (layer, n) in layers {
+            out.push((format!("l2_norm/{kind}/{layer}"), n));
+        }
+    }
+}
+
+impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for NormMonitor {
+    fn name(&self) -> &str {
+        "norm_monitor"
+    }
+
+    fn after_train_batch(
+        &mut self,
+        state: &mut State<B, M, O>,
+        _logger: &mut Logger,
+    ) -> Result<()> {
+        self.grads = None;
+        if self.due_next(state) {
+            if let Some(grads) = &state.grads {
+                self.grads = Some(ParamStats::<B>::sums(state.model(), Some(grads)));
+            }
+        }
+        Ok(())
+    }
+
+    fn batch_end(&mut self, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+        let ts = &state.timestamp;
+        if !due(
+            self.every,
+            ts.batch,
+            ts.epoch,
+            ts.batch_in_epoch,
+            state.batches_per_epoch,
+        ) {
+            return Ok(());
+        }
+        let mut values: Vec<(String, f64)> = Vec::new();
+        if let Some(g) = self.grads.take() {
+            push_norms(&mut values, "grad", &g, self.per_layer);
+        }
+        let params = ParamStats::<B>::sums(state.model(), None);
+        push_norms(&mut values, "param", &params, self.per_layer);
+        let refs: Vec<(&str, f64)> = values.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        logger.log_metrics(&state.timestamp, &refs)
+    }
+}
