@@ -83,6 +83,7 @@ fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
         "flashover_observed_median_s": vm,
         "flashover_over_handwritten": om / hm,
         "observability_over_plain": vm / om,
+        "observed_loggers": "console (every 50 batches), JSONL (every value), progress bar (hidden)",
         "same_weights": hand_digest == ours_digest && ours_digest == observed_digest,
     });
     println!("{summary}");

@@ -12,6 +12,9 @@
 //! - `determinism`: same seed, same bits; another seed, other bits.
 //! - `bad_input`: every bad configuration is a typed error that names the value.
 //! - `accuracy`: the example's default recipe reaches 97% on the bundled MNIST test digits.
+//! - `observe`: monitors against hand-computed values (fake clock, schedule formula, host
+//!   sums), NaN watch, stoppers on real runs, the example's JSONL/CSV/TensorBoard files read
+//!   back (TensorBoard's own reader), its Chrome trace nesting and its PNG plot.
 //! - `algorithms`: every speed-up algorithm and recipe trains the MNIST CNN, changes what it
 //!   should and resumes exactly in a new process; target rewriters compose in a defined order;
 //!   bad algorithm lists are errors; sequence-length warmup trains a character model.
@@ -34,6 +37,8 @@ mod determinism;
 mod events;
 #[path = "suite/microbatch.rs"]
 mod microbatch;
+#[path = "suite/observe.rs"]
+mod observe;
 #[path = "suite/resume.rs"]
 mod resume;
 #[path = "suite/trainer.rs"]

@@ -1,0 +1,23 @@
+"""Reads a TensorBoard log folder with TensorBoard's own EventAccumulator and prints, as JSON,
+every scalar as [step, value] pairs and every text summary. Exits with 3 when the
+`tensorboard` package is not installed (`pip install tensorboard`)."""
+import json
+import sys
+
+try:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+except ImportError as e:
+    print(f"tensorboard is not installed: {e}", file=sys.stderr)
+    sys.exit(3)
+
+acc = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0, "tensors": 0})
+acc.Reload()
+tags = acc.Tags()
+out = {"scalars": {}, "text": {}}
+for tag in tags["scalars"]:
+    out["scalars"][tag] = [[e.step, e.value] for e in acc.Scalars(tag)]
+for tag in tags["tensors"]:
+    # Text summaries arrive as string tensors (the text plugin's format).
+    for e in acc.Tensors(tag):
+        out["text"][tag] = b"".join(e.tensor_proto.string_val).decode()
+json.dump(out, sys.stdout)
