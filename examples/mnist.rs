@@ -240,7 +240,11 @@ fn schedule(args: &Args) -> Scheduler {
 fn observability<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     mut builder: flashover::core::trainer::TrainerBuilder<B, MnistCnn<B>, O>,
     args: &Args,
-) -> anyhow::Result<flashover::core::trainer::TrainerBuilder<B, MnistCnn<B>, O>> {
+    device: &B::Device,
+) -> anyhow::Result<flashover::core::trainer::TrainerBuilder<B, MnistCnn<B>, O>>
+where
+    B::Device: 'static,
+{
     use flashover::callbacks::monitors::*;
     use flashover::callbacks::profiler::{Profiler, ProfilerSchedule};
     use flashover::callbacks::{
@@ -259,7 +263,10 @@ fn observability<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
             .callback(LrMonitor::new())
             .callback(speed)
             .callback(RuntimeEstimator::new(50)?)
-            .callback(MemoryMonitor::new(every)?)
+            .callback(match flashover_examples::device_memory_reader(device) {
+                Some(read) => MemoryMonitor::new(every)?.with_device_reader(read),
+                None => MemoryMonitor::new(every)?,
+            })
             .callback(NormMonitor::new(every)?);
         if args.tensorboard {
             builder = builder.logger(TensorBoardLogger::create(dir.join("tensorboard"))?);
@@ -354,7 +361,7 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     if !args.no_progress {
         builder = builder.logger(ProgressBar::new());
     }
-    builder = observability(builder, args)?;
+    builder = observability(builder, args, &device)?;
     if let Some(at) = args.stop_after {
         builder = builder.callback(StopAt::new(at));
     }

@@ -61,6 +61,42 @@ macro_rules! with_backend {
     }};
 }
 
+/// A reader of device memory for the memory monitor, for the device of whichever backend
+/// `device` belongs to: the CubeCL backends (wgpu, CUDA) report the bytes their memory pools
+/// hold for live tensors and have reserved; the CPU backends have no such pool (`None`; the
+/// monitor logs the process's resident memory there).
+pub fn device_memory_reader<D: std::any::Any + Clone + Send + Sync>(
+    device: &D,
+) -> Option<Box<dyn Fn() -> Option<flashover::callbacks::monitors::DeviceMemory> + Send>> {
+    let any = device as &dyn std::any::Any;
+    #[cfg(feature = "wgpu")]
+    if let Some(d) = any.downcast_ref::<cubecl::wgpu::WgpuDevice>() {
+        let d = d.clone();
+        return Some(Box::new(move || {
+            use cubecl::Runtime;
+            let usage = cubecl::wgpu::WgpuRuntime::client(&d).memory_usage().ok()?;
+            Some(flashover::callbacks::monitors::DeviceMemory {
+                in_use: usage.bytes_in_use,
+                reserved: usage.bytes_reserved,
+            })
+        }));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(d) = any.downcast_ref::<cubecl::cuda::CudaDevice>() {
+        let d = d.clone();
+        return Some(Box::new(move || {
+            use cubecl::Runtime;
+            let usage = cubecl::cuda::CudaRuntime::client(&d).memory_usage().ok()?;
+            Some(flashover::callbacks::monitors::DeviceMemory {
+                in_use: usage.bytes_in_use,
+                reserved: usage.bytes_reserved,
+            })
+        }));
+    }
+    let _ = any;
+    None
+}
+
 /// Median, minimum and maximum of repeated measurements (the median of an even count is the
 /// upper middle value). `v` must not be empty.
 pub fn median_min_max(v: &[f64]) -> (f64, f64, f64) {

@@ -679,3 +679,68 @@ fn example_refuses_bad_observability_flags() {
         );
     }
 }
+
+#[test]
+fn device_memory_is_read_where_the_backend_reports_it() {
+    let reader = flashover_examples::device_memory_reader(&device());
+    match BACKEND {
+        "flex" | "ndarray" => assert!(reader.is_none(), "CPU backends have no device pool"),
+        _ => {
+            let read = reader.expect("the CubeCL backends report memory");
+            let model = MnistCnn::<TB>::new(&device(), 1);
+            let m = read().expect("a reading");
+            // The weights alone (about 220k f32) are resident on the device.
+            assert!(m.in_use >= 4 * 200_000 && m.reserved >= m.in_use, "{m:?}");
+            drop(model);
+        }
+    }
+}
+
+#[test]
+fn token_throughput_and_time_left_in_tokens_on_a_character_model() {
+    use flashover::core::data::BatchSource;
+    use flashover::core::model::Batch;
+    use flashover::core::trainer::Trainer;
+    use flashover_examples::shakespeare::{bundled_shakespeare, token_loader, CharCorpus, CharLm};
+    type Lm = CharLm<TB>;
+    let corpus = CharCorpus::load(&bundled_shakespeare()).unwrap();
+    let dev = device();
+    let loader = token_loader::<TB>(&corpus, 64, 16, Some(640), 3, &dev).unwrap();
+    let per_batch = loader.iter_from(0, 0).next().unwrap().unwrap().num_tokens();
+    assert!(per_batch > 0);
+    let model = Lm::new(&dev, corpus.vocab.len(), 32, 3);
+    let opt = burn::optim::AdamConfig::new().init::<TB, Lm>();
+    let clock = ManualClock::default();
+    let tick = clock.clone();
+    let log = Logged::default();
+    // The run's length in tokens: 20 batches' worth; each batch takes 0.5 s.
+    let mut t = Trainer::builder(model, opt, loader, Time::Token(20 * per_batch), dev)
+        .callback(At {
+            event: Event::BatchStart,
+            f: move |_: &mut flashover::core::state::State<TB, Lm, _>| {
+                tick.advance(Duration::from_millis(500));
+                Ok(())
+            },
+        })
+        .callback(SpeedMonitor::new(3).unwrap().with_clock(clock.clone()))
+        .callback(RuntimeEstimator::new(3).unwrap().with_clock(clock.clone()))
+        .logger(Capture(log.clone()))
+        .build()
+        .unwrap();
+    t.fit().unwrap();
+    let tokens = series(&log, "throughput/tokens_per_sec");
+    assert_eq!(tokens.len(), 20);
+    assert!(
+        tokens
+            .values()
+            .all(|&v| close(v, 2.0 * per_batch as f64, 1e-9)),
+        "{tokens:?}"
+    );
+    let left = series(&log, "time/remaining_estimate_seconds");
+    for (b, v) in left {
+        assert!(
+            close(v, 0.5 * (20 - b) as f64, 1e-9) || (b == 20 && v == 0.0),
+            "batch {b}: {v}"
+        );
+    }
+}

@@ -296,7 +296,11 @@ impl LrSchedule for Scheduler {
     }
 
     fn validate(&self, progress: &Progress) -> Result<()> {
-        for t in self.times() {
+        // A constant factor of 1 without warmup never reads the clock, so it fits any run,
+        // including one measured in tokens (the default schedule of a language model).
+        let flat = matches!(self.shape, Shape::Constant { alpha, .. } if alpha == 1.0)
+            && self.warmup.is_none();
+        for t in self.times().into_iter().filter(|_| !flat) {
             if progress.to_batches(t).is_none() {
                 return Err(CoreError::config(
                     "scheduler",
@@ -461,6 +465,28 @@ mod tests {
         assert!(err.contains("-1") && err.contains("gamma"), "{err}");
         assert!(Scheduler::step(Time::Batch(0), 0.5).validate(&p).is_err());
         assert!(Scheduler::cosine_warm_restarts(Time::Batch(10), 0.5, 0.0)
+            .validate(&p)
+            .is_err());
+    }
+
+    #[test]
+    fn the_default_schedule_fits_a_run_counted_in_tokens() {
+        let p = Progress {
+            max_duration: Time::Token(20_000),
+            ..ctx(0.0).progress
+        };
+        assert!(Scheduler::constant().validate(&p).is_ok());
+        let c = ScheduleContext {
+            progress: p,
+            ..ctx(37.0)
+        };
+        assert_eq!(Scheduler::constant().factor(&c), 1.0);
+        // Anything that reads the clock still needs a batch conversion.
+        assert!(Scheduler::constant()
+            .with_warmup(Time::Duration(0.1))
+            .validate(&p)
+            .is_err());
+        assert!(Scheduler::cosine(Time::Duration(1.0), 0.0)
             .validate(&p)
             .is_err());
     }
