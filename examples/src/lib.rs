@@ -69,30 +69,27 @@ pub fn device_memory_reader<D: std::any::Any + Clone + Send + Sync>(
     device: &D,
 ) -> Option<Box<dyn Fn() -> Option<flashover::callbacks::monitors::DeviceMemory> + Send>> {
     let any = device as &dyn std::any::Any;
+    // The CubeCL runtime of a device type answers for the memory of that device.
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    macro_rules! cubecl_reader {
+        ($runtime:ty, $device:ty) => {
+            if let Some(d) = any.downcast_ref::<$device>() {
+                let d = d.clone();
+                return Some(Box::new(move || {
+                    use cubecl::Runtime;
+                    let usage = <$runtime>::client(&d).memory_usage().ok()?;
+                    Some(flashover::callbacks::monitors::DeviceMemory {
+                        in_use: usage.bytes_in_use,
+                        reserved: usage.bytes_reserved,
+                    })
+                }));
+            }
+        };
+    }
     #[cfg(feature = "wgpu")]
-    if let Some(d) = any.downcast_ref::<cubecl::wgpu::WgpuDevice>() {
-        let d = d.clone();
-        return Some(Box::new(move || {
-            use cubecl::Runtime;
-            let usage = cubecl::wgpu::WgpuRuntime::client(&d).memory_usage().ok()?;
-            Some(flashover::callbacks::monitors::DeviceMemory {
-                in_use: usage.bytes_in_use,
-                reserved: usage.bytes_reserved,
-            })
-        }));
-    }
+    cubecl_reader!(cubecl::wgpu::WgpuRuntime, cubecl::wgpu::WgpuDevice);
     #[cfg(feature = "cuda")]
-    if let Some(d) = any.downcast_ref::<cubecl::cuda::CudaDevice>() {
-        let d = d.clone();
-        return Some(Box::new(move || {
-            use cubecl::Runtime;
-            let usage = cubecl::cuda::CudaRuntime::client(&d).memory_usage().ok()?;
-            Some(flashover::callbacks::monitors::DeviceMemory {
-                in_use: usage.bytes_in_use,
-                reserved: usage.bytes_reserved,
-            })
-        }));
-    }
+    cubecl_reader!(cubecl::cuda::CudaRuntime, cubecl::cuda::CudaDevice);
     let _ = any;
     None
 }

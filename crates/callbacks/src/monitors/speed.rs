@@ -92,6 +92,29 @@ impl TrainClock {
     }
 }
 
+/// The `Callback` methods that take evaluation time out of a monitor's `clock`.
+macro_rules! leave_out_evaluation {
+    () => {
+        fn eval_before_all(
+            &mut self,
+            _state: &mut State<B, M, O>,
+            _logger: &mut Logger,
+        ) -> Result<()> {
+            self.clock.eval_before();
+            Ok(())
+        }
+
+        fn eval_after_all(
+            &mut self,
+            _state: &mut State<B, M, O>,
+            _logger: &mut Logger,
+        ) -> Result<()> {
+            self.clock.eval_after();
+            Ok(())
+        }
+    };
+}
+
 fn check_window(component: &'static str, size: usize) -> crate::error::Result<usize> {
     if size == 0 {
         return Err(CallbackError::param(
@@ -200,15 +223,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         logger.log_metrics(&state.timestamp, &values)
     }
 
-    fn eval_before_all(&mut self, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
-        self.clock.eval_before();
-        Ok(())
-    }
-
-    fn eval_after_all(&mut self, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
-        self.clock.eval_after();
-        Ok(())
-    }
+    leave_out_evaluation!();
 }
 
 /// Estimates the training time left: the fraction of `max_duration` still to go (in whatever
@@ -275,13 +290,5 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         logger.log_metrics(&state.timestamp, &values)
     }
 
-    fn eval_before_all(&mut self, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
-        self.clock.eval_before();
-        Ok(())
-    }
-
-    fn eval_after_all(&mut self, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
-        self.clock.eval_after();
-        Ok(())
-    }
+    leave_out_evaluation!();
 }
