@@ -241,6 +241,7 @@ fn observability<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     mut builder: flashover::core::trainer::TrainerBuilder<B, MnistCnn<B>, O>,
     args: &Args,
     device: &B::Device,
+    resuming: bool,
 ) -> anyhow::Result<flashover::core::trainer::TrainerBuilder<B, MnistCnn<B>, O>>
 where
     B::Device: 'static,
@@ -256,9 +257,15 @@ where
         if let Some(peak) = args.peak_flops {
             speed = speed.with_peak_flops(peak)?;
         }
+        let (jsonl, csv) = (dir.join("metrics.jsonl"), dir.join("metrics.csv"));
+        let (jsonl, csv) = if resuming {
+            (JsonlLogger::append(jsonl)?, CsvLogger::append(csv)?)
+        } else {
+            (JsonlLogger::create(jsonl)?, CsvLogger::create(csv)?)
+        };
         builder = builder
-            .logger(JsonlLogger::create(dir.join("metrics.jsonl"))?)
-            .logger(CsvLogger::create(dir.join("metrics.csv"))?)
+            .logger(jsonl)
+            .logger(csv)
             .callback(NanMonitor::new())
             .callback(LrMonitor::new())
             .callback(speed)
@@ -361,7 +368,6 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     if !args.no_progress {
         builder = builder.logger(ProgressBar::new());
     }
-    builder = observability(builder, args, &device)?;
     if let Some(at) = args.stop_after {
         builder = builder.callback(StopAt::new(at));
     }
@@ -378,6 +384,9 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         Some(folder) if args.autoresume => autoresume(folder)?,
         _ => None,
     };
+    // A resumed run appends to the logs of the run it continues.
+    let resuming = resume.is_some() || (args.load.is_some() && !args.weights_only);
+    builder = observability(builder, args, &device, resuming)?;
     if let Some(restore) = resume {
         builder = builder.restore(restore);
     } else if let Some(path) = &args.load {

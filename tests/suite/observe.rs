@@ -432,16 +432,16 @@ fn logged_run(dir: &Path) -> Value {
     ]))
 }
 
-/// The JSONL file as (batch, metric) -> value, and the hyperparameters.
-fn read_jsonl(path: &Path) -> (BTreeMap<(u64, String), f64>, Value) {
+/// The JSONL file as (batch, metric) -> value, and the hyperparameter records (one per
+/// process that wrote to it).
+fn read_jsonl(path: &Path) -> (BTreeMap<(u64, String), f64>, Vec<Value>) {
     let text = std::fs::read_to_string(path).unwrap();
     let mut values = BTreeMap::new();
-    let mut hp = Value::Null;
+    let mut hp = Vec::new();
     for line in text.lines() {
         let v: Value = serde_json::from_str(line).unwrap();
         if let Some(h) = v.get("hyperparameters") {
-            assert!(hp.is_null(), "hyperparameters logged once");
-            hp = h.clone();
+            hp.push(h.clone());
             continue;
         }
         let batch = v["batch"].as_u64().unwrap();
@@ -463,7 +463,9 @@ fn example_logs_round_trip_and_tensorboard_reads_them() {
     let logs = dir.path().join("logs");
 
     // JSONL and CSV hold the same values, bit for bit, and agree with the summary.
-    let (jsonl, hp) = read_jsonl(&logs.join("metrics.jsonl"));
+    let (jsonl, hps) = read_jsonl(&logs.join("metrics.jsonl"));
+    assert_eq!(hps.len(), 1, "hyperparameters are logged once");
+    let hp = &hps[0];
     assert_eq!(hp["batch_size"], 32);
     assert_eq!(hp["optimizer"], "adamw");
     let csv = std::fs::read_to_string(logs.join("metrics.csv")).unwrap();
@@ -486,7 +488,7 @@ fn example_logs_round_trip_and_tensorboard_reads_them() {
         &std::fs::read_to_string(logs.join("metrics.hyperparameters.json")).unwrap(),
     )
     .unwrap();
-    assert_eq!(hp_csv, hp);
+    assert_eq!(&hp_csv, hp);
     assert_eq!(summary["batches"], 32);
     let final_acc = jsonl[&(32, "eval/test/accuracy".to_string())];
     assert_eq!(summary["test_accuracy"].as_f64().unwrap(), final_acc);
@@ -743,4 +745,44 @@ fn token_throughput_and_time_left_in_tokens_on_a_character_model() {
             "batch {b}: {v}"
         );
     }
+}
+
+#[test]
+fn example_resumed_run_appends_to_its_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    let ck = dir.path().join("ck");
+    let (logs_s, ck_s) = (logs.to_str().unwrap(), ck.to_str().unwrap());
+    let common = ["--log-dir", logs_s, "--save-folder", ck_s, "--autoresume"];
+    let first: Vec<&str> = common
+        .iter()
+        .copied()
+        .chain(["--stop-after", "20ba"])
+        .collect();
+    summary_of(&short_args(&first));
+    let (before, _) = read_jsonl(&logs.join("metrics.jsonl"));
+    assert_eq!(before.keys().filter(|(_, k)| k == "train/loss").count(), 20);
+    let s = summary_of(&short_args(&common));
+    assert_eq!(s["batches"], 48);
+    let (after, hps) = read_jsonl(&logs.join("metrics.jsonl"));
+    assert_eq!(hps.len(), 2, "each process logs the configuration once");
+    let losses: Vec<u64> = after
+        .keys()
+        .filter(|(_, k)| k == "train/loss")
+        .map(|(b, _)| *b)
+        .collect();
+    assert_eq!(
+        losses,
+        (1..=48).collect::<Vec<_>>(),
+        "the first run's lines are kept"
+    );
+    for (k, v) in &before {
+        assert_eq!(after[k].to_bits(), v.to_bits(), "{k:?}");
+    }
+    let csv = std::fs::read_to_string(logs.join("metrics.csv")).unwrap();
+    assert_eq!(
+        csv.lines().filter(|l| l.starts_with("epoch,")).count(),
+        1,
+        "one header"
+    );
 }

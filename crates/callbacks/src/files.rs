@@ -26,11 +26,18 @@ struct Sink {
 }
 
 impl Sink {
-    fn create(component: &'static str, path: &Path) -> crate::error::Result<Self> {
+    /// Opens `path` (and creates its folder), truncating it or appending to it.
+    fn open(component: &'static str, path: &Path, append: bool) -> crate::error::Result<Self> {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(|e| CallbackError::io(component, dir, e))?;
         }
-        let file = File::create(path).map_err(|e| CallbackError::io(component, path, e))?;
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .map_err(|e| CallbackError::io(component, path, e))?;
         Ok(Sink {
             component,
             path: path.to_path_buf(),
@@ -89,7 +96,16 @@ impl JsonlLogger {
     /// Creates (or truncates) the file at `path`, and its folder if needed.
     pub fn create(path: impl AsRef<Path>) -> crate::error::Result<Self> {
         Ok(JsonlLogger {
-            sink: Sink::create("jsonl_logger", path.as_ref())?,
+            sink: Sink::open("jsonl_logger", path.as_ref(), false)?,
+        })
+    }
+
+    /// Appends to the file at `path` (created if missing): for a run resumed from a
+    /// checkpoint, whose earlier lines stay. Lines after the checkpoint that the interrupted
+    /// run wrote stay too; readers keep the last value per (batch, metric).
+    pub fn append(path: impl AsRef<Path>) -> crate::error::Result<Self> {
+        Ok(JsonlLogger {
+            sink: Sink::open("jsonl_logger", path.as_ref(), true)?,
         })
     }
 
@@ -157,9 +173,35 @@ impl CsvLogger {
     /// Creates (or truncates) the file at `path`, and its folder if needed, and writes the
     /// header.
     pub fn create(path: impl AsRef<Path>) -> crate::error::Result<Self> {
-        let mut sink = Sink::create("csv_logger", path.as_ref())?;
+        let mut sink = Sink::open("csv_logger", path.as_ref(), false)?;
         sink.write(CSV_HEADER)?;
         sink.write("\n")?;
+        Ok(CsvLogger { sink })
+    }
+
+    /// Appends to the file at `path` (for a resumed run), writing the header only if the
+    /// file is new or empty. A file with another header is an error, not a mixed table.
+    pub fn append(path: impl AsRef<Path>) -> crate::error::Result<Self> {
+        let path = path.as_ref();
+        let existing = match std::fs::read(path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(CallbackError::io("csv_logger", path, e)),
+        };
+        let header = existing.split(|&b| b == b'\n').next().unwrap_or_default();
+        if !existing.is_empty() && header != CSV_HEADER.as_bytes() {
+            return Err(CallbackError::param(
+                "csv_logger",
+                "path",
+                path.display(),
+                format!("a CSV file written by this logger (header `{CSV_HEADER}`) or a new file"),
+            ));
+        }
+        let mut sink = Sink::open("csv_logger", path, true)?;
+        if existing.is_empty() {
+            sink.write(CSV_HEADER)?;
+            sink.write("\n")?;
+        }
         Ok(CsvLogger { sink })
     }
 
@@ -348,6 +390,34 @@ mod tests {
             }
         }
         out
+    }
+
+    #[test]
+    fn append_keeps_what_was_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let (j, c) = (dir.path().join("m.jsonl"), dir.path().join("m.csv"));
+        for round in 1..=2u64 {
+            let mut jl = JsonlLogger::append(&j).unwrap();
+            let mut cl = CsvLogger::append(&c).unwrap();
+            jl.log_metrics(&stamp(round), &[("x", round as f64)])
+                .unwrap();
+            cl.log_metrics(&stamp(round), &[("x", round as f64)])
+                .unwrap();
+            jl.run_event(Event::FitEnd, &stamp(round), &progress())
+                .unwrap();
+            cl.run_event(Event::FitEnd, &stamp(round), &progress())
+                .unwrap();
+        }
+        assert_eq!(std::fs::read_to_string(&j).unwrap().lines().count(), 2);
+        let csv = std::fs::read_to_string(&c).unwrap();
+        assert_eq!(csv.lines().filter(|l| *l == CSV_HEADER).count(), 1, "{csv}");
+        assert_eq!(csv.lines().count(), 3);
+        // `create` starts over.
+        drop(JsonlLogger::create(&j).unwrap());
+        assert_eq!(std::fs::read_to_string(&j).unwrap(), "");
+        std::fs::write(&c, "a,b\n1,2\n").unwrap();
+        let e = CsvLogger::append(&c).err().unwrap();
+        assert!(e.to_string().contains("m.csv"), "{e}");
     }
 
     #[test]
