@@ -326,11 +326,7 @@ pub fn set_grad<B: Backend>(grads: &mut GradientsParams, view: &GradView<B>, gra
     put!(1, 2, 3, 4, 5, 6);
 }
 
-/// The parameter's group: its path without the final name (`conv1.weight` -> `conv1`), which
-/// is the layer that owns it.
-pub fn layer_of(path: &str) -> &str {
-    path.rsplit_once('.').map(|(l, _)| l).unwrap_or(path)
-}
+pub use flashover_core::params::layer_of;
 
 /// The layers of a model that own float parameters, in the model's order.
 pub fn layers<B: Backend, M: Module<B>>(model: &M) -> Vec<String> {

@@ -48,6 +48,12 @@ pub fn init_model<B: Backend, M: Module<B>>(
     model
 }
 
+/// The parameter's layer: its path without the final name (`conv1.weight` -> `conv1`), the
+/// module that owns it. Layer freezing and the norm monitor group parameters by it.
+pub fn layer_of(path: &str) -> &str {
+    path.rsplit_once('.').map(|(l, _)| l).unwrap_or(path)
+}
+
 struct Collect {
     path: Vec<String>,
     entries: Vec<(String, String, Vec<usize>, Vec<u8>)>,

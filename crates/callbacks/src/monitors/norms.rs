@@ -10,6 +10,7 @@ use flashover_core::callback::Callback;
 use flashover_core::error::Result;
 use flashover_core::logger::Logger;
 use flashover_core::model::TrainModel;
+use flashover_core::params::layer_of;
 use flashover_core::state::State;
 use flashover_core::time::Time;
 
@@ -143,11 +144,6 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for ParamStats<'_, AB> {
             None => self.push(param.val().inner()),
         }
     }
-}
-
-/// The parameter's layer: its path without the final name (`conv1.weight` -> `conv1`).
-pub(crate) fn layer_of(path: &str) -> &str {
-    path.rsplit_once('.').map(|(l, _)| l).unwrap_or(path)
 }
 
 /// Global and per-layer L2 norms from per-parameter sums of squares: `(global, [(layer,
