@@ -257,6 +257,10 @@ where
         if let Some(peak) = args.peak_flops {
             speed = speed.with_peak_flops(peak)?;
         }
+        let mut memory = MemoryMonitor::new(every)?;
+        if let Some(read) = flashover_examples::device_memory_reader(device) {
+            memory = memory.with_device_reader(read);
+        }
         let (jsonl, csv) = (dir.join("metrics.jsonl"), dir.join("metrics.csv"));
         let (jsonl, csv) = if resuming {
             (JsonlLogger::append(jsonl)?, CsvLogger::append(csv)?)
@@ -270,10 +274,7 @@ where
             .callback(LrMonitor::new())
             .callback(speed)
             .callback(RuntimeEstimator::new(50)?)
-            .callback(match flashover_examples::device_memory_reader(device) {
-                Some(read) => MemoryMonitor::new(every)?.with_device_reader(read),
-                None => MemoryMonitor::new(every)?,
-            })
+            .callback(memory)
             .callback(NormMonitor::new(every)?);
         if args.tensorboard {
             builder = builder.logger(TensorBoardLogger::create(dir.join("tensorboard"))?);

@@ -58,7 +58,8 @@ impl Sink {
     }
 }
 
-fn flushes_at(event: Event) -> bool {
+/// The events at which every file logger (JSONL, CSV, TensorBoard) flushes its buffer.
+pub(crate) fn flushes_at(event: Event) -> bool {
     matches!(event, Event::EpochEnd | Event::EvalAfterAll | Event::FitEnd)
 }
 

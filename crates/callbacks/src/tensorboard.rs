@@ -226,7 +226,7 @@ impl LoggerDestination for TensorBoardLogger {
     }
 
     fn run_event(&mut self, event: Event, _ts: &Timestamp, _progress: &Progress) -> Result<()> {
-        if matches!(event, Event::EpochEnd | Event::EvalAfterAll | Event::FitEnd) {
+        if crate::files::flushes_at(event) {
             self.out
                 .flush()
                 .map_err(|e| CallbackError::io("tensorboard", &self.path, e))?;
