@@ -16,7 +16,8 @@ use clap::Parser;
 use flashover::backend::COMPILED;
 use flashover::core::callback::Callback;
 use flashover::core::logger::Logger;
-use flashover::core::trainer::Restore;
+use flashover::core::restore::Restore;
+use flashover::core::setup::SetupOf;
 use flashover::prelude::*;
 use flashover_examples::{median_min_max, MnistData, MnistRun};
 use serde_json::json;
@@ -78,7 +79,7 @@ fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
             SaveInterval::Every(Time::Epoch(1)),
         )?;
         let t = Instant::now();
-        Callback::<B, _, _>::fit_end(&mut saver, trainer.state_mut(), &mut logger)?;
+        Callback::<SetupOf<B, _, _>>::fit_end(&mut saver, trainer.state_mut(), &mut logger)?;
         let save_s = t.elapsed().as_secs_f64();
         let ck = saver
             .saved()
@@ -97,7 +98,7 @@ fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
 
         let t = Instant::now();
         let restore = Box::new(CheckpointRestore::new(&ck, LoadOptions::default()));
-        Restore::<B, _, _>::restore(restore, trainer.state_mut())?;
+        Restore::<SetupOf<B, _, _>>::restore(restore, trainer.state_mut())?;
         let load_s = t.elapsed().as_secs_f64();
 
         let t = Instant::now();

@@ -42,11 +42,14 @@ enum ScheduleKind {
 /// Train a small CNN on MNIST with the Flashover trainer.
 ///
 /// Times are written with a unit: ep (epochs), ba (batches), sp (samples), tok (tokens) or
-/// dur (fraction of the run), for example 3ep, 500ba, 0.1dur.
+/// dur (fraction of the run), for example 3ep, 500ba, 0.1dur (any case, `_` between digits:
+/// 20_000sp); --max-duration and --stop-after also take wall-clock times such as 1h30m, 45m
+/// or 90s (with a wall-clock --max-duration, use --schedule constant or a warmup-only run:
+/// a cosine needs a batch count).
 #[derive(Debug, Parser)]
 #[command(version, about, long_about = None)]
 struct Args {
-    /// How long to train (ep, ba, sp or tok).
+    /// How long to train (ep, ba, sp or tok, or a wall-clock time such as 1h30m).
     #[arg(long, default_value = defaults::MAX_DURATION)]
     max_duration: Time,
     /// Samples per batch (per optimizer step).
@@ -238,11 +241,11 @@ fn schedule(args: &Args) -> Scheduler {
 /// Adds what --log-dir, --tensorboard, --profile, --early-stop, --stop-threshold and --out
 /// ask for.
 fn observability<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
-    mut builder: flashover::core::trainer::TrainerBuilder<B, MnistCnn<B>, O>,
+    mut builder: flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>,
     args: &Args,
     device: &B::Device,
     resuming: bool,
-) -> anyhow::Result<flashover::core::trainer::TrainerBuilder<B, MnistCnn<B>, O>>
+) -> anyhow::Result<flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>>
 where
     B::Device: 'static,
 {

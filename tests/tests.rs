@@ -18,6 +18,11 @@
 //! - `algorithms`: every speed-up algorithm and recipe trains the MNIST CNN, changes what it
 //!   should and resumes exactly in a new process; target rewriters compose in a defined order;
 //!   bad algorithm lists are errors; sequence-length warmup trains a character model.
+//! - `seams`: the scale-out seams with two ranks on threads: rank 0's weights broadcast, two
+//!   half batches train like one whole batch, global evaluation metrics, a stop on one rank
+//!   stops both, a non-finite loss on one rank skips the step on both, only rank 0 writes.
+//! - `tidy`: the architecture's rules, enforced: crate arrows from `cargo metadata`, a `//!`
+//!   opening every file, an invariant comment above every `unwrap`/`expect` in library code.
 
 #[path = "suite/accuracy.rs"]
 mod accuracy;
@@ -41,5 +46,9 @@ mod microbatch;
 mod observe;
 #[path = "suite/resume.rs"]
 mod resume;
+#[path = "suite/seams.rs"]
+mod seams;
+#[path = "suite/tidy.rs"]
+mod tidy;
 #[path = "suite/trainer.rs"]
 mod trainer;

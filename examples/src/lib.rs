@@ -32,6 +32,7 @@ use flashover::core::metric::{Accuracy, LossMetric, TopKAccuracy};
 use flashover::core::model::{ClassificationBatch, ClassificationOutput, EvalModel, TrainModel};
 use flashover::core::params::init_model;
 use flashover::core::schedule::Scheduler;
+use flashover::core::setup::{Setup, SetupOf};
 use flashover::core::state::State;
 use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
@@ -381,7 +382,7 @@ impl MnistRun {
         &self,
         optimizer: O,
         device: &B::Device,
-    ) -> Result<TrainerBuilder<B, MnistCnn<B>, O>> {
+    ) -> Result<TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>> {
         let model = MnistCnn::<B>::new(device, self.seed);
         let mut data = self.data.clone();
         data.seed = self.seed;
@@ -408,9 +409,7 @@ impl MnistRun {
         }
         let norm = mnist_normalization();
         for spec in &self.algorithms {
-            b = b.boxed_algorithm(build_image_classification::<B, MnistCnn<B>, O>(
-                spec, &norm,
-            )?);
+            b = b.boxed_algorithm(build_image_classification(spec, &norm)?);
         }
         if !self.algorithms.is_empty() {
             let names: Vec<String> = self.algorithms.iter().map(|a| a.to_string()).collect();
@@ -453,18 +452,12 @@ impl AccuracyCurve {
     }
 }
 
-impl<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>> Callback<B, MnistCnn<B>, O>
-    for AccuracyCurve
-{
+impl<S: Setup> Callback<S> for AccuracyCurve {
     fn name(&self) -> &str {
         "accuracy_curve"
     }
 
-    fn eval_after_all(
-        &mut self,
-        state: &mut State<B, MnistCnn<B>, O>,
-        _logger: &mut Logger,
-    ) -> Result<()> {
+    fn eval_after_all(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         if let Some(acc) = state
             .eval_metrics
             .get("test")

@@ -335,7 +335,9 @@ mod sequence {
             .algorithm(SeqLengthWarmup::new(0.5, 8, 64, 8, truncate).unwrap())
             .callback(At {
                 event: Event::BatchEnd,
-                f: move |s: &mut flashover::core::state::State<TB, Lm, _>| {
+                f: move |s: &mut flashover::core::state::State<
+                    flashover::core::setup::SetupOf<TB, Lm, _>,
+                >| {
                     sink.lock().unwrap().push(s.loss_value.unwrap());
                     Ok(())
                 },
@@ -369,5 +371,147 @@ mod sequence {
             .sum();
         let (tokens, _) = train(false);
         assert_eq!(tokens, expected);
+    }
+}
+
+mod schedules {
+    use std::sync::{Arc, Mutex};
+
+    use burn::tensor::{Int, Tensor, TensorData};
+    use flashover::algorithms::sam::Sam;
+    use flashover::algorithms::spec::parse_list;
+    use flashover::core::callback::{Algorithm, Callback};
+    use flashover::core::error::{CoreError, Result};
+    use flashover::core::event::Event;
+    use flashover::core::logger::Logger;
+    use flashover::core::setup::Setup;
+    use flashover::core::state::State;
+    use flashover_examples::MnistRun;
+    use flashover_tests::*;
+
+    /// Records the samples each batch trained on.
+    struct Samples(Arc<Mutex<Vec<u64>>>);
+
+    impl<S: Setup> Callback<S> for Samples {
+        fn name(&self) -> &str {
+            "samples"
+        }
+        fn batch_end(&mut self, state: &mut State<S>, _l: &mut Logger) -> Result<()> {
+            let mut v = self.0.lock().unwrap();
+            let before: u64 = v.iter().sum();
+            v.push(state.timestamp.sample - before);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn selective_backprop_leaves_every_interrupt_th_batch_of_each_epoch_whole() {
+        // Three batches of 32 an epoch, two epochs; keep half, every second batch whole. The
+        // count restarts each epoch (the paper's and Composer's `batch_in_epoch`), so batch 0
+        // of epoch 1 is thinned even though it is the run's fourth batch.
+        let mut run = short_run(96, 32, 20, "2ep");
+        run.algorithms =
+            parse_list("selective_backprop:start=0:end=1:keep=0.5:interrupt=2").unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(Samples(seen.clone()))
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        assert_eq!(*seen.lock().unwrap(), vec![16, 32, 16, 16, 32, 16]);
+    }
+
+    /// Notes, for each batch, whether the gradients reaching the optimizer differ from the
+    /// backward pass's (added before SAM, it runs after SAM at `AFTER_TRAIN_BATCH`).
+    struct SamProbe {
+        backward: Option<Vec<f32>>,
+        log: Arc<Mutex<Vec<(u64, bool)>>>,
+    }
+
+    impl<S: Setup> Algorithm<S> for SamProbe {
+        fn name(&self) -> &str {
+            "sam_probe"
+        }
+        fn matches(&self, event: Event, _state: &State<S>) -> bool {
+            matches!(event, Event::AfterBackward | Event::AfterTrainBatch)
+        }
+        fn apply(&mut self, event: Event, state: &mut State<S>, _l: &mut Logger) -> Result<()> {
+            let Some(grads) = state.grads.as_ref() else {
+                return Ok(());
+            };
+            let flat = flat_grads::<S::Backend, S::Model>(state.model(), grads);
+            if event == Event::AfterBackward {
+                self.backward = Some(flat);
+            } else {
+                let changed = self.backward.take().is_some_and(|b| b != flat);
+                self.log
+                    .lock()
+                    .unwrap()
+                    .push((state.timestamp.batch + 1, changed));
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn sam_takes_its_extra_step_on_batches_k_2k_3k() {
+        let run = short_run(192, 32, 20, "1ep");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .algorithm(SamProbe {
+                backward: None,
+                log: log.clone(),
+            })
+            .algorithm(Sam::new(0.05, 1e-12, 2).unwrap())
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        let sam_batches: Vec<u64> = log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, changed)| *changed)
+            .map(|(b, _)| *b)
+            .collect();
+        assert_eq!(sam_batches, vec![2, 4, 6]);
+    }
+
+    #[test]
+    fn label_smoothing_refuses_a_negative_class_instead_of_wrapping_it() {
+        let mut run = short_run(64, 32, 20, "1ep");
+        run.algorithms = parse_list("label_smoothing").unwrap();
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(At {
+                event: Event::AfterDataloader,
+                f: |s: &mut MnistState| {
+                    if let Some(b) = s.batch.as_mut() {
+                        let mut v: Vec<i64> = b.targets.clone().into_data().iter::<i64>().collect();
+                        v[0] = -1;
+                        let n = v.len();
+                        b.targets =
+                            Tensor::<TB, 1, Int>::from_data(TensorData::new(v, [n]), &device());
+                    }
+                    Ok(())
+                },
+            })
+            .build()
+            .unwrap();
+        let err = t.fit().unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CoreError::ClassIndex {
+                    value: -1,
+                    num_classes: 10
+                }
+            ),
+            "{err}"
+        );
     }
 }

@@ -17,7 +17,9 @@ fn first_step_grads(microbatch: Option<usize>) -> Vec<f32> {
         .unwrap()
         .callback(At {
             event: Event::AfterTrainBatch,
-            f: move |s: &mut flashover::core::state::State<TB, _, _>| {
+            f: move |s: &mut flashover::core::state::State<
+                flashover::core::setup::SetupOf<TB, _, _>,
+            >| {
                 let grads = s
                     .grads
                     .as_ref()

@@ -719,7 +719,9 @@ fn token_throughput_and_time_left_in_tokens_on_a_character_model() {
     let mut t = Trainer::builder(model, opt, loader, Time::Token(20 * per_batch), dev)
         .callback(At {
             event: Event::BatchStart,
-            f: move |_: &mut flashover::core::state::State<TB, Lm, _>| {
+            f: move |_: &mut flashover::core::state::State<
+                flashover::core::setup::SetupOf<TB, Lm, _>,
+            >| {
                 tick.advance(Duration::from_millis(500));
                 Ok(())
             },

@@ -99,14 +99,12 @@ fn resuming_a_finished_run_evaluates_without_training() {
 mod components {
     use std::sync::{Arc, Mutex};
 
-    use burn::optim::Optimizer;
-    use burn::tensor::backend::AutodiffBackend;
     use flashover::callbacks::StopAt;
     use flashover::checkpoint::{autoresume, SaveInterval, Saver, SaverConfig};
     use flashover::core::callback::Callback;
     use flashover::core::error::{CoreError, Result};
     use flashover::core::logger::Logger;
-    use flashover::core::model::TrainModel;
+    use flashover::core::setup::Setup;
     use flashover::core::state::State;
     use flashover::core::time::Time;
     use flashover_examples::MnistRun;
@@ -115,11 +113,11 @@ mod components {
     /// Counts the batches it has seen, and saves the count in checkpoints.
     struct Counter(Arc<Mutex<u64>>);
 
-    impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for Counter {
+    impl<S: Setup> Callback<S> for Counter {
         fn name(&self) -> &str {
             "counter"
         }
-        fn batch_end(&mut self, _s: &mut State<B, M, O>, _l: &mut Logger) -> Result<()> {
+        fn batch_end(&mut self, _s: &mut State<S>, _l: &mut Logger) -> Result<()> {
             *self.0.lock().unwrap() += 1;
             Ok(())
         }

@@ -44,7 +44,9 @@ fn a_stop_request_ends_the_fit_after_the_batch_and_fit_resumes_after_it() {
         .unwrap()
         .callback(At {
             event: Event::BatchEnd,
-            f: |s: &mut flashover::core::state::State<TB, _, _>| {
+            f: |s: &mut flashover::core::state::State<
+                flashover::core::setup::SetupOf<TB, _, _>,
+            >| {
                 if s.timestamp.batch == 3 {
                     s.request_stop("enough");
                 }
@@ -221,7 +223,9 @@ fn the_learning_rate_follows_the_schedule_formula() {
         .unwrap()
         .callback(At {
             event: Event::BatchStart,
-            f: move |s: &mut flashover::core::state::State<TB, _, _>| {
+            f: move |s: &mut flashover::core::state::State<
+                flashover::core::setup::SetupOf<TB, _, _>,
+            >| {
                 sink.lock().unwrap().push((s.timestamp.batch, s.lr));
                 Ok(())
             },
@@ -281,4 +285,149 @@ fn sgd_with_momentum_adam_and_adamw_all_train_through_the_trainer() {
         accuracies.iter().all(|&a| a > 0.5),
         "accuracies after 32 steps: {accuracies:?}"
     );
+}
+
+mod wall_clock {
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use flashover::callbacks::StopAt;
+    use flashover::checkpoint::{autoresume, SaveInterval, Saver, SaverConfig};
+    use flashover::core::callback::Callback;
+    use flashover::core::error::Result;
+    use flashover::core::logger::Logger;
+    use flashover::core::setup::Setup;
+    use flashover::core::state::State;
+    use flashover::core::time::Time;
+    use flashover_examples::MnistRun;
+    use flashover_tests::*;
+
+    /// Sleeps at every batch end and records the run's wall time as the trainer saw it there.
+    struct Slow(Arc<Mutex<Vec<Duration>>>);
+
+    impl<S: Setup> Callback<S> for Slow {
+        fn name(&self) -> &str {
+            "slow"
+        }
+        fn batch_end(&mut self, state: &mut State<S>, _l: &mut Logger) -> Result<()> {
+            self.0.lock().unwrap().push(state.timestamp.run_wall_time);
+            std::thread::sleep(Duration::from_millis(40));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_wall_clock_max_duration_stops_at_the_first_batch_end_past_it() {
+        let run = short_run(256, 32, 20, "0.3s");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(Slow(seen.clone()))
+            .build()
+            .unwrap();
+        let report = t.fit().unwrap();
+        let seen = seen.lock().unwrap().clone();
+        let limit = Duration::from_millis(300);
+        assert_eq!(report.batches as usize, seen.len());
+        assert!(seen.len() >= 2, "{seen:?}");
+        assert!(*seen.last().unwrap() >= limit, "{seen:?}");
+        assert!(seen[seen.len() - 2] < limit, "stopped late: {seen:?}");
+        assert!(t.is_finished());
+        // The run's wall time is monotonic and includes the time spent between batches.
+        assert!(seen
+            .windows(2)
+            .all(|w| w[1] >= w[0] + Duration::from_millis(40)));
+    }
+
+    #[test]
+    fn a_horizon_schedule_over_a_wall_clock_run_is_refused_by_name() {
+        let mut run = short_run(256, 32, 20, "1h30m");
+        run.scheduler = MnistRun::default().scheduler;
+        let err = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .build()
+            .err()
+            .expect("a cosine over a wall-clock run has no batch count");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("1h30m") && msg.contains("convertible to batches"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_resumed_run_counts_the_wall_time_already_spent() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = short_run(256, 32, 20, "1h");
+        let saver = || {
+            Saver::new(
+                SaverConfig::new(dir.path()),
+                SaveInterval::Every(Time::Epoch(1)),
+            )
+            .unwrap()
+        };
+        // First run: 3 slow batches, then a stop (the saver writes at FIT_END).
+        let mut first = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(Slow(Arc::new(Mutex::new(Vec::new()))))
+            .callback(saver())
+            .callback(StopAt::new(Time::Batch(3)))
+            .build()
+            .unwrap();
+        first.fit().unwrap();
+        let spent = first.state().timestamp.run_wall_time;
+        assert!(spent >= Duration::from_millis(80), "{spent:?}");
+        // Second run, resumed, limited to 0.1 s more than the first spent: it stops after a
+        // few batches, not after 0.1 s of its own plus everything the first run spent.
+        let limit = spent + Duration::from_millis(100);
+        let mut second = run.clone();
+        second.max_duration = Time::Wall(limit);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut t = second
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(Slow(seen.clone()))
+            .callback(saver())
+            .restore(autoresume(dir.path()).unwrap().expect("a checkpoint"))
+            .build()
+            .unwrap();
+        assert_eq!(
+            t.state().timestamp.run_wall_time,
+            spent,
+            "restored with the checkpoint"
+        );
+        let report = t.fit().unwrap();
+        let seen = seen.lock().unwrap().clone();
+        assert!(seen[0] > spent, "{seen:?} after {spent:?}");
+        assert!(*seen.last().unwrap() >= limit);
+        assert!(
+            report.batches <= 4,
+            "{} batches for 0.1 s at 40 ms each",
+            report.batches
+        );
+    }
+
+    #[test]
+    fn a_wall_clock_stop_at_reads_the_same_clock() {
+        let run = short_run(256, 32, 20, "1h");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(Slow(seen.clone()))
+            .callback(StopAt::new("0.2s".parse().unwrap()))
+            .build()
+            .unwrap();
+        let report = t.fit().unwrap();
+        assert_eq!(report.stopped.as_deref(), Some("reached 0.2s"));
+        let seen = seen.lock().unwrap().clone();
+        let at = Duration::from_millis(200);
+        assert!(
+            *seen.last().unwrap() >= at && seen[seen.len() - 2] < at,
+            "{seen:?}"
+        );
+    }
 }

@@ -6,14 +6,14 @@
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use flashover::core::callback::{Algorithm, Callback};
 use flashover::core::error::Result;
 use flashover::core::event::Event;
 use flashover::core::logger::{Logger, LoggerDestination};
-use flashover::core::model::TrainModel;
+use flashover::core::setup::Setup;
 use flashover::core::state::State;
 use flashover::core::time::{Progress, Time, Timestamp};
 use flashover_examples::{MnistData, MnistRun};
@@ -64,14 +64,14 @@ pub struct Recorder {
     pub log: Log,
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for Recorder {
+impl<S: Setup> Callback<S> for Recorder {
     fn name(&self) -> &str {
         "recorder"
     }
     fn run_event(
         &mut self,
         event: Event,
-        _state: &mut State<B, M, O>,
+        _state: &mut State<S>,
         _logger: &mut Logger,
     ) -> Result<()> {
         self.log
@@ -88,21 +88,14 @@ pub struct RecordingAlgorithm {
     pub log: Log,
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Algorithm<B, M, O>
-    for RecordingAlgorithm
-{
+impl<S: Setup> Algorithm<S> for RecordingAlgorithm {
     fn name(&self) -> &str {
         &self.name
     }
-    fn matches(&self, _event: Event, _state: &State<B, M, O>) -> bool {
+    fn matches(&self, _event: Event, _state: &State<S>) -> bool {
         true
     }
-    fn apply(
-        &mut self,
-        event: Event,
-        _state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> Result<()> {
+    fn apply(&mut self, event: Event, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         self.log
             .lock()
             .unwrap()
@@ -136,12 +129,10 @@ pub struct At<F> {
     pub f: F,
 }
 
-impl<B, M, O, F> Callback<B, M, O> for At<F>
+impl<S, F> Callback<S> for At<F>
 where
-    B: AutodiffBackend,
-    M: TrainModel<B>,
-    O: Optimizer<M, B>,
-    F: FnMut(&mut State<B, M, O>) -> Result<()> + Send,
+    S: Setup,
+    F: FnMut(&mut State<S>) -> Result<()> + Send,
 {
     fn name(&self) -> &str {
         "at"
@@ -149,7 +140,7 @@ where
     fn run_event(
         &mut self,
         event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> Result<()> {
         if event == self.event {
@@ -217,12 +208,14 @@ pub type MnistOptimizer = burn::optim::adaptor::OptimizerAdaptor<
 >;
 
 /// The trainer the example builds (MNIST CNN, AdamW) on the test backend.
-pub type MnistTrainer =
-    flashover::core::trainer::Trainer<TB, flashover_examples::MnistCnn<TB>, MnistOptimizer>;
+pub type MnistTrainer = flashover::core::trainer::Trainer<MnistSetup>;
+
+/// The setup of that trainer.
+pub type MnistSetup =
+    flashover::core::setup::SetupOf<TB, flashover_examples::MnistCnn<TB>, MnistOptimizer>;
 
 /// The state of that trainer.
-pub type MnistState =
-    flashover::core::state::State<TB, flashover_examples::MnistCnn<TB>, MnistOptimizer>;
+pub type MnistState = flashover::core::state::State<MnistSetup>;
 
 /// `run` with the example's AdamW and nothing else registered, trained to its `max_duration`.
 pub fn trained(run: &MnistRun) -> MnistTrainer {

@@ -11,19 +11,14 @@
 //!
 //! Hook: `AFTER_DATALOADER`.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use flashover_core::callback::Algorithm;
-use flashover_core::event::Event;
-use flashover_core::logger::Logger;
-use flashover_core::model::{ImageBatch, TrainModel};
 use flashover_core::rng::Rng;
-use flashover_core::state::State;
 
 use crate::augment::{apply_layer, AugOp, AugmentationSet, Normalization, OpDraw};
 use crate::error::{check_range, AlgorithmError, Result};
-use crate::util::{map_images, per_sample};
+use crate::image::{ImageAlgorithm, ImageTransform};
+use crate::util::per_sample;
 
 /// AugMix's settings.
 #[derive(Debug, Clone)]
@@ -106,12 +101,15 @@ pub fn augmix<B: Backend>(
     norm.from_unit(out)
 }
 
-/// The AugMix algorithm; see the module docs.
+/// AugMix's settings, the transform behind [`AugMix`].
 #[derive(Debug, Clone)]
-pub struct AugMix {
+pub struct AugMixTransform {
     cfg: AugMixConfig,
     norm: Normalization,
 }
+
+/// The AugMix algorithm; see the module docs.
+pub type AugMix = ImageAlgorithm<AugMixTransform>;
 
 impl AugMix {
     /// AugMix with `cfg`, for images normalised by `norm`.
@@ -141,33 +139,15 @@ impl AugMix {
                 "a finite number > 0",
             ));
         }
-        Ok(AugMix { cfg, norm })
+        Ok(ImageAlgorithm(AugMixTransform { cfg, norm }))
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for AugMix
-where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ImageBatch<B>>,
-    O: Optimizer<M, B>,
-{
-    fn name(&self) -> &str {
-        "augmix"
-    }
+impl ImageTransform for AugMixTransform {
+    const NAME: &'static str = "augmix";
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
-        event == Event::AfterDataloader
-    }
-
-    fn apply(
-        &mut self,
-        _event: Event,
-        state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> flashover_core::Result<()> {
-        let (cfg, norm) = (&self.cfg, &self.norm);
-        map_images(state, "augmix", |x, rng| augmix(x, rng, cfg, norm));
-        Ok(())
+    fn transform<B: Backend>(&self, images: Tensor<B, 4>, rng: &mut Rng, _: f64) -> Tensor<B, 4> {
+        augmix(images, rng, &self.cfg, &self.norm)
     }
 }
 

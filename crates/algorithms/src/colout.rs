@@ -9,18 +9,13 @@
 //!
 //! Hook: `AFTER_DATALOADER`.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use flashover_core::callback::Algorithm;
-use flashover_core::event::Event;
-use flashover_core::logger::Logger;
-use flashover_core::model::{ImageBatch, TrainModel};
 use flashover_core::rng::Rng;
-use flashover_core::state::State;
 
 use crate::error::{check_range, Result};
-use crate::util::{index_tensor, map_images};
+use crate::image::{ImageAlgorithm, ImageTransform};
+use crate::util::index_tensor;
 
 /// The sorted indices kept when dropping `floor(p * n)` of `n` positions at random.
 pub fn kept_indices(rng: &mut Rng, n: usize, p: f64) -> Vec<usize> {
@@ -48,45 +43,30 @@ pub fn colout<B: Backend>(
         .select(3, index_tensor(&cols, &device))
 }
 
-/// The ColOut algorithm; see the module docs.
+/// ColOut's settings, the transform behind [`ColOut`].
 #[derive(Debug, Clone)]
-pub struct ColOut {
+pub struct ColOutTransform {
     p_row: f64,
     p_col: f64,
 }
+
+/// The ColOut algorithm; see the module docs.
+pub type ColOut = ImageAlgorithm<ColOutTransform>;
 
 impl ColOut {
     /// Drop fractions in `[0, 1)`.
     pub fn new(p_row: f64, p_col: f64) -> Result<Self> {
         check_range("colout", "p_row", p_row, 0.0, 0.99)?;
         check_range("colout", "p_col", p_col, 0.0, 0.99)?;
-        Ok(ColOut { p_row, p_col })
+        Ok(ImageAlgorithm(ColOutTransform { p_row, p_col }))
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for ColOut
-where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ImageBatch<B>>,
-    O: Optimizer<M, B>,
-{
-    fn name(&self) -> &str {
-        "colout"
-    }
+impl ImageTransform for ColOutTransform {
+    const NAME: &'static str = "colout";
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
-        event == Event::AfterDataloader
-    }
-
-    fn apply(
-        &mut self,
-        _event: Event,
-        state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> flashover_core::Result<()> {
-        let (p_row, p_col) = (self.p_row, self.p_col);
-        map_images(state, "colout", |x, rng| colout(x, rng, p_row, p_col));
-        Ok(())
+    fn transform<B: Backend>(&self, images: Tensor<B, 4>, rng: &mut Rng, _: f64) -> Tensor<B, 4> {
+        colout(images, rng, self.p_row, self.p_col)
     }
 }
 

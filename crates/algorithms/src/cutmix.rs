@@ -10,14 +10,14 @@
 //!
 //! Hooks: as MixUp's (`BEFORE_FORWARD` images, `BEFORE_LOSS`/`AFTER_LOSS` targets or loss).
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::{Logits, TrainModel};
+use flashover_core::model::Logits;
 use flashover_core::rng::Rng;
+use flashover_core::setup::{BatchOf, OutputOf, Setup};
 use flashover_core::state::State;
 
 use crate::error::{AlgorithmError, Result};
@@ -127,17 +127,16 @@ impl<B: Backend> CutMix<B> {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for CutMix<B>
+impl<S: Setup> Algorithm<S> for CutMix<S::Backend>
 where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ImageClassBatch<B>, Output: Logits<B>>,
-    O: Optimizer<M, B>,
+    BatchOf<S>: ImageClassBatch<S::Backend>,
+    OutputOf<S>: Logits<S::Backend>,
 {
     fn name(&self) -> &str {
         "cutmix"
     }
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, _state: &State<S>) -> bool {
         matches!(
             event,
             Event::BeforeForward | Event::BeforeLoss | Event::AfterLoss
@@ -147,7 +146,7 @@ where
     fn apply(
         &mut self,
         event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         match event {

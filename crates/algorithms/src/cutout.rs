@@ -8,18 +8,12 @@
 //!
 //! Hook: `AFTER_DATALOADER`, on the whole batch (one mask tensor, one multiply on the device).
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use flashover_core::callback::Algorithm;
-use flashover_core::event::Event;
-use flashover_core::logger::Logger;
-use flashover_core::model::{ImageBatch, TrainModel};
 use flashover_core::rng::Rng;
-use flashover_core::state::State;
 
 use crate::error::{AlgorithmError, Result};
-use crate::util::map_images;
+use crate::image::{ImageAlgorithm, ImageTransform};
 
 /// Side of a hole in pixels for an `h x w` image.
 pub fn hole_side(length: f64, h: usize, w: usize) -> usize {
@@ -79,12 +73,15 @@ pub fn cutout<B: Backend>(
     images * mask
 }
 
-/// The CutOut algorithm; see the module docs.
+/// CutOut's settings, the transform behind [`CutOut`].
 #[derive(Debug, Clone)]
-pub struct CutOut {
+pub struct CutOutTransform {
     num_holes: usize,
     length: f64,
 }
+
+/// The CutOut algorithm; see the module docs.
+pub type CutOut = ImageAlgorithm<CutOutTransform>;
 
 impl CutOut {
     /// `num_holes >= 1` holes of side `length` (> 0; below 1 a fraction of the shorter side).
@@ -105,33 +102,15 @@ impl CutOut {
                 "a fraction in (0, 1) of the image side, or a side >= 1 in pixels",
             ));
         }
-        Ok(CutOut { num_holes, length })
+        Ok(ImageAlgorithm(CutOutTransform { num_holes, length }))
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for CutOut
-where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ImageBatch<B>>,
-    O: Optimizer<M, B>,
-{
-    fn name(&self) -> &str {
-        "cutout"
-    }
+impl ImageTransform for CutOutTransform {
+    const NAME: &'static str = "cutout";
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
-        event == Event::AfterDataloader
-    }
-
-    fn apply(
-        &mut self,
-        _event: Event,
-        state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> flashover_core::Result<()> {
-        let (holes, length) = (self.num_holes, self.length);
-        map_images(state, "cutout", |x, rng| cutout(x, rng, holes, length));
-        Ok(())
+    fn transform<B: Backend>(&self, images: Tensor<B, 4>, rng: &mut Rng, _: f64) -> Tensor<B, 4> {
+        cutout(images, rng, self.num_holes, self.length)
     }
 }
 

@@ -13,13 +13,12 @@
 //! The averaged copy lives apart from the model (a [`ParamSet`] keyed by parameter id), never
 //! as a clone of the module, so that no state is shared with the training model.
 
-use burn::optim::Optimizer;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::Time;
 use serde_json::{json, Value};
@@ -78,7 +77,7 @@ impl<B: AutodiffBackend> Ema<B> {
         self.averaged.as_ref()
     }
 
-    fn elapsed<M: TrainModel<B>, O: Optimizer<M, B>>(&self, state: &State<B, M, O>) -> f64 {
+    fn elapsed<S: Setup>(&self, state: &State<S>) -> f64 {
         state
             .progress()
             .elapsed(&state.timestamp, self.half_life.unit())
@@ -96,17 +95,12 @@ impl<B: AutodiffBackend> Ema<B> {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for Ema<B>
-where
-    B: AutodiffBackend,
-    M: TrainModel<B>,
-    O: Optimizer<M, B>,
-{
+impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
     fn name(&self) -> &str {
         "ema"
     }
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, _state: &State<S>) -> bool {
         matches!(
             event,
             Event::FitStart
@@ -121,7 +115,7 @@ where
     fn apply(
         &mut self,
         event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         self.decode_pending(&state.device)?;

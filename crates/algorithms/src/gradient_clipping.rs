@@ -7,19 +7,26 @@
 //! - **adaptive** (Brock et al., 2021, "High-Performance Large-Scale Image Recognition Without
 //!   Normalization", AGC): each parameter's gradient is scaled so that its unit-wise norm is at
 //!   most `threshold` times the unit-wise norm of the weights (at least `1e-3`), where a unit
-//!   is one output row for weights of rank 2 or more and the whole tensor otherwise.
+//!   is one output unit: the paper's norm runs over each output's fan-in. Burn's `nn::Linear`
+//!   stores its weight as `[d_input, d_output]` (PyTorch's is `[d_output, d_input]`), so for a
+//!   Linear weight the norm runs down each column; weights of rank 2 or more in every other
+//!   module are taken as output-first (`[out, in, kh, kw]` convolutions: one norm per output
+//!   channel, as in Composer); ranks 0 and 1 (biases, norm scales) are one unit. A user's own
+//!   module that stores an input-first matrix outside an `nn::Linear` is treated as
+//!   output-first. (Burn's transposed convolutions are `[in, out / groups, k...]`, which
+//!   Composer on PyTorch also normalises per first axis; so do we.)
 //!
 //! Hyperparameters: `clipping_type` (value, norm, adaptive) and `clipping_threshold`.
 //! Stabilises training with large learning rates or batch sizes; costs one pass over the
 //! gradients.
 
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor};
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
 use crate::error::{AlgorithmError, Result};
@@ -77,22 +84,59 @@ pub fn norm_clip_factor(norm: f64, max_norm: f64) -> f64 {
     (max_norm / (norm + 1e-6)).min(1.0)
 }
 
-/// Unit-wise L2 norms of a flat tensor of `shape`: per output row (first dimension) for rank
-/// 2 and above, broadcast back over the row; the whole norm for rank 0 and 1.
-fn unitwise_norm<B: Backend>(t: &Tensor<B, 1>, shape: &[usize]) -> Tensor<B, 1> {
-    let n: usize = shape.iter().product();
-    if shape.len() <= 1 {
-        let norm = sum_of_squares(t).sqrt();
-        return norm.expand([n]);
+/// Which axis of a weight holds its output units, for adaptive clipping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnitAxis {
+    /// The whole tensor is one unit (rank 0 and 1).
+    Whole,
+    /// Output units along the first axis (`[out, ...]`: convolutions, PyTorch-style weights).
+    First,
+    /// Output units along the last axis of a matrix (`[in, out]`: Burn's `nn::Linear`).
+    Last,
+}
+
+impl UnitAxis {
+    /// The layout of a parameter of `rank` owned by a module of type `owner`.
+    pub fn of(owner: &str, rank: usize) -> Self {
+        match (owner, rank) {
+            (_, 0 | 1) => UnitAxis::Whole,
+            ("Linear", 2) => UnitAxis::Last,
+            _ => UnitAxis::First,
+        }
     }
-    let rows = shape[0];
-    let cols = n / rows;
-    let m = t.clone().reshape([rows, cols]);
-    m.powi_scalar(2)
-        .sum_dim(1)
-        .sqrt()
-        .expand([rows, cols])
-        .reshape([n])
+}
+
+/// Unit-wise L2 norms of a flat tensor of `shape`, broadcast back over each unit: one norm
+/// per output unit (over its fan-in) as `axis` says, or the whole norm.
+pub fn unitwise_norm<B: Backend>(
+    t: &Tensor<B, 1>,
+    shape: &[usize],
+    axis: UnitAxis,
+) -> Tensor<B, 1> {
+    let n: usize = shape.iter().product();
+    match axis {
+        UnitAxis::Whole => sum_of_squares(t).sqrt().expand([n]),
+        UnitAxis::First => {
+            let rows = shape[0].max(1);
+            let cols = n / rows;
+            let m = t.clone().reshape([rows, cols]);
+            m.powi_scalar(2)
+                .sum_dim(1)
+                .sqrt()
+                .expand([rows, cols])
+                .reshape([n])
+        }
+        UnitAxis::Last => {
+            let cols = shape[shape.len() - 1].max(1);
+            let rows = n / cols;
+            let m = t.clone().reshape([rows, cols]);
+            m.powi_scalar(2)
+                .sum_dim(0)
+                .sqrt()
+                .expand([rows, cols])
+                .reshape([n])
+        }
+    }
 }
 
 /// Clips `grads` of `model` in place and returns the global gradient norm before clipping
@@ -121,8 +165,9 @@ pub fn clip_gradients<B: AutodiffBackend, M: burn::module::AutodiffModule<B>>(
         }
         ClippingType::Adaptive => {
             for v in &views {
-                let p_norm = unitwise_norm(&v.param, &v.shape).clamp_min(1e-3);
-                let g_norm = unitwise_norm(&v.grad, &v.shape);
+                let axis = UnitAxis::of(&v.owner, v.shape.len());
+                let p_norm = unitwise_norm(&v.param, &v.shape, axis).clamp_min(1e-3);
+                let g_norm = unitwise_norm(&v.grad, &v.shape, axis);
                 let max_norm = p_norm.mul_scalar(threshold);
                 // Scale only where the gradient's norm exceeds the bound.
                 let factor = (max_norm.clone() / g_norm.clone().clamp_min(1e-6)).clamp_max(1.0);
@@ -155,24 +200,19 @@ impl GradientClipping {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for GradientClipping
-where
-    B: AutodiffBackend,
-    M: TrainModel<B>,
-    O: Optimizer<M, B>,
-{
+impl<S: Setup> Algorithm<S> for GradientClipping {
     fn name(&self) -> &str {
         "gradient_clipping"
     }
 
-    fn matches(&self, event: Event, state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, state: &State<S>) -> bool {
         event == Event::AfterTrainBatch && state.grads.is_some()
     }
 
     fn apply(
         &mut self,
         _event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         if let Some(mut grads) = state.grads.take() {
@@ -265,6 +305,64 @@ mod tests {
         for (a, b) in v.iter().zip(want) {
             assert!((*a as f64 - b).abs() < 1e-6, "{v:?}");
         }
+    }
+
+    #[derive(Module, Debug)]
+    struct WithLinear<B: Backend> {
+        fc: burn::nn::Linear<B>,
+    }
+
+    #[test]
+    fn adaptive_clipping_of_a_linear_layer_normalises_each_output_column() {
+        // Burn's Linear weight is [d_input = 2, d_output = 3]:
+        //   w = [[3, 0, 1],      output units are columns: (3, 4), (0, 0.001), (1, 0)
+        //        [4, 0.001, 0]]  with norms 5, 0.001 -> 1e-3, 1.
+        // The loss sum(w * c) + sum(b * cb) has gradient c:
+        //   c = [[6, 1, 0.05],   columns (6, 8) norm 10, (1, 0) norm 1, (0.05, 0) norm 0.05.
+        //        [8, 0, 0]]
+        // Threshold 0.1: column 0 bound 0.5 < 10 -> x0.05 -> (0.3, 0.4); column 1 bound 1e-4
+        // < 1 -> x1e-4 -> (1e-4, 0); column 2 bound 0.1 >= 0.05 -> unchanged.
+        // Per input row (the old, wrong unit) row 0 = (3, 0, 1) would have scaled column 2's
+        // gradient too. The bias (1, 1, 1) is one unit of norm sqrt 3; its gradient (0, 0, 0.2)
+        // exceeds 0.1 * sqrt 3 and is scaled onto it: (0, 0, 0.1 * sqrt 3).
+        let d = Default::default();
+        let mut fc = burn::nn::LinearConfig::new(2, 3).init::<AB>(&d);
+        let w = Tensor::<AB, 2>::from_data(
+            TensorData::new(vec![3.0f32, 0.0, 1.0, 4.0, 0.001, 0.0], [2, 3]),
+            &d,
+        );
+        fc.weight = Param::from_tensor(w);
+        fc.bias = Some(Param::from_tensor(Tensor::<AB, 1>::ones([3], &d)));
+        let m = WithLinear { fc };
+        let cw = Tensor::<AB, 2>::from_data(
+            TensorData::new(vec![6.0f32, 1.0, 0.05, 8.0, 0.0, 0.0], [2, 3]),
+            &d,
+        );
+        let cb = Tensor::<AB, 1>::from_data(TensorData::new(vec![0.0f32, 0.0, 0.2], [3]), &d);
+        let bias = m.fc.bias.as_ref().map(|b| b.val()).unwrap();
+        let loss = (m.fc.weight.val() * cw).sum() + (bias * cb).sum();
+        let mut g = GradientsParams::from_grads(loss.backward(), &m);
+        assert_eq!(grads_of(&m, &g)[0].owner, "Linear");
+        clip_gradients(&m, &mut g, ClippingType::Adaptive, 0.1);
+        let views = grads_of(&m, &g);
+        let weight: Vec<f32> = views[0].grad.clone().into_data().to_vec().unwrap();
+        let want = [0.3, 1e-4, 0.05, 0.4, 0.0, 0.0];
+        for (a, b) in weight.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-6, "{weight:?}");
+        }
+        let bias: Vec<f32> = views[1].grad.clone().into_data().to_vec().unwrap();
+        let want = [0.0, 0.0, 0.1 * 3f64.sqrt()];
+        for (a, b) in bias.iter().zip(want) {
+            assert!((*a as f64 - b).abs() < 1e-6, "{bias:?}");
+        }
+    }
+
+    #[test]
+    fn unit_axes_follow_the_owning_module() {
+        assert_eq!(UnitAxis::of("Linear", 2), UnitAxis::Last);
+        assert_eq!(UnitAxis::of("Linear", 1), UnitAxis::Whole);
+        assert_eq!(UnitAxis::of("Conv2d", 4), UnitAxis::First);
+        assert_eq!(UnitAxis::of("Tiny", 2), UnitAxis::First);
     }
 
     #[test]

@@ -9,33 +9,66 @@
 //! Hooks: `BEFORE_LOSS` replaces the targets by smoothed distributions (smoothing whatever
 //! distribution is there, so after MixUp it smooths the mixed targets: the two commute),
 //! `AFTER_LOSS` puts the previous targets back.
+//!
+//! Class indices must lie in `0..K`: a negative index is an error naming it (never wrapped to
+//! the last class), and there is no ignore index. The functional forms take classification
+//! logits `[N, K]` with targets `[N]` and token logits `[N, K, L]` with targets `[N, L]`.
 
-use std::marker::PhantomData;
-
-use burn::optim::Optimizer;
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::{ClassTargets, Logits, TrainModel};
+use flashover_core::loss::{one_hot_classes, one_hot_sequence};
+use flashover_core::model::{ClassTargets, Logits};
+use flashover_core::setup::{BatchOf, OutputOf, Setup};
 use flashover_core::state::State;
 
 use crate::error::{check_range, Result};
+use crate::util::{target_distribution, SavedTargets};
 
-/// `(1 - smoothing) * targets + smoothing / K` for distributions `targets` `[batch, K]`.
-pub fn smooth_labels<B: Backend>(targets: Tensor<B, 2>, smoothing: f64) -> Tensor<B, 2> {
+/// `(1 - smoothing) * targets + smoothing / K` for distributions `targets` with their `K`
+/// classes on axis 1: `[N, K]`, or `[N, K, L]` for sequences.
+pub fn smooth_labels<B: Backend, const D: usize>(
+    targets: Tensor<B, D>,
+    smoothing: f64,
+) -> Tensor<B, D> {
     let k = targets.dims()[1];
     targets
         .mul_scalar(1.0 - smoothing)
         .add_scalar(smoothing / k as f64)
 }
 
+/// Smoothed distributions `[N, C]` for class indices `targets` `[N]` scored by `logits`
+/// `[N, C]` (Composer's `smooth_labels`); an index outside `0..C` is an error naming it.
+pub fn smooth_class_labels<B: Backend>(
+    logits: &Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    smoothing: f64,
+) -> flashover_core::Result<Tensor<B, 2>> {
+    Ok(smooth_labels(
+        one_hot_classes(targets, logits.dims()[1])?,
+        smoothing,
+    ))
+}
+
+/// Smoothed distributions `[N, C, L]` for token targets `[N, L]` scored by logits
+/// `[N, C, L]`; an index outside `0..C` is an error naming it.
+pub fn smooth_sequence_labels<B: Backend>(
+    logits: &Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+    smoothing: f64,
+) -> flashover_core::Result<Tensor<B, 3>> {
+    Ok(smooth_labels(
+        one_hot_sequence(targets, logits.dims()[1])?,
+        smoothing,
+    ))
+}
+
 /// The label-smoothing algorithm; see the module docs.
 pub struct LabelSmoothing<B: Backend> {
     smoothing: f64,
-    saved: Option<Option<Tensor<B, 2>>>,
-    _b: PhantomData<B>,
+    saved: SavedTargets<B>,
 }
 
 impl<B: Backend> LabelSmoothing<B> {
@@ -44,8 +77,7 @@ impl<B: Backend> LabelSmoothing<B> {
         check_range("label_smoothing", "smoothing", smoothing, 0.0, 0.999_999)?;
         Ok(LabelSmoothing {
             smoothing,
-            saved: None,
-            _b: PhantomData,
+            saved: SavedTargets::default(),
         })
     }
 
@@ -55,36 +87,34 @@ impl<B: Backend> LabelSmoothing<B> {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for LabelSmoothing<B>
+impl<S: Setup> Algorithm<S> for LabelSmoothing<S::Backend>
 where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ClassTargets<B>, Output: Logits<B>>,
-    O: Optimizer<M, B>,
+    BatchOf<S>: ClassTargets<S::Backend>,
+    OutputOf<S>: Logits<S::Backend>,
 {
     fn name(&self) -> &str {
         "label_smoothing"
     }
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, _state: &State<S>) -> bool {
         matches!(event, Event::BeforeLoss | Event::AfterLoss)
     }
 
     fn apply(
         &mut self,
         event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let (Some(batch), Some(out)) = (state.batch.as_mut(), state.outputs.as_ref()) else {
             return Ok(());
         };
         if event == Event::BeforeLoss {
-            let k = out.logits().dims()[1];
-            let dist = batch.target_distribution(k);
-            self.saved = Some(batch.soft_targets().cloned());
-            batch.set_soft_targets(Some(smooth_labels(dist, self.smoothing)));
-        } else if let Some(prev) = self.saved.take() {
-            batch.set_soft_targets(prev);
+            let dist = target_distribution(batch, out)?;
+            self.saved
+                .replace(batch, smooth_labels(dist, self.smoothing));
+        } else {
+            self.saved.restore(batch);
         }
         Ok(())
     }
@@ -116,5 +146,27 @@ mod tests {
         let e = LabelSmoothing::<Flex>::new(1.5).err().unwrap().to_string();
         assert!(e.contains("1.5") && e.contains("smoothing"), "{e}");
         assert!(LabelSmoothing::<Flex>::new(f64::NAN).is_err());
+    }
+
+    #[test]
+    fn sequence_targets_are_smoothed_along_the_class_axis() {
+        let d = Default::default();
+        // N = 1, K = 4, L = 2: targets 1 and 3, alpha 0.2 -> 0.85 on target, 0.05 elsewhere.
+        let logits = Tensor::<Flex, 3>::zeros([1, 4, 2], &d);
+        let t = Tensor::<Flex, 2, Int>::from_data(TensorData::new(vec![1i64, 3], [1, 2]), &d);
+        let s = smooth_sequence_labels(&logits, t, 0.2).unwrap();
+        assert_eq!(s.dims(), [1, 4, 2]);
+        let v = s.into_data().to_vec::<f32>().unwrap();
+        // Layout [k][l]: position 0 has class 1, position 1 class 3.
+        let want = [0.05, 0.05, 0.85, 0.05, 0.05, 0.05, 0.05, 0.85];
+        for (a, e) in v.iter().zip(want) {
+            assert!((a - e).abs() < 1e-6, "{v:?}");
+        }
+        let logits = Tensor::<Flex, 2>::zeros([2, 3], &d);
+        let t = Tensor::<Flex, 1, Int>::from_data(TensorData::new(vec![0i64, -1], [2]), &d);
+        let e = smooth_class_labels(&logits, t, 0.1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("-1") && e.contains("0..3"), "{e}");
     }
 }

@@ -14,12 +14,10 @@
 //! Hooks: `FIT_START` and `EPOCH_START`. The frozen set is a pure function of the epoch, so a
 //! resumed run freezes exactly what the uninterrupted one did.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
 use crate::error::{check_range, Result};
@@ -64,24 +62,19 @@ impl LayerFreezing {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for LayerFreezing
-where
-    B: AutodiffBackend,
-    M: TrainModel<B>,
-    O: Optimizer<M, B>,
-{
+impl<S: Setup> Algorithm<S> for LayerFreezing {
     fn name(&self) -> &str {
         "layer_freezing"
     }
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, _state: &State<S>) -> bool {
         matches!(event, Event::FitStart | Event::EpochStart)
     }
 
     fn apply(
         &mut self,
         _event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         // The fraction at the start of the current epoch, also when resuming mid-epoch.

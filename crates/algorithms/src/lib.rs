@@ -12,7 +12,7 @@
 //! |---|---|---|
 //! | `label_smoothing` | [`label_smoothing`] | BEFORE_LOSS, AFTER_LOSS |
 //! | `mixup`, `cutmix` | [`mixup`], [`cutmix`] | BEFORE_FORWARD, BEFORE_LOSS, AFTER_LOSS |
-//! | `cutout`, `colout`, `progressive_resizing`, `randaugment`, `augmix` | ... | AFTER_DATALOADER |
+//! | `cutout`, `colout`, `progressive_resizing`, `randaugment`, `augmix` | [`image`] | AFTER_DATALOADER |
 //! | `selective_backprop`, `seq_length_warmup` | ... | AFTER_DATALOADER |
 //! | `gradient_clipping`, `sam` | ... | AFTER_TRAIN_BATCH |
 //! | `ema` | [`ema`] | FIT_START, BATCH_END, EVAL_BEFORE_ALL/AFTER_ALL, PREDICT_START/END |
@@ -34,15 +34,22 @@
 //! needs_images::<TokenBatch<Autodiff<Flex>>>();
 //! ```
 //!
-//! while the same call with an image batch does:
+//! while the same bound on an image batch compiles and reads its images:
 //!
 //! ```
 //! use burn::backend::{Autodiff, Flex};
+//! use burn::tensor::{Int, Tensor};
 //! use flashover_core::model::{ClassificationBatch, ImageBatch};
-//! fn needs_images<T: ImageBatch<Autodiff<Flex>>>() {}
-//! needs_images::<ClassificationBatch<Autodiff<Flex>, 4>>();
-//! let ok = true;
-//! assert!(ok);
+//! type B = Autodiff<Flex>;
+//! fn pixels<T: ImageBatch<B>>(batch: &T) -> usize {
+//!     batch.images().shape().num_elements()
+//! }
+//! let d = Default::default();
+//! let batch = ClassificationBatch::new(
+//!     Tensor::<B, 4>::zeros([2, 1, 28, 28], &d),
+//!     Tensor::<B, 1, Int>::zeros([2], &d),
+//! );
+//! assert_eq!(pixels(&batch), 2 * 28 * 28);
 //! ```
 //!
 //! This crate never touches the filesystem and depends on no other Flashover crate but core.
@@ -57,6 +64,7 @@ pub mod cutout;
 pub mod ema;
 pub mod error;
 pub mod gradient_clipping;
+pub mod image;
 pub mod label_smoothing;
 pub mod layer_freezing;
 pub mod mixup;

@@ -11,7 +11,6 @@
 //! by the mixed distributions (or, with `interpolate_loss`, `AFTER_LOSS` mixes the losses);
 //! `AFTER_LOSS` restores the previous targets.
 
-use burn::optim::Optimizer;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
 use flashover_core::callback::Algorithm;
@@ -19,11 +18,13 @@ use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::model::{Batch, ClassTargets, Logits, TrainModel};
 use flashover_core::rng::Rng;
+use flashover_core::setup::{BatchOf, OutputOf, Setup};
 use flashover_core::state::State;
 
 use crate::error::{AlgorithmError, Result};
 use crate::util::{
-    index_tensor, inner_images, permutation, set_inner_images, CallCounter, ImageClassBatch,
+    index_tensor, inner_images, permutation, set_inner_images, target_distribution, CallCounter,
+    ImageClassBatch, SavedTargets,
 };
 
 /// Composer's MixUp coefficient: `min(z, 1 - z)`, `z ~ Beta(alpha, alpha)`, in `[0, 0.5]`.
@@ -44,20 +45,21 @@ pub fn mix<B: Backend, const D: usize>(
 }
 
 /// Mixes a batch's images and targets with coefficient `lambda` and partner permutation
-/// `perm` (the functional form of the whole method); `num_classes` sizes the targets.
+/// `perm` (the functional form of the whole method); `num_classes` sizes the targets, and a
+/// class index outside `0..num_classes` is an error naming it.
 pub fn mixup_batch<B: Backend, T: ImageClassBatch<B>>(
     mut batch: T,
     num_classes: usize,
     lambda: f64,
     perm: &[usize],
-) -> T {
+) -> flashover_core::Result<T> {
     let device = batch.images().device();
     let p = index_tensor::<B>(perm, &device);
     let images = mix(batch.images().clone(), p.clone(), lambda);
-    let targets = mix(batch.target_distribution(num_classes), p, lambda);
+    let targets = mix(batch.target_distribution(num_classes)?, p, lambda);
     batch.set_images(images);
     batch.set_soft_targets(Some(targets));
-    batch
+    Ok(batch)
 }
 
 /// The MixUp algorithm; see the module docs.
@@ -99,7 +101,7 @@ impl<B: Backend> MixUp<B> {
 pub(crate) struct PartnerTargets<B: Backend> {
     pub(crate) interpolate_loss: bool,
     current: Option<(f64, Vec<usize>)>,
-    saved: Option<Option<Tensor<B, 2>>>,
+    saved: SavedTargets<B>,
 }
 
 impl<B: Backend> PartnerTargets<B> {
@@ -107,7 +109,7 @@ impl<B: Backend> PartnerTargets<B> {
         PartnerTargets {
             interpolate_loss: false,
             current: None,
-            saved: None,
+            saved: SavedTargets::default(),
         }
     }
 
@@ -119,14 +121,15 @@ impl<B: Backend> PartnerTargets<B> {
 
 impl<B: AutodiffBackend> PartnerTargets<B> {
     /// Runs the target side at `BEFORE_LOSS` or `AFTER_LOSS`.
-    pub(crate) fn apply<M, O>(
+    pub(crate) fn apply<S>(
         &mut self,
         event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
     ) -> flashover_core::Result<()>
     where
-        M: TrainModel<B, Batch: ImageClassBatch<B>, Output: Logits<B>>,
-        O: Optimizer<M, B>,
+        S: Setup<Backend = B>,
+        BatchOf<S>: ImageClassBatch<B>,
+        OutputOf<S>: Logits<B>,
     {
         match event {
             Event::BeforeLoss if !self.interpolate_loss => {
@@ -137,11 +140,9 @@ impl<B: AutodiffBackend> PartnerTargets<B> {
                 ) else {
                     return Ok(());
                 };
-                let k = out.logits().dims()[1];
-                let dist = batch.target_distribution(k);
+                let dist = target_distribution(batch, out)?;
                 let p = index_tensor(perm, &dist.device());
-                self.saved = Some(batch.soft_targets().cloned());
-                batch.set_soft_targets(Some(mix(dist, p, *w)));
+                self.saved.replace(batch, mix(dist, p, *w));
             }
             Event::AfterLoss => {
                 if self.interpolate_loss {
@@ -153,16 +154,14 @@ impl<B: AutodiffBackend> PartnerTargets<B> {
                     ) else {
                         return Ok(());
                     };
-                    let k = out.logits().dims()[1];
-                    let dist = batch.target_distribution(k);
+                    let dist = target_distribution(batch, out)?;
                     let p = index_tensor(perm, &dist.device());
                     let mut partner = batch.clone();
                     partner.set_soft_targets(Some(dist.select(0, p)));
                     let other = state.model().loss(out, &partner);
                     state.loss = Some(loss.mul_scalar(1.0 - w) + other.mul_scalar(*w));
-                } else if let (Some(prev), Some(batch)) = (self.saved.take(), state.batch.as_mut())
-                {
-                    batch.set_soft_targets(prev);
+                } else if let Some(batch) = state.batch.as_mut() {
+                    self.saved.restore(batch);
                 }
                 self.current = None;
             }
@@ -172,17 +171,16 @@ impl<B: AutodiffBackend> PartnerTargets<B> {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for MixUp<B>
+impl<S: Setup> Algorithm<S> for MixUp<S::Backend>
 where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ImageClassBatch<B>, Output: Logits<B>>,
-    O: Optimizer<M, B>,
+    BatchOf<S>: ImageClassBatch<S::Backend>,
+    OutputOf<S>: Logits<S::Backend>,
 {
     fn name(&self) -> &str {
         "mixup"
     }
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, _state: &State<S>) -> bool {
         matches!(
             event,
             Event::BeforeForward | Event::BeforeLoss | Event::AfterLoss
@@ -192,7 +190,7 @@ where
     fn apply(
         &mut self,
         event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         match event {
@@ -236,7 +234,7 @@ mod tests {
             &d,
         );
         let t = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0i64, 1], [2]), &d);
-        let b = mixup_batch(ClassificationBatch::new(x, t), 2, 0.25, &[1, 0]);
+        let b = mixup_batch(ClassificationBatch::new(x, t), 2, 0.25, &[1, 0]).unwrap();
         let img = b.images().clone().into_data().to_vec::<f32>().unwrap();
         // 0.75 * [1, 2] + 0.25 * [3, 5] = [1.5, 2.75]; 0.75 * [3, 5] + 0.25 * [1, 2] = [2.5, 4.25].
         assert_eq!(img, vec![1.5, 2.75, 2.5, 4.25]);

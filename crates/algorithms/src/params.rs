@@ -250,12 +250,15 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for Load<'_, AB::InnerBackend> {
     }
 }
 
-/// A parameter with its gradient, both flattened, as [`for_each_grad`] hands them out.
+/// A parameter with its gradient, both flattened, as [`grads_of`] hands them out.
 pub struct GradView<B: Backend> {
     /// The parameter's id.
     pub id: ParamId,
     /// Its path, dot-separated.
     pub path: String,
+    /// The type name of the module that owns it (`Linear`, `Conv2d`, or the user's own),
+    /// as Burn's module visitor reports it; empty for a parameter at the root.
+    pub owner: String,
     /// Its shape (the gradient has the same).
     pub shape: Vec<usize>,
     /// The parameter's values, flattened.
@@ -266,16 +269,23 @@ pub struct GradView<B: Backend> {
 
 struct Grads<'a, AB: AutodiffBackend> {
     path: Vec<String>,
+    owners: Vec<String>,
     grads: &'a GradientsParams,
     out: Vec<GradView<AB::InnerBackend>>,
 }
 
 impl<AB: AutodiffBackend> ModuleVisitor<AB> for Grads<'_, AB> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
         self.path.push(name.to_string());
+        // Burn names the struct (or enum) whose field is entered: "Struct:Linear".
+        let owner = container_type
+            .split_once(':')
+            .map_or(container_type, |(_, t)| t);
+        self.owners.push(owner.to_string());
     }
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
         self.path.pop();
+        self.owners.pop();
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
         if let Some(g) = self.grads.get::<AB::InnerBackend, D>(param.id) {
@@ -284,6 +294,7 @@ impl<AB: AutodiffBackend> ModuleVisitor<AB> for Grads<'_, AB> {
             self.out.push(GradView {
                 id: param.id,
                 path: join(&self.path),
+                owner: self.owners.last().cloned().unwrap_or_default(),
                 shape,
                 param: param.val().inner().reshape([n]),
                 grad: g.reshape([n]),
@@ -299,6 +310,7 @@ pub fn grads_of<AB: AutodiffBackend, M: Module<AB>>(
 ) -> Vec<GradView<AB::InnerBackend>> {
     let mut v = Grads {
         path: Vec::new(),
+        owners: Vec::new(),
         grads,
         out: Vec::new(),
     };
@@ -313,6 +325,7 @@ pub fn set_grad<B: Backend>(grads: &mut GradientsParams, view: &GradView<B>, gra
         ($($d:literal),*) => {
             match view.shape.len() {
                 $($d => {
+                    // Invariant: this arm matched the shape's length, so the array fits.
                     let shape: [usize; $d] = view.shape.clone().try_into().expect("length checked by the match");
                     grads.register::<B, $d>(view.id, grad.reshape(shape));
                 })*

@@ -5,25 +5,50 @@
 //! `finetune_fraction`; sides are rounded to a multiple of `size_increment`.
 //!
 //! Hyperparameters: `initial_scale` 0.5, `delay_fraction` 0.5, `finetune_fraction` 0.2,
-//! `size_increment` 4, `mode` resize (bilinear) or crop (a random crop, one per batch).
+//! `size_increment` 4, `mode` resize (bilinear) or crop (a random crop, one per batch), and
+//! for `resize` the sampling `grid`: `corner` (the default, kept from the first release:
+//! output pixel `i` samples input position `i * (in - 1) / (out - 1)`, so the corner pixels
+//! of both images coincide; PyTorch's `align_corners=True`) or `half_pixel` (output pixel `i`
+//! samples `(i + 0.5) * in / out - 0.5`, clamped to the image: PyTorch's default
+//! `align_corners=False`, which Composer's `F.interpolate` call uses; choose it to compare
+//! with a PyTorch run). Neither antialiases (as in PyTorch without `antialias=True`).
 //! Helps convolutional models whose head pools over space.
 //!
 //! Hook: `AFTER_DATALOADER`. The scale is a pure function of time, so resuming needs no state.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::module::interpolate;
 use burn::tensor::ops::{InterpolateMode, InterpolateOptions};
 use burn::tensor::Tensor;
-use flashover_core::callback::Algorithm;
-use flashover_core::event::Event;
-use flashover_core::logger::Logger;
-use flashover_core::model::{ImageBatch, TrainModel};
 use flashover_core::rng::Rng;
-use flashover_core::state::State;
 
 use crate::error::{check_range, AlgorithmError, Result};
-use crate::util::{fraction, map_images};
+use crate::image::{ImageAlgorithm, ImageTransform};
+
+/// The sampling grid of bilinear resizing; see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResizeGrid {
+    /// Corner pixels coincide: `src = dst * (in - 1) / (out - 1)` (`align_corners=True`).
+    CornerAligned,
+    /// Pixel centres scale: `src = (dst + 0.5) * in / out - 0.5` (`align_corners=False`).
+    HalfPixel,
+}
+
+impl ResizeGrid {
+    /// Parses `corner` or `half_pixel`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "corner" => Ok(ResizeGrid::CornerAligned),
+            "half_pixel" => Ok(ResizeGrid::HalfPixel),
+            other => Err(AlgorithmError::param(
+                "progressive_resizing",
+                "grid",
+                other,
+                "corner or half_pixel",
+            )),
+        }
+    }
+}
 
 /// How images are made smaller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,12 +85,13 @@ pub fn scaled_side(side: usize, scale: f64, increment: usize) -> usize {
     s.clamp(inc.min(side), side)
 }
 
-/// Resizes (or crops) `images` to `[h, w]` (the functional form).
+/// Resizes (bilinear, on `grid`) or crops `images` to `[h, w]` (the functional form).
 pub fn resize_images<B: Backend>(
     images: Tensor<B, 4>,
     h: usize,
     w: usize,
     mode: ResizeMode,
+    grid: ResizeGrid,
     rng: &mut Rng,
 ) -> Tensor<B, 4> {
     let [_, _, ih, iw] = images.dims();
@@ -76,7 +102,8 @@ pub fn resize_images<B: Backend>(
         ResizeMode::Resize => interpolate(
             images,
             [h, w],
-            InterpolateOptions::new(InterpolateMode::Bilinear),
+            InterpolateOptions::new(InterpolateMode::Bilinear)
+                .with_align_corners(grid == ResizeGrid::CornerAligned),
         ),
         ResizeMode::Crop => {
             let y = rng.below((ih - h + 1) as u64) as usize;
@@ -86,26 +113,50 @@ pub fn resize_images<B: Backend>(
     }
 }
 
-/// The progressive-resizing algorithm; see the module docs.
+/// Progressive resizing's settings, the transform behind [`ProgressiveResizing`].
 #[derive(Debug, Clone)]
-pub struct ProgressiveResizing {
+pub struct ProgressiveResizingTransform {
     initial_scale: f64,
     delay_fraction: f64,
     finetune_fraction: f64,
     size_increment: usize,
     mode: ResizeMode,
+    grid: ResizeGrid,
 }
 
+impl ProgressiveResizingTransform {
+    /// The scale at `fraction` of training.
+    pub fn scale(&self, fraction: f64) -> f64 {
+        scale_at(
+            fraction,
+            self.initial_scale,
+            self.delay_fraction,
+            self.finetune_fraction,
+        )
+    }
+}
+
+/// The progressive-resizing algorithm; see the module docs.
+pub type ProgressiveResizing = ImageAlgorithm<ProgressiveResizingTransform>;
+
 impl ProgressiveResizing {
-    /// Composer's defaults: scale 0.5, delay 0.5, finetune 0.2, increment 4, resize.
+    /// Composer's defaults: scale 0.5, delay 0.5, finetune 0.2, increment 4, resize, on the
+    /// corner-aligned grid.
     pub fn new() -> Self {
-        ProgressiveResizing {
+        ImageAlgorithm(ProgressiveResizingTransform {
             initial_scale: 0.5,
             delay_fraction: 0.5,
             finetune_fraction: 0.2,
             size_increment: 4,
             mode: ResizeMode::Resize,
-        }
+            grid: ResizeGrid::CornerAligned,
+        })
+    }
+
+    /// Uses `grid` for bilinear resizing.
+    pub fn with_grid(mut self, grid: ResizeGrid) -> Self {
+        self.0.grid = grid;
+        self
     }
 
     /// Sets every hyperparameter, checking them together.
@@ -154,22 +205,18 @@ impl ProgressiveResizing {
                 "an integer >= 1",
             ));
         }
-        self.initial_scale = initial_scale;
-        self.delay_fraction = delay_fraction;
-        self.finetune_fraction = finetune_fraction;
-        self.size_increment = size_increment;
-        self.mode = mode;
+        let t = &mut self.0;
+        t.initial_scale = initial_scale;
+        t.delay_fraction = delay_fraction;
+        t.finetune_fraction = finetune_fraction;
+        t.size_increment = size_increment;
+        t.mode = mode;
         Ok(self)
     }
 
     /// The scale at `fraction` of training.
     pub fn scale(&self, fraction: f64) -> f64 {
-        scale_at(
-            fraction,
-            self.initial_scale,
-            self.delay_fraction,
-            self.finetune_fraction,
-        )
+        self.0.scale(fraction)
     }
 }
 
@@ -179,37 +226,24 @@ impl Default for ProgressiveResizing {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for ProgressiveResizing
-where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ImageBatch<B>>,
-    O: Optimizer<M, B>,
-{
-    fn name(&self) -> &str {
-        "progressive_resizing"
+impl ImageTransform for ProgressiveResizingTransform {
+    const NAME: &'static str = "progressive_resizing";
+
+    fn active(&self, fraction: f64) -> bool {
+        self.scale(fraction) < 1.0
     }
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
-        event == Event::AfterDataloader
-    }
-
-    fn apply(
-        &mut self,
-        _event: Event,
-        state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> flashover_core::Result<()> {
-        let scale = self.scale(fraction(state));
-        if scale >= 1.0 {
-            return Ok(());
-        }
-        let (inc, mode) = (self.size_increment, self.mode);
-        map_images(state, "progressive_resizing", |x, rng| {
-            let [_, _, h, w] = x.dims();
-            let (nh, nw) = (scaled_side(h, scale, inc), scaled_side(w, scale, inc));
-            resize_images(x, nh, nw, mode, rng)
-        });
-        Ok(())
+    fn transform<B: Backend>(
+        &self,
+        images: Tensor<B, 4>,
+        rng: &mut Rng,
+        fraction: f64,
+    ) -> Tensor<B, 4> {
+        let scale = self.scale(fraction);
+        let [_, _, h, w] = images.dims();
+        let inc = self.size_increment;
+        let (nh, nw) = (scaled_side(h, scale, inc), scaled_side(w, scale, inc));
+        resize_images(images, nh, nw, self.mode, self.grid, rng)
     }
 }
 
@@ -250,19 +284,79 @@ mod tests {
     fn resize_keeps_constant_images_constant_and_crop_copies_a_window() {
         let d = Default::default();
         let x = Tensor::<Flex, 4>::ones([2, 1, 28, 28], &d).mul_scalar(0.3);
-        let r = resize_images(x, 16, 16, ResizeMode::Resize, &mut Rng::new(0));
+        let r = resize_images(
+            x,
+            16,
+            16,
+            ResizeMode::Resize,
+            ResizeGrid::CornerAligned,
+            &mut Rng::new(0),
+        );
         assert_eq!(r.dims(), [2, 1, 16, 16]);
         let v = r.into_data().to_vec::<f32>().unwrap();
         assert!(v.iter().all(|p| (p - 0.3).abs() < 1e-6));
         let v: Vec<f32> = (0..16).map(|i| i as f32).collect();
         let x = Tensor::<Flex, 4>::from_data(TensorData::new(v, [1, 1, 4, 4]), &d);
-        let c = resize_images(x, 2, 2, ResizeMode::Crop, &mut Rng::new(1))
-            .into_data()
-            .to_vec::<f32>()
-            .unwrap();
+        let c = resize_images(
+            x,
+            2,
+            2,
+            ResizeMode::Crop,
+            ResizeGrid::HalfPixel,
+            &mut Rng::new(1),
+        )
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
         // A 2x2 window of a 4x4 ramp: [a, a+1, a+4, a+5].
         assert_eq!(c[1] - c[0], 1.0);
         assert_eq!(c[2] - c[0], 4.0);
         assert_eq!(c[3] - c[0], 5.0);
+    }
+
+    #[test]
+    fn both_sampling_grids_match_their_formulas() {
+        // A 4x4 ramp v[y][x] = 4y + x, downscaled to 2x2.
+        let d = Default::default();
+        let v: Vec<f32> = (0..16).map(|i| i as f32).collect();
+        let x = Tensor::<Flex, 4>::from_data(TensorData::new(v, [1, 1, 4, 4]), &d);
+        let resize = |grid| {
+            resize_images(x.clone(), 2, 2, ResizeMode::Resize, grid, &mut Rng::new(0))
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        // Corner-aligned: output i samples i * 3 / 1, the corners 0 and 3 of each axis.
+        let corner = resize(ResizeGrid::CornerAligned);
+        for (a, e) in corner.iter().zip([0.0, 3.0, 12.0, 15.0]) {
+            assert!((a - e).abs() < 1e-5, "{corner:?}");
+        }
+        // Half-pixel: output i samples (i + 0.5) * 2 - 0.5 = 0.5 and 2.5, halfway between two
+        // pixels of each axis: the mean of each 2x2 block.
+        let half = resize(ResizeGrid::HalfPixel);
+        for (a, e) in half.iter().zip([2.5, 4.5, 10.5, 12.5]) {
+            assert!((a - e).abs() < 1e-5, "{half:?}");
+        }
+        // Upscaling 2 -> 3 on the half-pixel grid: positions (i + 0.5) * 2/3 - 0.5 =
+        // -1/6 (clamped to 0), 0.5 and 7/6 (weights 5/6 and 1/6 towards the last pixel).
+        let y = Tensor::<Flex, 4>::from_data(TensorData::new(vec![0.0f32, 6.0], [1, 1, 1, 2]), &d);
+        let up = resize_images(
+            y,
+            1,
+            3,
+            ResizeMode::Resize,
+            ResizeGrid::HalfPixel,
+            &mut Rng::new(0),
+        )
+        .into_data()
+        .to_vec::<f32>()
+        .unwrap();
+        for (a, e) in up.iter().zip([0.0, 3.0, 6.0]) {
+            assert!((a - e).abs() < 1e-5, "{up:?}");
+        }
+        assert!(ResizeGrid::parse("edges")
+            .unwrap_err()
+            .to_string()
+            .contains("half_pixel"));
     }
 }

@@ -9,19 +9,13 @@
 //!
 //! Hook: `AFTER_DATALOADER`.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use burn::tensor::Tensor;
-use flashover_core::callback::Algorithm;
-use flashover_core::event::Event;
-use flashover_core::logger::Logger;
-use flashover_core::model::{ImageBatch, TrainModel};
 use flashover_core::rng::Rng;
-use flashover_core::state::State;
 
 use crate::augment::{apply_layer, AugmentationSet, Normalization, OpDraw};
 use crate::error::{check_range, AlgorithmError, Result};
-use crate::util::map_images;
+use crate::image::{ImageAlgorithm, ImageTransform};
 
 /// Applies RandAugment to normalised `images` (the functional form).
 pub fn randaugment<B: Backend>(
@@ -43,14 +37,17 @@ pub fn randaugment<B: Backend>(
     norm.from_unit(x)
 }
 
-/// The RandAugment algorithm; see the module docs.
+/// RandAugment's settings, the transform behind [`RandAugment`].
 #[derive(Debug, Clone)]
-pub struct RandAugment {
+pub struct RandAugmentTransform {
     depth: usize,
     severity: f32,
     set: AugmentationSet,
     norm: Normalization,
 }
+
+/// The RandAugment algorithm; see the module docs.
+pub type RandAugment = ImageAlgorithm<RandAugmentTransform>;
 
 impl RandAugment {
     /// `depth >= 1` layers at `severity` in `[0, 10]`.
@@ -69,40 +66,20 @@ impl RandAugment {
             ));
         }
         check_range("randaugment", "severity", severity, 0.0, 10.0)?;
-        Ok(RandAugment {
+        Ok(ImageAlgorithm(RandAugmentTransform {
             depth,
             severity: severity as f32,
             set,
             norm,
-        })
+        }))
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for RandAugment
-where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ImageBatch<B>>,
-    O: Optimizer<M, B>,
-{
-    fn name(&self) -> &str {
-        "randaugment"
-    }
+impl ImageTransform for RandAugmentTransform {
+    const NAME: &'static str = "randaugment";
 
-    fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
-        event == Event::AfterDataloader
-    }
-
-    fn apply(
-        &mut self,
-        _event: Event,
-        state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> flashover_core::Result<()> {
-        let (depth, severity, set, norm) = (self.depth, self.severity, self.set, &self.norm);
-        map_images(state, "randaugment", |x, rng| {
-            randaugment(x, rng, depth, severity, set, norm)
-        });
-        Ok(())
+    fn transform<B: Backend>(&self, images: Tensor<B, 4>, rng: &mut Rng, _: f64) -> Tensor<B, 4> {
+        randaugment(images, rng, self.depth, self.severity, self.set, &self.norm)
     }
 }
 

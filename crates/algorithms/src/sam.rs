@@ -11,15 +11,18 @@
 //! batch as the loader and data algorithms left it, in one piece (no microbatching), without
 //! the per-forward changes of MixUp, CutMix or label smoothing.
 //!
-//! Hyperparameters: `rho` 0.05, `epsilon` 1e-12, `interval` 1 (Composer's defaults).
+//! Hyperparameters: `rho` 0.05, `epsilon` 1e-12, `interval` 1 (Composer's defaults). With
+//! `interval = k`, the extra pass runs on batches k, 2k, 3k... of the run, counted from 1
+//! after the batch (the k-th batch is the first to get it; with k = 2, every second batch).
 
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
 use crate::error::{AlgorithmError, Result};
@@ -41,6 +44,12 @@ pub fn perturbed_weights<B: Backend>(views: &[GradView<B>], rho: f64, epsilon: f
             })
             .collect(),
     }
+}
+
+/// Whether SAM takes its extra pass on the batch that brings the run to `batches_done`
+/// batches (counted after the batch, from 1): batches `interval`, `2 * interval`, ...
+pub fn is_sam_batch(batches_done: u64, interval: u64) -> bool {
+    interval > 0 && batches_done > 0 && batches_done.is_multiple_of(interval)
 }
 
 /// The SAM algorithm; see the module docs.
@@ -101,26 +110,22 @@ pub fn sam_gradients<B: AutodiffBackend, M: TrainModel<B>>(
     Ok(GradientsParams::from_grads(loss.backward(), &perturbed))
 }
 
-impl<B, M, O> Algorithm<B, M, O> for Sam
-where
-    B: AutodiffBackend,
-    M: TrainModel<B>,
-    O: Optimizer<M, B>,
-{
+impl<S: Setup> Algorithm<S> for Sam {
     fn name(&self) -> &str {
         "sam"
     }
 
-    fn matches(&self, event: Event, state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, state: &State<S>) -> bool {
         event == Event::AfterTrainBatch
             && state.grads.is_some()
-            && state.timestamp.batch.is_multiple_of(self.interval)
+            // `timestamp.batch` counts the batches before this one.
+            && is_sam_batch(state.timestamp.batch + 1, self.interval)
     }
 
     fn apply(
         &mut self,
         _event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let (Some(grads), Some(batch)) = (state.grads.as_ref(), state.batch.as_ref()) else {
@@ -235,6 +240,15 @@ mod tests {
             m.w.val().into_data().to_vec::<f32>().unwrap(),
             vec![3.0, 4.0]
         );
+    }
+
+    #[test]
+    fn extra_passes_fall_on_multiples_of_the_interval_counted_after_the_batch() {
+        let due = |k: u64| (1..=9).filter(|&b| is_sam_batch(b, k)).collect::<Vec<_>>();
+        assert_eq!(due(1), (1..=9).collect::<Vec<_>>());
+        assert_eq!(due(2), [2, 4, 6, 8]);
+        assert_eq!(due(3), [3, 6, 9]);
+        assert!(!is_sam_batch(0, 2));
     }
 
     #[test]

@@ -6,15 +6,15 @@
 //! Selection follows the paper (and Composer): sort by loss; the sample at percentile `p`
 //! (mid-rank) is drawn with probability proportional to `p^(1/keep - 1)`; `floor(keep * n)`
 //! samples are drawn without replacement. It is active for `start <= fraction < end` of
-//! training, and every `interrupt`-th batch trains on the full batch.
+//! training, and every `interrupt`-th batch *of each epoch* trains on the full batch: batch
+//! `i` of an epoch (from 0) is left whole when `(i + 1) % interrupt == 0`, the paper's and
+//! Composer's schedule, which restarts with every epoch.
 //!
 //! Hyperparameters: `start` 0.5, `end` 0.9, `keep` 0.5, `interrupt` 2 (Composer's defaults).
 //! The time counters count the samples actually trained on.
 //!
 //! Hook: `AFTER_DATALOADER`.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ElementConversion;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
@@ -22,15 +22,23 @@ use flashover_core::logger::Logger;
 use flashover_core::loss::per_sample_classification_loss;
 use flashover_core::model::{ClassTargets, Logits, SelectSamples, TrainModel};
 use flashover_core::rng::Rng;
+use flashover_core::setup::{BatchOf, OutputOf, Setup};
 use flashover_core::state::State;
 
 use crate::error::{check_range, AlgorithmError, Result};
 use crate::util::{fraction, index_tensor};
 
-/// Whether selective backprop runs at `fraction` of training on global batch `batch`.
-pub fn should_select(fraction: f64, batch: u64, start: f64, end: f64, interrupt: u64) -> bool {
+/// Whether selective backprop runs at `fraction` of training on batch `batch_in_epoch` of
+/// its epoch (from 0).
+pub fn should_select(
+    fraction: f64,
+    batch_in_epoch: u64,
+    start: f64,
+    end: f64,
+    interrupt: u64,
+) -> bool {
     let in_window = fraction >= start && fraction < end;
-    let interrupted = interrupt > 0 && (batch + 1).is_multiple_of(interrupt);
+    let interrupted = interrupt > 0 && (batch_in_epoch + 1).is_multiple_of(interrupt);
     in_window && !interrupted
 }
 
@@ -107,21 +115,20 @@ impl SelectiveBackprop {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for SelectiveBackprop
+impl<S: Setup> Algorithm<S> for SelectiveBackprop
 where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ClassTargets<B> + SelectSamples<B>, Output: Logits<B>>,
-    O: Optimizer<M, B>,
+    BatchOf<S>: ClassTargets<S::Backend> + SelectSamples<S::Backend>,
+    OutputOf<S>: Logits<S::Backend>,
 {
     fn name(&self) -> &str {
         "selective_backprop"
     }
 
-    fn matches(&self, event: Event, state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, state: &State<S>) -> bool {
         event == Event::AfterDataloader
             && should_select(
                 fraction(state),
-                state.timestamp.batch,
+                state.timestamp.batch_in_epoch,
                 self.start,
                 self.end,
                 self.interrupt,
@@ -131,7 +138,7 @@ where
     fn apply(
         &mut self,
         _event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let mut rng = state.rng("selective_backprop");
@@ -149,7 +156,7 @@ where
             .map(|v| v.elem::<f32>())
             .collect();
         let keep = select_by_loss(&losses, self.keep, &mut rng);
-        let idx = index_tensor::<B>(&keep, &state.device);
+        let idx = index_tensor::<S::Backend>(&keep, &state.device);
         state.batch = Some(batch.select(idx));
         Ok(())
     }

@@ -16,12 +16,12 @@
 
 use std::marker::PhantomData;
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::{SequenceBatch, TrainModel};
+use flashover_core::model::SequenceBatch;
+use flashover_core::setup::{BatchOf, Setup};
 use flashover_core::state::State;
 
 use crate::error::{check_range, AlgorithmError, Result};
@@ -99,24 +99,22 @@ impl<B: Backend> SeqLengthWarmup<B> {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for SeqLengthWarmup<B>
+impl<S: Setup> Algorithm<S> for SeqLengthWarmup<S::Backend>
 where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: SequenceBatch<B>>,
-    O: Optimizer<M, B>,
+    BatchOf<S>: SequenceBatch<S::Backend>,
 {
     fn name(&self) -> &str {
         "seq_length_warmup"
     }
 
-    fn matches(&self, event: Event, state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, state: &State<S>) -> bool {
         event == Event::AfterDataloader && fraction(state) < self.duration
     }
 
     fn apply(
         &mut self,
         _event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let len = self.length(fraction(state));

@@ -3,10 +3,9 @@
 //! `:` as in `cutout:num_holes=2:length=0.3`) and building the named algorithms for an
 //! image-classification model. An unknown name or parameter is an error listing the valid ones.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
 use flashover_core::callback::Algorithm;
-use flashover_core::model::{Logits, TrainModel};
+use flashover_core::model::Logits;
+use flashover_core::setup::{BatchOf, OutputOf, Setup};
 use flashover_core::time::Time;
 
 use crate::augment::{AugmentationSet, Normalization};
@@ -20,7 +19,7 @@ use crate::gradient_clipping::{ClippingType, GradientClipping};
 use crate::label_smoothing::LabelSmoothing;
 use crate::layer_freezing::LayerFreezing;
 use crate::mixup::MixUp;
-use crate::progressive_resizing::{ProgressiveResizing, ResizeMode};
+use crate::progressive_resizing::{ProgressiveResizing, ResizeGrid, ResizeMode};
 use crate::randaugment::RandAugment;
 use crate::sam::Sam;
 use crate::selective_backprop::SelectiveBackprop;
@@ -61,6 +60,7 @@ pub const ALGORITHMS: &[(&str, &[&str])] = &[
             "finetune_fraction",
             "size_increment",
             "mode",
+            "grid",
         ],
     ),
     ("randaugment", &["depth", "severity", "augmentation_set"]),
@@ -189,14 +189,13 @@ impl Params<'_> {
 
 /// Builds the algorithm `spec` names for an image-classification model whose images are
 /// normalised by `norm` (used by RandAugment and AugMix).
-pub fn build_image_classification<B, M, O>(
+pub fn build_image_classification<S: Setup>(
     spec: &AlgorithmSpec,
     norm: &Normalization,
-) -> Result<Box<dyn Algorithm<B, M, O>>>
+) -> Result<Box<dyn Algorithm<S>>>
 where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ImageClassBatch<B>, Output: Logits<B>>,
-    O: Optimizer<M, B>,
+    BatchOf<S>: ImageClassBatch<S::Backend>,
+    OutputOf<S>: Logits<S::Backend>,
 {
     let p = Params { spec };
     Ok(match spec.name.as_str() {
@@ -227,13 +226,18 @@ where
                     ))
                 }
             };
-            Box::new(ProgressiveResizing::new().with(
-                p.f64("initial_scale", 0.5)?,
-                p.f64("delay_fraction", 0.5)?,
-                p.f64("finetune_fraction", 0.2)?,
-                p.usize("size_increment", 4)?,
-                mode,
-            )?)
+            let grid = ResizeGrid::parse(p.str("grid", "corner"))?;
+            Box::new(
+                ProgressiveResizing::new()
+                    .with(
+                        p.f64("initial_scale", 0.5)?,
+                        p.f64("delay_fraction", 0.5)?,
+                        p.f64("finetune_fraction", 0.2)?,
+                        p.usize("size_increment", 4)?,
+                        mode,
+                    )?
+                    .with_grid(grid),
+            )
         }
         "randaugment" => Box::new(RandAugment::new(
             p.usize("depth", 1)?,
@@ -261,7 +265,9 @@ where
             ClippingType::parse(p.str("clipping_type", "norm"))?,
             p.f64("clipping_threshold", 1.0)?,
         )?),
-        "ema" => Box::new(Ema::<B>::new(p.time("half_life", Time::Batch(1000))?)?),
+        "ema" => Box::new(Ema::<S::Backend>::new(
+            p.time("half_life", Time::Batch(1000))?,
+        )?),
         "swa" => {
             let anneal = match p.str("anneal_strategy", "linear") {
                 "linear" => Anneal::Linear,
@@ -279,7 +285,7 @@ where
                 None => None,
                 Some(_) => Some(p.f64("swa_lr", 0.0)?),
             };
-            Box::new(Swa::<B>::new(SwaConfig {
+            Box::new(Swa::<S::Backend>::new(SwaConfig {
                 swa_start: p.f64("swa_start", 0.7)?,
                 swa_end: p.f64("swa_end", 1.0)?,
                 update_interval: p.time("update_interval", Time::Epoch(1))?,

@@ -14,13 +14,12 @@
 //! once `swa_end` is reached). The average, its count and whether it was applied are saved in
 //! checkpoints.
 
-use burn::optim::Optimizer;
 use burn::tensor::backend::AutodiffBackend;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
 use flashover_core::schedule::ScheduleContext;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::Time;
 use serde_json::{json, Value};
@@ -142,7 +141,7 @@ impl<B: AutodiffBackend> Swa<B> {
         self.count
     }
 
-    fn due<M: TrainModel<B>, O: Optimizer<M, B>>(&self, state: &State<B, M, O>) -> bool {
+    fn due<S: Setup>(&self, state: &State<S>) -> bool {
         let ts = &state.timestamp;
         match self.cfg.update_interval {
             Time::Epoch(n) => {
@@ -154,17 +153,12 @@ impl<B: AutodiffBackend> Swa<B> {
     }
 }
 
-impl<B, M, O> Algorithm<B, M, O> for Swa<B>
-where
-    B: AutodiffBackend,
-    M: TrainModel<B>,
-    O: Optimizer<M, B>,
-{
+impl<S: Setup> Algorithm<S> for Swa<S::Backend> {
     fn name(&self) -> &str {
         "swa"
     }
 
-    fn matches(&self, event: Event, state: &State<B, M, O>) -> bool {
+    fn matches(&self, event: Event, state: &State<S>) -> bool {
         match event {
             Event::BatchStart => self.cfg.schedule_swa_lr && fraction(state) >= self.cfg.swa_start,
             Event::BatchEnd => !self.applied,
@@ -175,7 +169,7 @@ where
     fn apply(
         &mut self,
         event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         if let Some(v) = self.pending.take() {

@@ -2,11 +2,11 @@
 //! tensors built from host values, and the per-batch call counter that keeps random draws
 //! distinct across microbatches.
 
-use burn::optim::Optimizer;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor, TensorData};
-use flashover_core::model::{ClassTargets, ImageBatch, SelectSamples, TrainModel};
+use flashover_core::model::{ClassTargets, ImageBatch, Logits, SelectSamples};
 use flashover_core::rng::Rng;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
 /// Batches of images with class targets whose samples can be selected: what the mixing and
@@ -37,9 +37,7 @@ pub(crate) fn permutation(rng: &mut Rng, n: usize) -> Vec<usize> {
 }
 
 /// Fraction of the run done at the current batch.
-pub(crate) fn fraction<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
-    state: &State<B, M, O>,
-) -> f64 {
+pub(crate) fn fraction<S: Setup>(state: &State<S>) -> f64 {
     state.progress().fraction(&state.timestamp)
 }
 
@@ -72,29 +70,46 @@ pub(crate) fn inner_images<B: AutodiffBackend, T: ImageBatch<B>>(
     batch.images().clone().inner()
 }
 
-/// Replaces the current batch's images by `f(images, rng)`, working on the gradient-free
-/// tensors with the batch's random stream `stream`: the shape of every `AFTER_DATALOADER`
-/// image method.
-pub(crate) fn map_images<B, M, O>(
-    state: &mut State<B, M, O>,
-    stream: &str,
-    f: impl FnOnce(Tensor<B::InnerBackend, 4>, &mut Rng) -> Tensor<B::InnerBackend, 4>,
-) where
-    B: AutodiffBackend,
-    M: TrainModel<B, Batch: ImageBatch<B>>,
-    O: Optimizer<M, B>,
-{
-    let mut rng = state.rng(stream);
-    if let Some(batch) = state.batch.as_mut() {
-        let x = inner_images(batch);
-        set_inner_images(batch, f(x, &mut rng));
-    }
-}
-
 /// Puts gradient-free images back into a batch.
 pub(crate) fn set_inner_images<B: AutodiffBackend, T: ImageBatch<B>>(
     batch: &mut T,
     images: Tensor<B::InnerBackend, 4>,
 ) {
     batch.set_images(Tensor::from_inner(images));
+}
+
+/// The batch's targets as distributions over the classes `out` scores (the soft targets an
+/// earlier rewriter set, or the checked one-hot classes): what a target rewriter transforms.
+pub(crate) fn target_distribution<B: Backend, T: ClassTargets<B>>(
+    batch: &T,
+    out: &impl Logits<B>,
+) -> flashover_core::Result<Tensor<B, 2>> {
+    batch.target_distribution(out.logits().dims()[1])
+}
+
+/// What a target rewriter (label smoothing, MixUp, CutMix) replaced at `BEFORE_LOSS`, to put
+/// back at `AFTER_LOSS`: the one save-and-restore the rewriters share, so that each leaves the
+/// batch's targets as it found them.
+#[derive(Debug)]
+pub(crate) struct SavedTargets<B: Backend>(Option<Option<Tensor<B, 2>>>);
+
+impl<B: Backend> Default for SavedTargets<B> {
+    fn default() -> Self {
+        SavedTargets(None)
+    }
+}
+
+impl<B: Backend> SavedTargets<B> {
+    /// Sets the batch's soft targets to `targets`, keeping the ones it had.
+    pub(crate) fn replace<T: ClassTargets<B>>(&mut self, batch: &mut T, targets: Tensor<B, 2>) {
+        self.0 = Some(batch.soft_targets().cloned());
+        batch.set_soft_targets(Some(targets));
+    }
+
+    /// Puts back what [`SavedTargets::replace`] took, if it took anything.
+    pub(crate) fn restore<T: ClassTargets<B>>(&mut self, batch: &mut T) {
+        if let Some(previous) = self.0.take() {
+            batch.set_soft_targets(previous);
+        }
+    }
 }

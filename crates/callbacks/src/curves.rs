@@ -2,14 +2,15 @@
 //! `FIT_END`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
+use derive_new::new;
+
 use flashover_core::callback::Callback;
+use flashover_core::collective::Ranks;
 use flashover_core::error::Result;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
 use crate::error::CallbackError;
@@ -25,26 +26,23 @@ use crate::plot::{write_panels, LineChart, Series};
 /// let plot = TrainingPlot::new("runs/mnist/training.png"); // .callback(plot)
 /// # let _ = plot;
 /// ```
+///
+/// `TrainingPlot::new(path)` draws 900x900 pixels.
+#[derive(new)]
 pub struct TrainingPlot {
+    #[new(into)]
     path: PathBuf,
+    #[new(value = "(900, 900)")]
     size: (u32, u32),
+    #[new(default)]
     loss: Vec<(f64, f64)>,
+    #[new(default)]
     lr: Vec<(f64, f64)>,
+    #[new(default)]
     eval: BTreeMap<String, Vec<(f64, f64)>>,
 }
 
 impl TrainingPlot {
-    /// A plot written to `path`, 900x900 pixels.
-    pub fn new(path: impl AsRef<Path>) -> Self {
-        TrainingPlot {
-            path: path.as_ref().to_path_buf(),
-            size: (900, 900),
-            loss: Vec::new(),
-            lr: Vec::new(),
-            eval: BTreeMap::new(),
-        }
-    }
-
     /// Sets the image's size in pixels (each at least 200).
     pub fn with_size(mut self, width: u32, height: u32) -> crate::error::Result<Self> {
         if width < 200 || height < 200 {
@@ -127,12 +125,17 @@ fn moving_average(points: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
     out
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for TrainingPlot {
+impl<S: Setup> Callback<S> for TrainingPlot {
+    /// Only rank 0 of a data-parallel run writes (wrap in `OnEveryRank` to change that).
+    fn ranks(&self) -> Ranks {
+        Ranks::Main
+    }
+
     fn name(&self) -> &str {
         "training_plot"
     }
 
-    fn batch_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         let x = state.timestamp.batch as f64;
         if let Some(l) = state.loss_value {
             self.loss.push((x, l));
@@ -141,7 +144,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         Ok(())
     }
 
-    fn eval_after_all(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn eval_after_all(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         let x = state.timestamp.batch as f64;
         for label in &state.evaluated {
             if let Some(metrics) = state.eval_metrics.get(label) {
@@ -156,7 +159,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         Ok(())
     }
 
-    fn fit_end(&mut self, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn fit_end(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         let charts = self.charts();
         if charts.is_empty() {
             return Ok(());

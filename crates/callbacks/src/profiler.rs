@@ -17,13 +17,12 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
 use flashover_core::callback::Callback;
+use flashover_core::collective::Ranks;
 use flashover_core::error::Result;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use serde_json::{json, Value};
 
@@ -289,7 +288,12 @@ impl Profiler {
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for Profiler {
+impl<S: Setup> Callback<S> for Profiler {
+    /// Only rank 0 of a data-parallel run writes (wrap in `OnEveryRank` to change that).
+    fn ranks(&self) -> Ranks {
+        Ranks::Main
+    }
+
     fn name(&self) -> &str {
         "profiler"
     }
@@ -297,7 +301,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
     fn run_event(
         &mut self,
         event: Event,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
         _logger: &mut Logger,
     ) -> Result<()> {
         if event == Event::FitEnd {

@@ -3,12 +3,11 @@
 //! [`Threshold`]) that see a value and a time and answer [`Decision`]; [`MetricStopper`] feeds
 //! them a run's metric. [`StopAt`] stops at a fixed time.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
+use derive_new::new;
 use flashover_core::callback::Callback;
 use flashover_core::error::Result;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::{Time, TimeUnit};
 use serde_json::{json, Value};
@@ -57,7 +56,8 @@ pub enum Decision {
 }
 
 /// Early stopping: stop once the metric has not improved by more than `min_delta` for
-/// `patience` (measured in the patience's own unit: epochs, batches, samples or tokens).
+/// `patience` (measured in the patience's own unit: epochs, batches, samples, tokens or
+/// wall-clock time, `30m`, counting the time a resumed run had already spent).
 ///
 /// Each observation is a value and the time it was taken, in the patience's unit. The first
 /// observation is the first best. A later one improves when it beats the best by more than
@@ -84,14 +84,14 @@ pub struct EarlyStopping {
 
 impl EarlyStopping {
     /// A policy with no observations yet. `patience` must be greater than zero and in `ep`,
-    /// `ba`, `sp` or `tok`; `min_delta` finite and `>= 0`.
+    /// `ba`, `sp`, `tok` or wall-clock time; `min_delta` finite and `>= 0`.
     pub fn new(mode: Mode, patience: Time, min_delta: f64) -> crate::error::Result<Self> {
         if patience.is_zero() || patience.unit() == TimeUnit::Duration {
             return Err(CallbackError::param(
                 "early_stopping",
                 "patience",
                 patience,
-                "a time greater than zero in ep, ba, sp or tok (`2ep`, `500ba`)",
+                "a time greater than zero in ep, ba, sp or tok, or a wall-clock time (`2ep`, `500ba`, `30m`)",
             ));
         }
         if !(min_delta.is_finite() && min_delta >= 0.0) {
@@ -349,11 +349,7 @@ impl MetricStopper {
         &self.metric
     }
 
-    fn observe<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
-        &mut self,
-        value: f64,
-        state: &mut State<B, M, O>,
-    ) {
+    fn observe<S: Setup>(&mut self, value: f64, state: &mut State<S>) {
         let decision = match &mut self.policy {
             Policy::Early(p) => {
                 let now = state.progress().elapsed(&state.timestamp, p.unit());
@@ -389,12 +385,12 @@ fn parse_mode(component: &'static str, v: &str) -> crate::error::Result<Mode> {
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for MetricStopper {
+impl<S: Setup> Callback<S> for MetricStopper {
     fn name(&self) -> &str {
         self.name_str()
     }
 
-    fn batch_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         if self.metric == "train/loss" {
             if let Some(loss) = state.loss_value {
                 self.observe(loss, state);
@@ -403,7 +399,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         Ok(())
     }
 
-    fn eval_after_all(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn eval_after_all(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         let Some((label, metric)) = self.metric.split_once('/') else {
             return Ok(());
         };
@@ -456,9 +452,10 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
     }
 }
 
-/// Asks training to stop once the run reaches a given time (in any unit but `dur`, which is
-/// what `max_duration` is for). The stop is clean: the batch finishes, its checkpoint event
-/// runs, then `FIT_END` (where a checkpoint saver writes the state to resume from).
+/// Asks training to stop once the run reaches a given time: a count, a fraction of the run,
+/// or a wall-clock time (`1h30m`, the run's wall time including what a resumed run had
+/// already spent). The stop is clean: the batch finishes, its checkpoint event runs, then
+/// `FIT_END` (where a checkpoint saver writes the state to resume from).
 ///
 /// ```
 /// use flashover_callbacks::StopAt;
@@ -466,30 +463,26 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
 /// let stop = StopAt::new(Time::Batch(100));
 /// assert_eq!(stop.at(), Time::Batch(100));
 /// ```
+#[derive(Debug, Clone, new)]
 pub struct StopAt {
     at: Time,
 }
 
 impl StopAt {
-    /// Stops when the timestamp reaches `at`.
-    pub fn new(at: Time) -> Self {
-        StopAt { at }
-    }
-
     /// When training stops.
     pub fn at(&self) -> Time {
         self.at
     }
 
-    fn check<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
-        &self,
-        state: &mut State<B, M, O>,
-    ) {
-        let reached = match self.at.unit() {
-            TimeUnit::Duration => state.progress().fraction(&state.timestamp) >= self.at.value(),
-            unit => state
+    fn check<S: Setup>(&self, state: &mut State<S>) {
+        let reached = match self.at {
+            Time::Wall(at) => state.timestamp.run_wall_time >= at,
+            _ if self.at.unit() == TimeUnit::Duration => {
+                state.progress().fraction(&state.timestamp) >= self.at.value()
+            }
+            _ => state
                 .timestamp
-                .count(unit)
+                .count(self.at.unit())
                 .is_some_and(|c| c as f64 >= self.at.value()),
         };
         if reached && state.stop_requested().is_none() {
@@ -498,17 +491,17 @@ impl StopAt {
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for StopAt {
+impl<S: Setup> Callback<S> for StopAt {
     fn name(&self) -> &str {
         "stop_at"
     }
 
-    fn batch_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         self.check(state);
         Ok(())
     }
 
-    fn epoch_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn epoch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         self.check(state);
         Ok(())
     }
@@ -609,6 +602,18 @@ mod tests {
             s.policy,
             Policy::Threshold(Threshold::new(Mode::Min, 0.05).unwrap())
         );
+    }
+
+    #[test]
+    fn patience_in_wall_clock_time_counts_seconds() {
+        let mut p = EarlyStopping::new(Mode::Min, "30s".parse().unwrap(), 0.0).unwrap();
+        assert_eq!(p.unit(), TimeUnit::Wall);
+        assert_eq!(p.observe(1.0, 10.0), Decision::Continue);
+        assert_eq!(p.observe(1.1, 39.9), Decision::Continue);
+        match p.observe(1.2, 40.0) {
+            Decision::Stop(why) => assert!(why.contains("for 30s since 1 at 10s"), "{why}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

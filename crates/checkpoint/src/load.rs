@@ -7,11 +7,11 @@ use std::path::{Path, PathBuf};
 
 use burn::optim::Optimizer;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-use burn::tensor::backend::AutodiffBackend;
+use derive_new::new;
 use flashover_core::error::Result as CoreResult;
-use flashover_core::model::TrainModel;
+use flashover_core::restore::Restore;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::trainer::Restore;
 use serde_json::Value;
 
 use crate::error::CheckpointError;
@@ -30,30 +30,24 @@ pub struct LoadOptions {
     pub weights: WeightsLoad,
 }
 
-/// Restores a trainer from a checkpoint directory; pass it to `TrainerBuilder::restore`.
-#[derive(Debug, Clone)]
+/// Restores a trainer from a checkpoint directory with load options
+/// (`CheckpointRestore::new(dir, options)`); pass it to `TrainerBuilder::restore`.
+#[derive(Debug, Clone, new)]
 pub struct CheckpointRestore {
+    #[new(into)]
     dir: PathBuf,
     options: LoadOptions,
 }
 
 impl CheckpointRestore {
-    /// Restores from `dir` with `options`.
-    pub fn new(dir: impl Into<PathBuf>, options: LoadOptions) -> Self {
-        CheckpointRestore {
-            dir: dir.into(),
-            options,
-        }
-    }
-
     /// The checkpoint directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
-    fn restore_into<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
+    fn restore_into<S: Setup>(
         &self,
-        state: &mut State<B, M, O>,
+        state: &mut State<S>,
     ) -> Result<BTreeMap<String, Value>, CheckpointError> {
         let dir = &self.dir;
         // The manifest is checked first; each file is hashed as it is read, before decoding.
@@ -122,7 +116,7 @@ impl CheckpointRestore {
         // Optimizer state is keyed by parameter id: the model takes the saved ids first.
         let mut missing_ids = Vec::new();
         state.map_model(|model| {
-            let (model, missing) = set_param_ids::<B, M>(model, &saved.param_ids);
+            let (model, missing) = set_param_ids::<S::Backend, S::Model>(model, &saved.param_ids);
             missing_ids = missing;
             model
         });
@@ -135,13 +129,13 @@ impl CheckpointRestore {
         let optimizer_path = dir.join(OPTIMIZER);
         let bytes = read_verified(dir, &manifest, OPTIMIZER)?;
         let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
-        let record =
-            Recorder::<B>::load::<O::Record>(&recorder, bytes, &state.device).map_err(|e| {
-                CheckpointError::Format {
-                    path: optimizer_path,
-                    message: e.to_string(),
-                }
-            })?;
+        let record = Recorder::<S::Backend>::load::<
+            <S::Optimizer as Optimizer<S::Model, S::Backend>>::Record,
+        >(&recorder, bytes, &state.device)
+        .map_err(|e| CheckpointError::Format {
+            path: optimizer_path,
+            message: e.to_string(),
+        })?;
         state.optimizer = state.optimizer.clone().load_record(record);
 
         if saved.seed != state.seed {
@@ -176,10 +170,8 @@ impl CheckpointRestore {
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Restore<B, M, O>
-    for CheckpointRestore
-{
-    fn restore(self: Box<Self>, state: &mut State<B, M, O>) -> CoreResult<BTreeMap<String, Value>> {
+impl<S: Setup> Restore<S> for CheckpointRestore {
+    fn restore(self: Box<Self>, state: &mut State<S>) -> CoreResult<BTreeMap<String, Value>> {
         self.restore_into(state)
             .map_err(CheckpointError::in_restore)
     }

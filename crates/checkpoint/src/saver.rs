@@ -12,12 +12,12 @@ use std::thread::JoinHandle;
 
 use burn::optim::Optimizer;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-use burn::tensor::backend::AutodiffBackend;
 use flashover_core::callback::Callback;
+use flashover_core::collective::Ranks;
 use flashover_core::error::Result as CoreResult;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::{Time, TimeUnit, Timestamp};
 
@@ -331,11 +331,7 @@ impl Saver {
         &self.saved
     }
 
-    fn due<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
-        &mut self,
-        event: Event,
-        state: &State<B, M, O>,
-    ) -> bool {
+    fn due<S: Setup>(&mut self, event: Event, state: &State<S>) -> bool {
         match &mut self.interval {
             SaveInterval::Custom(f) => f(&state.timestamp, event),
             SaveInterval::Every(t) => match (t.unit(), event) {
@@ -356,24 +352,24 @@ impl Saver {
         }
     }
 
-    fn save<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
-        &mut self,
-        state: &State<B, M, O>,
-    ) -> Result<(), CheckpointError> {
+    fn save<S: Setup>(&mut self, state: &State<S>) -> Result<(), CheckpointError> {
         if state.world.rank != 0 {
             return Ok(());
         }
         let ts = &state.timestamp;
         let name = render_name(&self.config.name_template, ts, state.world.rank)?;
-        let mut files: Vec<(&'static str, Vec<u8>)> =
-            vec![(MODEL, weights_to_bytes::<B, M>(state.model())?)];
+        let mut files: Vec<(&'static str, Vec<u8>)> = vec![(
+            MODEL,
+            weights_to_bytes::<S::Backend, S::Model>(state.model())?,
+        )];
         if !self.config.weights_only {
             let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
-            let optimizer = Recorder::<B>::record(&recorder, state.optimizer.to_record(), ())
-                .map_err(|e| CheckpointError::Format {
-                    path: self.config.folder.join(&name).join(OPTIMIZER),
-                    message: e.to_string(),
-                })?;
+            let optimizer =
+                Recorder::<S::Backend>::record(&recorder, state.optimizer.to_record(), ())
+                    .map_err(|e| CheckpointError::Format {
+                        path: self.config.folder.join(&name).join(OPTIMIZER),
+                        message: e.to_string(),
+                    })?;
             files.push((OPTIMIZER, optimizer));
             let trainer =
                 serde_json::to_vec_pretty(&TrainerStateFile::from_state(state)).map_err(|e| {
@@ -417,7 +413,12 @@ impl Saver {
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for Saver {
+impl<S: Setup> Callback<S> for Saver {
+    /// Only rank 0 of a data-parallel run writes (wrap in `OnEveryRank` to change that).
+    fn ranks(&self) -> Ranks {
+        Ranks::Main
+    }
+
     fn name(&self) -> &str {
         "checkpoint_saver"
     }
@@ -426,27 +427,19 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         true
     }
 
-    fn batch_start(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> CoreResult<()> {
+    fn batch_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
         self.before = Some(state.timestamp.clone());
         Ok(())
     }
 
-    fn batch_checkpoint(
-        &mut self,
-        state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> CoreResult<()> {
+    fn batch_checkpoint(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
         if self.due(Event::BatchCheckpoint, state) {
             self.save(state).map_err(CheckpointError::in_saver)?;
         }
         Ok(())
     }
 
-    fn epoch_checkpoint(
-        &mut self,
-        state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> CoreResult<()> {
+    fn epoch_checkpoint(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
         if self.due(Event::EpochCheckpoint, state)
             && self.last_saved_batch != Some(state.timestamp.batch)
         {
@@ -457,7 +450,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
 
     /// The state at the end of every fit is saved (unless it already was), so a run that was
     /// stopped early resumes from where it stopped; then background writes are awaited.
-    fn fit_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> CoreResult<()> {
+    fn fit_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
         if self.last_saved_batch != Some(state.timestamp.batch) {
             self.save(state).map_err(CheckpointError::in_saver)?;
         }

@@ -4,9 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::Timestamp;
 use serde::{Deserialize, Serialize};
@@ -57,9 +55,7 @@ pub struct TrainerStateFile {
 
 impl TrainerStateFile {
     /// Takes everything but weights and optimizer moments from a live state.
-    pub fn from_state<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
-        state: &State<B, M, O>,
-    ) -> Self {
+    pub fn from_state<S: Setup>(state: &State<S>) -> Self {
         let ts = state.timestamp.clone();
         TrainerStateFile {
             sampler: SamplerPosition {
@@ -88,7 +84,7 @@ impl TrainerStateFile {
                     )
                 })
                 .collect(),
-            param_ids: crate::weights::param_ids::<B, M>(state.model()),
+            param_ids: crate::weights::param_ids::<S::Backend, S::Model>(state.model()),
             components: state.component_states.clone(),
         }
     }

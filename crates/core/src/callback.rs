@@ -4,14 +4,13 @@
 //! watches it and may ask it to stop. Both are run by the [`Engine`](crate::engine::Engine) in
 //! the order the design fixes. This module holds the contracts only.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
 use serde_json::Value;
 
+use crate::collective::Ranks;
 use crate::error::Result;
 use crate::event::Event;
 use crate::logger::Logger;
-use crate::model::TrainModel;
+use crate::setup::Setup;
 use crate::state::State;
 
 macro_rules! define_callback {
@@ -33,38 +32,45 @@ macro_rules! define_callback {
         ///
         /// ```
         /// use flashover_core::prelude::*;
-        /// use burn::optim::Optimizer;
-        /// use burn::tensor::backend::AutodiffBackend;
+        /// use flashover_core::toy;
         ///
         /// /// Stops training after a fixed number of batches.
         /// struct StopAfter(u64);
         ///
-        /// impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for StopAfter {
+        /// impl<S: Setup> Callback<S> for StopAfter {
         ///     fn name(&self) -> &str { "stop_after" }
-        ///     fn batch_end(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<(), CoreError> {
+        ///     fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<(), CoreError> {
         ///         if state.timestamp.batch >= self.0 {
         ///             state.request_stop(format!("{} batches done", self.0));
         ///         }
         ///         Ok(())
         ///     }
         /// }
-        /// let cb = StopAfter(3);
-        /// assert_eq!(cb.0, 3);
+        ///
+        /// // A one-weight regression of 4 batches per epoch, for 2 epochs, stopped after 3.
+        /// # type B = burn::backend::Autodiff<burn::backend::Flex>;
+        /// let mut trainer = toy::trainer::<B>(toy::points(16, 4), Time::Epoch(2))
+        ///     .callback(StopAfter(3))
+        ///     .build()?;
+        /// let report = trainer.fit()?;
+        /// assert_eq!(report.batches, 3);
+        /// assert_eq!(report.stopped.as_deref(), Some("3 batches done"));
+        /// # Ok::<(), CoreError>(())
         /// ```
-        pub trait Callback<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>: Send {
+        pub trait Callback<S: Setup>: Send {
             /// A name for error messages and checkpoints.
             fn name(&self) -> &str;
 
             $(
                 #[doc = concat!("Called at `", $name, "`.")]
-                fn $method(&mut self, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+                fn $method(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
                     let _ = (state, logger);
                     Ok(())
                 }
             )*
 
             /// Dispatches `event` to its method.
-            fn run_event(&mut self, event: Event, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+            fn run_event(&mut self, event: Event, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
                 match event {
                     $(Event::$variant => self.$method(state, logger),)*
                 }
@@ -75,6 +81,15 @@ macro_rules! define_callback {
             /// checkpoint events, which keeps that work off the step of other runs.
             fn needs_component_states(&self) -> bool {
                 false
+            }
+
+            /// The ranks of a data-parallel run on which this callback sees events. Default:
+            /// every rank. A callback that writes (a checkpoint saver, a plot, a trace) answers
+            /// [`Ranks::Main`], so only rank 0 writes; wrap it in
+            /// [`OnEveryRank`](crate::collective::OnEveryRank) to make it act everywhere. Its
+            /// state is saved and restored on every rank either way.
+            fn ranks(&self) -> Ranks {
+                Ranks::Every
             }
 
             /// The callback's state, for checkpoints (default: nothing to save).
@@ -103,38 +118,41 @@ crate::for_each_event!(define_callback);
 ///
 /// ```
 /// use flashover_core::prelude::*;
-/// use burn::optim::Optimizer;
-/// use burn::tensor::backend::AutodiffBackend;
+/// use flashover_core::toy;
 ///
-/// /// Halves the learning rate of every batch (a toy algorithm).
-/// struct HalveLr;
+/// /// Trains with no learning rate on odd batches (a toy algorithm).
+/// struct SkipOdd;
 ///
-/// impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Algorithm<B, M, O> for HalveLr {
-///     fn name(&self) -> &str { "halve_lr" }
-///     fn matches(&self, event: Event, _state: &State<B, M, O>) -> bool {
-///         event == Event::BatchStart
+/// impl<S: Setup> Algorithm<S> for SkipOdd {
+///     fn name(&self) -> &str { "skip_odd" }
+///     fn matches(&self, event: Event, state: &State<S>) -> bool {
+///         event == Event::BatchStart && state.timestamp.batch % 2 == 1
 ///     }
-///     fn apply(&mut self, _event: Event, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<(), CoreError> {
-///         state.lr *= 0.5;
+///     fn apply(&mut self, _event: Event, state: &mut State<S>, _logger: &mut Logger) -> Result<(), CoreError> {
+///         state.lr = 0.0;
 ///         Ok(())
 ///     }
 /// }
-/// assert!(Event::BatchStart < Event::BeforeForward);
+///
+/// // Two batches: the second is skipped, so the weight moves exactly as after one batch.
+/// # type B = burn::backend::Autodiff<burn::backend::Flex>;
+/// let mut with = toy::trainer::<B>(toy::points(8, 4), Time::Batch(2)).algorithm(SkipOdd).build()?;
+/// let mut without = toy::trainer::<B>(toy::points(8, 4), Time::Batch(1)).build()?;
+/// with.fit()?;
+/// without.fit()?;
+/// assert_eq!(toy::weight(with.model()), toy::weight(without.model()));
+/// assert_ne!(toy::weight(with.model()), 0.0);
+/// # Ok::<(), CoreError>(())
 /// ```
-pub trait Algorithm<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>: Send {
+pub trait Algorithm<S: Setup>: Send {
     /// The algorithm's name (snake case), used in errors, logs and checkpoints.
     fn name(&self) -> &str;
 
     /// Whether to run at `event` in this state.
-    fn matches(&self, event: Event, state: &State<B, M, O>) -> bool;
+    fn matches(&self, event: Event, state: &State<S>) -> bool;
 
     /// Does the algorithm's work. An `Err` stops training and is returned from `fit`.
-    fn apply(
-        &mut self,
-        event: Event,
-        state: &mut State<B, M, O>,
-        logger: &mut Logger,
-    ) -> Result<()>;
+    fn apply(&mut self, event: Event, state: &mut State<S>, logger: &mut Logger) -> Result<()>;
 
     /// The algorithm's state, for checkpoints (default: nothing to save).
     fn state_dict(&self) -> Value {

@@ -2,41 +2,53 @@
 //! events), then callbacks, then loggers; at `INIT`, loggers first so they can record
 //! everything that follows. When nothing is registered, running an event costs one branch:
 //! that is the trainer's hot path with no algorithms and no callbacks.
+//!
+//! On ranks other than 0 of a data-parallel run, callbacks that act on rank 0 only
+//! ([`Ranks::Main`](crate::collective::Ranks)) see no events, but their states are still
+//! saved and restored, so every rank's checkpoint keys agree.
 
 use std::collections::BTreeMap;
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
 use serde_json::Value;
 
 use crate::callback::{Algorithm, Callback};
 use crate::error::{CoreError, Result};
 use crate::event::Event;
 use crate::logger::Logger;
-use crate::model::TrainModel;
-use crate::state::State;
+use crate::setup::Setup;
+use crate::state::{State, World};
 
 /// Runs events over the registered algorithms, callbacks and loggers.
-pub struct Engine<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
-    pub(crate) algorithms: Vec<Box<dyn Algorithm<B, M, O>>>,
-    pub(crate) callbacks: Vec<Box<dyn Callback<B, M, O>>>,
+pub struct Engine<S: Setup> {
+    pub(crate) algorithms: Vec<Box<dyn Algorithm<S>>>,
+    pub(crate) callbacks: Vec<Box<dyn Callback<S>>>,
+    /// Whether each callback acts on this rank.
+    active: Vec<bool>,
     pub(crate) logger: Logger,
     idle: bool,
     collect_states: bool,
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
-    /// An engine over the given parts.
+impl<S: Setup> Engine<S> {
+    /// An engine over the given parts, for rank `world.rank`: loggers and callbacks that act
+    /// on rank 0 only are left out elsewhere.
     pub fn new(
-        algorithms: Vec<Box<dyn Algorithm<B, M, O>>>,
-        callbacks: Vec<Box<dyn Callback<B, M, O>>>,
+        algorithms: Vec<Box<dyn Algorithm<S>>>,
+        callbacks: Vec<Box<dyn Callback<S>>>,
         logger: Logger,
+        world: World,
     ) -> Self {
-        let idle = algorithms.is_empty() && callbacks.is_empty() && logger.is_empty();
-        let collect_states = callbacks.iter().any(|c| c.needs_component_states());
+        let logger = logger.for_rank(world);
+        let active: Vec<bool> = callbacks.iter().map(|c| world.runs(c.ranks())).collect();
+        let idle = algorithms.is_empty() && !active.contains(&true) && logger.is_empty();
+        let collect_states = callbacks
+            .iter()
+            .zip(&active)
+            .any(|(c, &on)| on && c.needs_component_states());
         Engine {
             algorithms,
             callbacks,
+            active,
             logger,
             idle,
             collect_states,
@@ -55,7 +67,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
 
     /// Runs `event`.
     #[inline]
-    pub fn run(&mut self, event: Event, state: &mut State<B, M, O>) -> Result<()> {
+    pub fn run(&mut self, event: Event, state: &mut State<S>) -> Result<()> {
         if self.idle {
             return Ok(());
         }
@@ -114,7 +126,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
         Ok(())
     }
 
-    fn run_all(&mut self, event: Event, state: &mut State<B, M, O>) -> Result<()> {
+    fn run_all(&mut self, event: Event, state: &mut State<S>) -> Result<()> {
         if self.collect_states
             && matches!(
                 event,
@@ -140,7 +152,12 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Engine<B, M, O> {
                 }
             }
         }
-        for c in self.callbacks.iter_mut() {
+        for (c, _) in self
+            .callbacks
+            .iter_mut()
+            .zip(&self.active)
+            .filter(|(_, &on)| on)
+        {
             c.run_event(event, state, &mut self.logger)?;
         }
         if event != Event::Init {

@@ -9,12 +9,23 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum CoreError {
     /// A time string such as `"2ep"` could not be parsed.
-    #[error("invalid time {input:?}: {reason}; expected a number followed by one of the units ep, ba, sp, tok, dur (for example \"2ep\", \"500ba\", \"1e6tok\", \"0.3dur\")")]
+    #[error("invalid time {input:?}: {reason}; expected a number followed by one of the units ep, ba, sp, tok, dur (for example \"2ep\", \"500ba\", \"1e6tok\", \"0.3dur\"; units in any case, `_` between digits), or a wall-clock time in h, m and s (\"1h30m\", \"45m\", \"90s\")")]
     InvalidTime {
         /// The string as given.
         input: String,
         /// What is wrong with it.
         reason: String,
+    },
+
+    /// Two times of different units were added, subtracted or divided.
+    #[error("cannot compute {left} {op} {right}: the units differ; convert one time first (both must be in ep, ba, sp, tok, dur or wall-clock time)")]
+    TimeUnitMismatch {
+        /// The operation (`+`, `-`, `/`).
+        op: &'static str,
+        /// The left operand, formatted.
+        left: String,
+        /// The right operand, formatted.
+        right: String,
     },
 
     /// A configuration value is outside the range the trainer accepts.
@@ -55,6 +66,15 @@ pub enum CoreError {
         batch: u64,
         /// Index of the batch inside its epoch (0-based).
         batch_in_epoch: u64,
+    },
+
+    /// A class index is outside the model's classes.
+    #[error("class index {value} is outside 0..{num_classes}: targets must be class indices from 0 to {num_classes} - 1 (negative indices are not wrapped and there is no ignore index; relabel or drop such samples)")]
+    ClassIndex {
+        /// The offending index.
+        value: i64,
+        /// The number of classes.
+        num_classes: usize,
     },
 
     /// A data file could not be read.

@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 pub mod callback;
+pub mod collective;
 pub mod data;
 pub mod engine;
 pub mod error;
@@ -18,10 +19,14 @@ pub mod loss;
 pub mod metric;
 pub mod model;
 pub mod params;
+pub mod restore;
 pub mod rng;
 pub mod schedule;
+pub mod setup;
 pub mod state;
 pub mod time;
+#[doc(hidden)]
+pub mod toy;
 pub mod trainer;
 
 pub use error::{CoreError, Result};
@@ -29,6 +34,7 @@ pub use error::{CoreError, Result};
 /// The names most programs need.
 pub mod prelude {
     pub use crate::callback::{Algorithm, Callback};
+    pub use crate::collective::{Collective, OnEveryRank, Ranks};
     pub use crate::data::{BatchSource, DataLoader, Dataset, InMemoryDataset, Sampler};
     pub use crate::error::CoreError;
     pub use crate::event::Event;
@@ -39,7 +45,9 @@ pub mod prelude {
         Logits, SelectSamples, SequenceBatch, TokenBatch, TrainModel,
     };
     pub use crate::params::{init_model, params_sha256};
+    pub use crate::restore::Restore;
     pub use crate::schedule::{LrSchedule, Scheduler};
+    pub use crate::setup::{BatchOf, OutputOf, Setup, SetupOf};
     pub use crate::state::{State, World};
     pub use crate::time::{Time, TimeUnit, Timestamp};
     pub use crate::trainer::{Evaluator, FitReport, Trainer};

@@ -2,8 +2,10 @@
 //! the user added. Destinations see events too (at `INIT` before anyone else), but only the
 //! timestamp, never the model: a logger records, it does not steer.
 
+use derive_new::new;
 use serde_json::Value;
 
+use crate::collective::Ranks;
 use crate::error::Result;
 use crate::event::Event;
 use crate::time::{Progress, Timestamp};
@@ -40,18 +42,27 @@ pub trait LoggerDestination: Send {
         let _ = (event, timestamp, progress);
         Ok(())
     }
+
+    /// The ranks of a data-parallel run on which this destination receives anything.
+    /// Default: rank 0 only, since a logger writes; wrap it in
+    /// [`OnEveryRank`](crate::collective::OnEveryRank) to log on every rank.
+    fn ranks(&self) -> Ranks {
+        Ranks::Main
+    }
 }
 
-/// Fans logged values out to every destination.
-#[derive(Default)]
+/// Fans logged values out to every destination (`Logger::new(destinations)`).
+#[derive(Default, new)]
 pub struct Logger {
     destinations: Vec<Box<dyn LoggerDestination>>,
 }
 
 impl Logger {
-    /// A logger over the given destinations.
-    pub fn new(destinations: Vec<Box<dyn LoggerDestination>>) -> Self {
-        Logger { destinations }
+    /// Keeps only the destinations that act on this rank of `world` (see
+    /// [`LoggerDestination::ranks`]); the others never see a value.
+    pub fn for_rank(mut self, world: crate::state::World) -> Self {
+        self.destinations.retain(|d| world.runs(d.ranks()));
+        self
     }
 
     /// Whether there is nowhere to log to (the trainer then skips building log records).

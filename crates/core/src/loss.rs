@@ -1,13 +1,85 @@
 //! Classification losses that honour soft targets: the one place where the class
-//! distributions written by label smoothing, MixUp and CutMix meet a model's loss.
+//! distributions written by label smoothing, MixUp and CutMix meet a model's loss, and where
+//! class indices become distributions ([`one_hot_classes`], [`one_hot_sequence`]), checked.
+//!
+//! Two layouts, as PyTorch and Composer use them: logits `[N, C]` with targets `[N]`, and
+//! logits `[N, C, L]` (class scores for each of `L` positions, token models) with targets
+//! `[N, L]`; the class axis is always axis 1. Losses are means over every scored position.
 //!
 //! Pure tensor functions; nothing here knows the trainer.
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{ElementConversion, Int, Tensor};
 
+use crate::error::{CoreError, Result};
 use crate::model::ClassTargets;
+
+/// Checks that every class index in `targets` lies in `0..num_classes`, with one read-back of
+/// the smallest and largest index. A negative index is an error, never wrapped to the last
+/// classes (there is no ignore index).
+pub fn check_class_indices<B: Backend, const D: usize>(
+    targets: &Tensor<B, D, Int>,
+    num_classes: usize,
+) -> Result<()> {
+    let n = targets.shape().num_elements();
+    if n == 0 {
+        return Ok(());
+    }
+    let flat = targets.clone().reshape([n]);
+    let ends = Tensor::cat(vec![flat.clone().min(), flat.max()], 0);
+    let ends: Vec<i64> = ends.into_data().iter::<i64>().map(|v| v.elem()).collect();
+    let bad = ends
+        .iter()
+        .copied()
+        .find(|&v| v < 0 || v as u64 >= num_classes as u64);
+    match bad {
+        None => Ok(()),
+        Some(value) => Err(CoreError::ClassIndex { value, num_classes }),
+    }
+}
+
+/// Class indices `[N]` as one-hot distributions `[N, C]`; an index outside `0..C` is an
+/// error naming it.
+pub fn one_hot_classes<B: Backend>(
+    targets: Tensor<B, 1, Int>,
+    num_classes: usize,
+) -> Result<Tensor<B, 2>> {
+    check_class_indices(&targets, num_classes)?;
+    Ok(targets.one_hot::<2>(num_classes).float())
+}
+
+/// Class indices `[N, L]` as one-hot distributions `[N, C, L]` (classes on axis 1, as token
+/// logits `[N, C, L]` have them); an index outside `0..C` is an error naming it.
+pub fn one_hot_sequence<B: Backend>(
+    targets: Tensor<B, 2, Int>,
+    num_classes: usize,
+) -> Result<Tensor<B, 3>> {
+    check_class_indices(&targets, num_classes)?;
+    Ok(targets.one_hot_fill::<3>(num_classes, 1.0, 0.0, 1).float())
+}
+
+/// Mean cross-entropy of token logits `[N, C, L]` against class indices `[N, L]`, over all
+/// `N * L` positions.
+pub fn sequence_cross_entropy<B: Backend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+) -> Tensor<B, 1> {
+    let [n, l] = targets.dims();
+    log_softmax(logits, 1)
+        .gather(1, targets.reshape([n, 1, l]))
+        .mean()
+        .neg()
+}
+
+/// Mean cross-entropy of token logits `[N, C, L]` against distributions `[N, C, L]`:
+/// `-mean_{n,l} sum_c p[n, c, l] * log_softmax(logits)[n, c, l]`.
+pub fn sequence_soft_cross_entropy<B: Backend>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 3>,
+) -> Tensor<B, 1> {
+    (log_softmax(logits, 1) * targets).sum_dim(1).mean().neg()
+}
 
 /// Mean cross-entropy of `logits` `[batch, classes]` against class indices `[batch]`.
 pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
@@ -105,12 +177,71 @@ mod tests {
     }
 
     #[test]
+    fn negative_and_too_large_class_indices_are_errors_not_wrapped() {
+        let dev = Default::default();
+        let t = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0i64, -1, 2], [3]), &dev);
+        let err = one_hot_classes(t, 3).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CoreError::ClassIndex {
+                    value: -1,
+                    num_classes: 3
+                }
+            ),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("-1") && err.to_string().contains("0..3"),
+            "{err}"
+        );
+        let t = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![0i64, 1, 3, 2], [2, 2]), &dev);
+        let err = one_hot_sequence(t, 3).unwrap_err();
+        assert!(
+            matches!(err, CoreError::ClassIndex { value: 3, .. }),
+            "{err}"
+        );
+        let batch = ClassificationBatch::new(
+            Tensor::<B, 2>::zeros([2, 1], &dev),
+            Tensor::<B, 1, Int>::from_data(TensorData::new(vec![1i64, -2], [2]), &dev),
+        );
+        assert!(matches!(
+            batch.target_distribution(4),
+            Err(CoreError::ClassIndex { value: -2, .. })
+        ));
+    }
+
+    #[test]
+    fn sequence_losses_match_the_formula_position_by_position() {
+        let dev = Default::default();
+        // N = 1, C = 3, L = 2: position 0 has the scores of sample 0 of `logits()`, position
+        // 1 uniform scores; targets 0 and 2.
+        let logits = Tensor::<B, 3>::from_data(
+            TensorData::new(vec![2.0f32, 0.5, 0.0, 0.5, -1.0, 0.5], [1, 3, 2]),
+            &dev,
+        );
+        let t = Tensor::<B, 2, Int>::from_data(TensorData::new(vec![0i64, 2], [1, 2]), &dev);
+        let lse0 = (2f64.exp() + 1.0 + (-1f64).exp()).ln();
+        let want = ((lse0 - 2.0) + 3f64.ln()) / 2.0;
+        let got: f32 = sequence_cross_entropy(logits.clone(), t.clone()).into_scalar();
+        assert!((got as f64 - want).abs() < 1e-6, "{got} vs {want}");
+        let one_hot = one_hot_sequence(t, 3).unwrap();
+        assert_eq!(one_hot.dims(), [1, 3, 2]);
+        assert_eq!(
+            one_hot.clone().into_data().to_vec::<f32>().unwrap(),
+            vec![1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+        );
+        let soft: f32 = sequence_soft_cross_entropy(logits, one_hot).into_scalar();
+        assert!((soft as f64 - want).abs() < 1e-6, "{soft} vs {want}");
+    }
+
+    #[test]
     fn soft_targets_replace_hard_ones_and_one_hot_agrees() {
         let dev = Default::default();
         let t = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0i64, 2], [2]), &dev);
         let mut batch = ClassificationBatch::new(Tensor::<B, 2>::zeros([2, 1], &dev), t);
         let hard: f32 = classification_loss(logits(), &batch).into_scalar();
-        batch.soft_targets = Some(batch.target_distribution(3));
+        batch.soft_targets = Some(batch.target_distribution(3).unwrap());
         let one_hot: f32 = classification_loss(logits(), &batch).into_scalar();
         assert!((hard - one_hot).abs() < 1e-6);
         // A half/half target on sample 0 between classes 0 and 1: loss = lse0 - (2 + 0) / 2.

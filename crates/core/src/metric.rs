@@ -1,6 +1,8 @@
 //! Evaluation metrics: running averages over the batches of one evaluation. Each metric reads
 //! a model's evaluation output; the built-in ones read [`ClassificationOutput`]. A metric
-//! computes on the device and reads back one number per batch.
+//! computes on the device and reads back one number per batch. Its running totals (sums and
+//! counts) add across the ranks of a data-parallel run, so every rank can read the global
+//! value.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ElementConversion;
@@ -17,6 +19,19 @@ pub trait Metric<O>: Send {
     fn value(&self) -> f64;
     /// Forgets everything added.
     fn reset(&mut self);
+
+    /// The running totals `value` is computed from (sums and counts), which add across the
+    /// ranks of a data-parallel run; `None` for a metric whose state does not add (then a
+    /// multi-rank evaluation refuses it with an error naming it).
+    fn totals(&self) -> Option<Vec<f64>> {
+        None
+    }
+
+    /// Replaces the running totals with `totals` (what [`Metric::totals`] returned, summed
+    /// over every rank).
+    fn set_totals(&mut self, totals: &[f64]) {
+        let _ = totals;
+    }
 }
 
 /// Running mean weighted by batch size.
@@ -27,6 +42,15 @@ struct Mean {
 }
 
 impl Mean {
+    fn totals(&self) -> Option<Vec<f64>> {
+        Some(vec![self.sum, self.count])
+    }
+    fn set_totals(&mut self, totals: &[f64]) {
+        if let [sum, count] = totals {
+            self.sum = *sum;
+            self.count = *count;
+        }
+    }
     fn add(&mut self, value_sum: f64, count: usize) {
         self.sum += value_sum;
         self.count += count as f64;
@@ -59,6 +83,12 @@ impl<B: Backend> Metric<ClassificationOutput<B>> for LossMetric {
     fn reset(&mut self) {
         self.0 = Mean::default();
     }
+    fn totals(&self) -> Option<Vec<f64>> {
+        self.0.totals()
+    }
+    fn set_totals(&mut self, totals: &[f64]) {
+        self.0.set_totals(totals);
+    }
 }
 
 /// Fraction of samples whose highest-scoring class is the target.
@@ -85,6 +115,12 @@ impl<B: Backend> Metric<ClassificationOutput<B>> for Accuracy {
     }
     fn reset(&mut self) {
         self.0 = Mean::default();
+    }
+    fn totals(&self) -> Option<Vec<f64>> {
+        self.0.totals()
+    }
+    fn set_totals(&mut self, totals: &[f64]) {
+        self.0.set_totals(totals);
     }
 }
 
@@ -137,6 +173,12 @@ impl<B: Backend> Metric<ClassificationOutput<B>> for TopKAccuracy {
     }
     fn reset(&mut self) {
         self.mean = Mean::default();
+    }
+    fn totals(&self) -> Option<Vec<f64>> {
+        self.mean.totals()
+    }
+    fn set_totals(&mut self, totals: &[f64]) {
+        self.mean.set_totals(totals);
     }
 }
 
@@ -200,5 +242,38 @@ mod tests {
         );
         Metric::<ClassificationOutput<B>>::reset(&mut m);
         assert!(Metric::<ClassificationOutput<B>>::value(&m).is_nan());
+    }
+
+    #[test]
+    fn totals_of_two_ranks_add_up_to_the_metric_over_both() {
+        // Rank 0 sees `output()` (1 of 3 correct), rank 1 a batch of one correct sample: the
+        // summed totals give 2 correct of 4, the accuracy over both shards.
+        let device = Default::default();
+        let one = ClassificationOutput::<B> {
+            loss: Tensor::from_floats([0.5], &device),
+            logits: Tensor::from_floats([[1.0, 0.0]], &device),
+            targets: Tensor::from_ints([0], &device),
+        };
+        let (mut r0, mut r1) = (Accuracy::default(), Accuracy::default());
+        Metric::<ClassificationOutput<B>>::update(&mut r0, &output());
+        Metric::<ClassificationOutput<B>>::update(&mut r1, &one);
+        let a = Metric::<ClassificationOutput<B>>::totals(&r0).unwrap();
+        let b = Metric::<ClassificationOutput<B>>::totals(&r1).unwrap();
+        let sum: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+        Metric::<ClassificationOutput<B>>::set_totals(&mut r1, &sum);
+        assert_eq!(Metric::<ClassificationOutput<B>>::value(&r1), 0.5);
+        let (mut l0, mut l1) = (LossMetric::default(), LossMetric::default());
+        Metric::<ClassificationOutput<B>>::update(&mut l0, &output());
+        Metric::<ClassificationOutput<B>>::update(&mut l1, &one);
+        let mut t = Metric::<ClassificationOutput<B>>::totals(&l0).unwrap();
+        for (x, y) in t
+            .iter_mut()
+            .zip(Metric::<ClassificationOutput<B>>::totals(&l1).unwrap())
+        {
+            *x += y;
+        }
+        Metric::<ClassificationOutput<B>>::set_totals(&mut l0, &t);
+        let want = (1.5 * 3.0 + 0.5) / 4.0;
+        assert!((Metric::<ClassificationOutput<B>>::value(&l0) - want).abs() < 1e-12);
     }
 }

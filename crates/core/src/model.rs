@@ -7,6 +7,7 @@
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
+use derive_new::new;
 
 /// A batch the trainer can count and split into microbatches. Cloning must be cheap (tensors
 /// are reference-counted), since the trainer keeps the full batch while it runs microbatches.
@@ -69,8 +70,9 @@ pub trait EvalModel<B: Backend>: Module<B> + Send + 'static {
     fn forward_eval(&self, batch: &Self::Batch) -> Self::Output;
 }
 
-/// A batch of inputs with integer class targets (images, or any other tensor of rank `D`).
-#[derive(Debug, Clone)]
+/// A batch of inputs with integer class targets (images, or any other tensor of rank `D`);
+/// `ClassificationBatch::new(inputs, targets)` makes one with hard targets only.
+#[derive(Debug, Clone, new)]
 pub struct ClassificationBatch<B: Backend, const D: usize> {
     /// Inputs, batch first.
     pub inputs: Tensor<B, D>,
@@ -78,18 +80,8 @@ pub struct ClassificationBatch<B: Backend, const D: usize> {
     pub targets: Tensor<B, 1, Int>,
     /// Class distributions `[batch, classes]` that replace `targets` in the loss when set
     /// (label smoothing, MixUp and CutMix write them; loaders leave them empty).
+    #[new(default)]
     pub soft_targets: Option<Tensor<B, 2>>,
-}
-
-impl<B: Backend, const D: usize> ClassificationBatch<B, D> {
-    /// A batch with hard class targets only.
-    pub fn new(inputs: Tensor<B, D>, targets: Tensor<B, 1, Int>) -> Self {
-        ClassificationBatch {
-            inputs,
-            targets,
-            soft_targets: None,
-        }
-    }
 }
 
 impl<B: Backend, const D: usize> Batch for ClassificationBatch<B, D> {
@@ -175,11 +167,12 @@ pub trait ClassTargets<B: Backend>: Batch {
     fn set_soft_targets(&mut self, targets: Option<Tensor<B, 2>>);
 
     /// The targets as distributions over `num_classes`: the soft targets when set, otherwise
-    /// the one-hot encoding of the classes.
-    fn target_distribution(&self, num_classes: usize) -> Tensor<B, 2> {
+    /// the one-hot encoding of the classes, which must lie in `0..num_classes` (a negative or
+    /// too large index is an error naming it, see [`crate::loss::one_hot_classes`]).
+    fn target_distribution(&self, num_classes: usize) -> crate::Result<Tensor<B, 2>> {
         match self.soft_targets() {
-            Some(t) => t.clone(),
-            None => self.classes().clone().one_hot::<2>(num_classes).float(),
+            Some(t) => Ok(t.clone()),
+            None => crate::loss::one_hot_classes(self.classes().clone(), num_classes),
         }
     }
 }

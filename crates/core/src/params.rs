@@ -5,12 +5,16 @@
 //! module's field order while holding a process-wide lock, so that two models built with the
 //! same seed are identical even when other threads build models at the same time.
 //! [`params_sha256`] hashes every parameter in a canonical order (sorted by path), which is how
-//! runs are compared bit for bit.
+//! runs are compared bit for bit. The flat buffers ([`flatten_grads`], [`flatten_params`] and
+//! their inverses) lay every parameter out in the module's order, which is the same on every
+//! rank of a data-parallel run: one buffer per collective operation.
 
+use std::collections::HashSet;
 use std::sync::Mutex;
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::backend::Backend;
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::Tensor;
 use sha2::{Digest, Sha256};
 
@@ -105,4 +109,175 @@ pub fn params_sha256<B: Backend, M: Module<B>>(model: &M) -> String {
         h.update(bytes);
     }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Collects every trainable parameter's gradient, flattened, in the module's order; a
+/// trainable parameter without a gradient (or every one, when `grads` is `None`) contributes
+/// zeros, so every rank's buffer has the same layout.
+struct FlattenGrads<'a, AB: AutodiffBackend> {
+    grads: Option<&'a GradientsParams>,
+    pieces: Vec<Tensor<AB::InnerBackend, 1>>,
+}
+
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for FlattenGrads<'_, AB> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        let value = param.val();
+        if !value.is_require_grad() {
+            return;
+        }
+        let n = value.shape().num_elements();
+        let piece = match self
+            .grads
+            .and_then(|g| g.get::<AB::InnerBackend, D>(param.id))
+        {
+            Some(g) => g.reshape([n]),
+            None => Tensor::zeros([n], &value.device()),
+        };
+        self.pieces.push(piece);
+    }
+}
+
+/// Every trainable parameter's gradient in one flat buffer, in the module's parameter order
+/// (zeros where a parameter has none, or for all of them when `grads` is `None`): what one
+/// all-reduce per optimizer step sends. `None` when the model has no trainable parameter.
+pub fn flatten_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    grads: Option<&GradientsParams>,
+) -> Option<Tensor<AB::InnerBackend, 1>> {
+    let mut v = FlattenGrads::<AB> {
+        grads,
+        pieces: Vec::new(),
+    };
+    model.visit(&mut v);
+    (!v.pieces.is_empty()).then(|| Tensor::cat(v.pieces, 0))
+}
+
+/// Reads gradients back from a buffer laid out by [`flatten_grads`].
+struct UnflattenGrads<'a, AB: AutodiffBackend> {
+    flat: Tensor<AB::InnerBackend, 1>,
+    offset: usize,
+    keep: &'a dyn Fn(ParamId) -> bool,
+    out: GradientsParams,
+}
+
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for UnflattenGrads<'_, AB> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        let value = param.val();
+        if !value.is_require_grad() {
+            return;
+        }
+        let shape: [usize; D] = value.dims();
+        let n: usize = shape.iter().product();
+        if (self.keep)(param.id) {
+            let g = self.flat.clone().narrow(0, self.offset, n).reshape(shape);
+            self.out.register::<AB::InnerBackend, D>(param.id, g);
+        }
+        self.offset += n;
+    }
+}
+
+/// The gradients in `flat` (laid out by [`flatten_grads`] for the same model), for the
+/// parameters `keep` accepts.
+pub fn unflatten_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    flat: Tensor<AB::InnerBackend, 1>,
+    keep: &dyn Fn(ParamId) -> bool,
+) -> GradientsParams {
+    let mut v = UnflattenGrads::<AB> {
+        flat,
+        offset: 0,
+        keep,
+        out: GradientsParams::new(),
+    };
+    model.visit(&mut v);
+    v.out
+}
+
+/// The parameter ids that have a gradient in `grads`, for [`unflatten_grads`]'s `keep`.
+pub fn grad_ids<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    grads: &GradientsParams,
+) -> HashSet<ParamId> {
+    struct Ids<'a, AB> {
+        grads: &'a GradientsParams,
+        out: HashSet<ParamId>,
+        _b: std::marker::PhantomData<AB>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Ids<'_, AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            if self.grads.get::<AB::InnerBackend, D>(param.id).is_some() {
+                self.out.insert(param.id);
+            }
+        }
+    }
+    let mut v = Ids::<AB> {
+        grads,
+        out: HashSet::new(),
+        _b: std::marker::PhantomData,
+    };
+    model.visit(&mut v);
+    v.out
+}
+
+struct FlattenParams<B: Backend> {
+    pieces: Vec<Tensor<B, 1>>,
+}
+
+impl<AB: AutodiffBackend> ModuleVisitor<AB> for FlattenParams<AB::InnerBackend> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+        let value = param.val().inner();
+        let n = value.shape().num_elements();
+        self.pieces.push(value.reshape([n]));
+    }
+}
+
+/// Every float parameter's values in one flat buffer, in the module's order (what a weight
+/// broadcast sends). `None` for a model without float parameters.
+pub fn flatten_params<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+) -> Option<Tensor<AB::InnerBackend, 1>> {
+    let mut v = FlattenParams::<AB::InnerBackend> { pieces: Vec::new() };
+    model.visit(&mut v);
+    (!v.pieces.is_empty()).then(|| Tensor::cat(v.pieces, 0))
+}
+
+struct LoadFlat<B: Backend> {
+    flat: Tensor<B, 1>,
+    offset: usize,
+}
+
+impl<AB: AutodiffBackend> ModuleMapper<AB> for LoadFlat<AB::InnerBackend> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let shape: [usize; D] = tensor.dims();
+        let n: usize = shape.iter().product();
+        let value = self.flat.clone().narrow(0, self.offset, n).reshape(shape);
+        self.offset += n;
+        let value = Tensor::<AB, D>::from_inner(value);
+        let value = if tensor.is_require_grad() {
+            value.require_grad()
+        } else {
+            value
+        };
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
+
+/// Writes a buffer laid out by [`flatten_params`] (for a model of the same structure) into
+/// `model`'s parameters; every parameter keeps its id and whether it requires gradients.
+/// A buffer of the wrong length is an error naming both lengths.
+pub fn load_flat_params<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: M,
+    flat: Tensor<AB::InnerBackend, 1>,
+) -> crate::Result<M> {
+    let expected = model.num_params();
+    let got = flat.dims()[0];
+    if got != expected {
+        return Err(crate::CoreError::config(
+            "parameter buffer",
+            format!("{got} values"),
+            format!("{expected} values, one per parameter element of the model"),
+        ));
+    }
+    Ok(model.map(&mut LoadFlat::<AB::InnerBackend> { flat, offset: 0 }))
 }

@@ -5,16 +5,15 @@
 
 use std::collections::BTreeMap;
 
-use burn::optim::{GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
-use crate::model::TrainModel;
 use crate::rng::{derive_seed, Rng};
 use crate::schedule::LrSchedule;
+use crate::setup::{BatchOf, DeviceOf, OutputOf, Setup};
 use crate::time::{Progress, Time, Timestamp};
 
-/// Rank and size of the data-parallel world this process belongs to.
+/// Rank and size of the data-parallel world this process belongs to, and so who writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct World {
     /// This process's rank, `0..size`.
@@ -29,11 +28,25 @@ impl Default for World {
     }
 }
 
+impl World {
+    /// Whether this is the main rank (0): the one whose loggers, progress bar, plots and
+    /// checkpoint saver act, unless a component is configured to act on every rank
+    /// ([`Ranks`](crate::collective::Ranks)).
+    pub fn is_main(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// Whether a component that acts on `ranks` acts on this process.
+    pub fn runs(&self, ranks: crate::collective::Ranks) -> bool {
+        ranks == crate::collective::Ranks::Every || self.is_main()
+    }
+}
+
 /// Everything a training run knows at a given event.
-pub struct State<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
-    pub(crate) model: Option<M>,
+pub struct State<S: Setup> {
+    pub(crate) model: Option<S::Model>,
     /// The optimizer (its moments are part of the state a checkpoint saves).
-    pub optimizer: O,
+    pub optimizer: S::Optimizer,
     /// The learning-rate schedule: a pure function of time, multiplied into `base_lr`.
     pub scheduler: Box<dyn LrSchedule>,
     /// Learning rate at scale factor 1.
@@ -52,15 +65,18 @@ pub struct State<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
     pub samples_per_epoch: u64,
     /// The current batch: the full batch from `AFTER_DATALOADER` to `BATCH_END`, except between
     /// `BEFORE_FORWARD` and `AFTER_BACKWARD`, where it is the current microbatch.
-    pub batch: Option<M::Batch>,
+    pub batch: Option<BatchOf<S>>,
     /// Output of the model on the current microbatch (`AFTER_FORWARD` to `AFTER_BACKWARD`).
-    pub outputs: Option<M::Output>,
+    pub outputs: Option<OutputOf<S>>,
     /// Loss of the current microbatch (`AFTER_LOSS` to `BEFORE_BACKWARD`), unscaled.
-    pub loss: Option<Tensor<B, 1>>,
-    /// Loss of the last full batch, read back to the host (set before `AFTER_TRAIN_BATCH`).
+    pub loss: Option<Tensor<S::Backend, 1>>,
+    /// Loss of the last full batch, read back to the host (set before `AFTER_TRAIN_BATCH`);
+    /// in a data-parallel run, the mean over every rank's batch.
     pub loss_value: Option<f64>,
     /// Gradients: of the current microbatch at `AFTER_BACKWARD`, of the whole batch at
     /// `AFTER_TRAIN_BATCH` (where clipping may rewrite them); consumed by the optimizer step.
+    /// In a data-parallel run they are already averaged over every rank at
+    /// `AFTER_TRAIN_BATCH` (see [`Collective`](crate::collective::Collective)).
     pub grads: Option<GradientsParams>,
     /// Latest evaluation results: evaluator label, then metric name, then value.
     pub eval_metrics: BTreeMap<String, BTreeMap<String, f64>>,
@@ -81,13 +97,13 @@ pub struct State<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> {
     /// The run's seed; all randomness derives from it (see [`State::rng`]).
     pub seed: u64,
     /// The device the model trains on.
-    pub device: B::Device,
+    pub device: DeviceOf<S>,
     pub(crate) stop_reason: Option<String>,
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> State<B, M, O> {
+impl<S: Setup> State<S> {
     /// The model.
-    pub fn model(&self) -> &M {
+    pub fn model(&self) -> &S::Model {
         // The model is only taken out for the length of the optimizer step, during which no
         // event runs, so it is always present when user code can see the state.
         self.model
@@ -97,12 +113,28 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> State<B, M, O> {
 
     /// Replaces the model through a function of the old one; parameter ids should be kept so
     /// that optimizer state stays attached.
-    pub fn map_model(&mut self, f: impl FnOnce(M) -> M) {
+    pub fn map_model(&mut self, f: impl FnOnce(S::Model) -> S::Model) {
+        // Invariant: as in `model`, no event runs while the model is out.
         let model = self
             .model
             .take()
             .expect("model is present outside the optimizer step");
         self.model = Some(f(model));
+    }
+
+    /// Like [`State::map_model`] for a fallible function; on an error the model is gone and
+    /// the caller must not use the state again (the trainer only does this while building).
+    pub(crate) fn try_map_model(
+        &mut self,
+        f: impl FnOnce(S::Model) -> crate::Result<S::Model>,
+    ) -> crate::Result<()> {
+        // Invariant: as in `model`, no event runs while the model is out.
+        let model = self
+            .model
+            .take()
+            .expect("model is present outside the optimizer step");
+        self.model = Some(f(model)?);
+        Ok(())
     }
 
     /// Asks the trainer to stop after the current batch; `reason` is logged.

@@ -1,11 +1,10 @@
 //! The learning-rate monitor.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
+use derive_new::new;
 use flashover_core::callback::Callback;
 use flashover_core::error::Result;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
 /// Logs the learning rate each batch trained with, per parameter group, as `lr/group<i>`.
@@ -19,22 +18,15 @@ use flashover_core::state::State;
 /// let monitor = LrMonitor::new(); // trainer builder: .callback(LrMonitor::new())
 /// # let _ = monitor;
 /// ```
-#[derive(Debug, Default)]
+#[derive(Debug, Default, new)]
 pub struct LrMonitor;
 
-impl LrMonitor {
-    /// A monitor of every group's learning rate.
-    pub fn new() -> Self {
-        LrMonitor
-    }
-}
-
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for LrMonitor {
+impl<S: Setup> Callback<S> for LrMonitor {
     fn name(&self) -> &str {
         "lr_monitor"
     }
 
-    fn batch_end(&mut self, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
         // `state.lr` is the rate the optimizer step of this batch used (set at BATCH_START,
         // possibly changed by an algorithm before the step, untouched after it).
         logger.log_metrics(&state.timestamp, &[("lr/group0", state.lr)])

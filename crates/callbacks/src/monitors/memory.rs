@@ -1,11 +1,9 @@
 //! The memory monitor.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
 use flashover_core::callback::Callback;
 use flashover_core::error::Result;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::Time;
 
@@ -79,12 +77,12 @@ pub fn process_memory() -> Option<(u64, u64)> {
     Some((field("VmRSS:")?, field("VmHWM:")?))
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for MemoryMonitor {
+impl<S: Setup> Callback<S> for MemoryMonitor {
     fn name(&self) -> &str {
         "memory_monitor"
     }
 
-    fn batch_end(&mut self, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
         let ts = &state.timestamp;
         if !due(
             self.every,

@@ -1,12 +1,10 @@
 //! The NaN/Inf watch.
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ElementConversion;
 use flashover_core::callback::Callback;
 use flashover_core::error::Result;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
 use super::norms::{ParamStats, Stat};
@@ -62,17 +60,17 @@ impl NanMonitor {
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for NanMonitor {
+impl<S: Setup> Callback<S> for NanMonitor {
     fn name(&self) -> &str {
         "nan_monitor"
     }
 
-    fn batch_start(&mut self, _state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn batch_start(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         self.microbatch = 0;
         Ok(())
     }
 
-    fn after_loss(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn after_loss(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         let micro = self.microbatch;
         self.microbatch += 1;
         let Some(loss) = &state.loss else {
@@ -94,18 +92,14 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         .into())
     }
 
-    fn after_train_batch(
-        &mut self,
-        state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> Result<()> {
+    fn after_train_batch(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         if !(state.timestamp.batch + 1).is_multiple_of(self.grad_every) {
             return Ok(());
         }
         let Some(grads) = &state.grads else {
             return Ok(());
         };
-        let counts = ParamStats::<B>::of(state.model(), Some(grads), Stat::NonFinite);
+        let counts = ParamStats::<S::Backend>::of(state.model(), Some(grads), Stat::NonFinite);
         let bad: Vec<&(String, Vec<f64>)> = counts
             .iter()
             .filter(|(_, c)| c[0] > 0.0 || c[1] > 0.0)

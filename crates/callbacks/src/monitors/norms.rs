@@ -3,14 +3,14 @@
 use std::collections::BTreeMap;
 
 use burn::module::{ModuleVisitor, Param};
-use burn::optim::{GradientsParams, Optimizer};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
 use flashover_core::callback::Callback;
 use flashover_core::error::Result;
 use flashover_core::logger::Logger;
-use flashover_core::model::TrainModel;
 use flashover_core::params::layer_of;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::Time;
 
@@ -206,10 +206,7 @@ impl NormMonitor {
         self
     }
 
-    fn due_next<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
-        &self,
-        state: &State<B, M, O>,
-    ) -> bool {
+    fn due_next<S: Setup>(&self, state: &State<S>) -> bool {
         // At AFTER_TRAIN_BATCH the batch has not been counted yet.
         let ts = &state.timestamp;
         due(
@@ -232,26 +229,22 @@ fn push_norms(out: &mut Vec<(String, f64)>, kind: &str, sums: &[(String, f64)], 
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for NormMonitor {
+impl<S: Setup> Callback<S> for NormMonitor {
     fn name(&self) -> &str {
         "norm_monitor"
     }
 
-    fn after_train_batch(
-        &mut self,
-        state: &mut State<B, M, O>,
-        _logger: &mut Logger,
-    ) -> Result<()> {
+    fn after_train_batch(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         self.grads = None;
         if self.due_next(state) {
             if let Some(grads) = &state.grads {
-                self.grads = Some(ParamStats::<B>::sums(state.model(), Some(grads)));
+                self.grads = Some(ParamStats::<S::Backend>::sums(state.model(), Some(grads)));
             }
         }
         Ok(())
     }
 
-    fn batch_end(&mut self, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
         let ts = &state.timestamp;
         if !due(
             self.every,
@@ -266,7 +259,7 @@ impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
         if let Some(g) = self.grads.take() {
             push_norms(&mut values, "grad", &g, self.per_layer);
         }
-        let params = ParamStats::<B>::sums(state.model(), None);
+        let params = ParamStats::<S::Backend>::sums(state.model(), None);
         push_norms(&mut values, "param", &params, self.per_layer);
         let refs: Vec<(&str, f64)> = values.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         logger.log_metrics(&state.timestamp, &refs)

@@ -4,12 +4,11 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
 use flashover_core::callback::Callback;
 use flashover_core::error::Result;
 use flashover_core::logger::Logger;
 use flashover_core::model::TrainModel;
+use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
 use crate::clock::{Clock, SystemClock};
@@ -50,10 +49,7 @@ impl TrainClock {
         self.clock.now().saturating_sub(self.excluded)
     }
 
-    fn mark<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>>(
-        &mut self,
-        state: &State<B, M, O>,
-    ) {
+    fn mark<S: Setup>(&mut self, state: &State<S>) {
         let ts = &state.timestamp;
         let mark = Mark {
             t: self.now(),
@@ -95,20 +91,12 @@ impl TrainClock {
 /// The `Callback` methods that take evaluation time out of a monitor's `clock`.
 macro_rules! leave_out_evaluation {
     () => {
-        fn eval_before_all(
-            &mut self,
-            _state: &mut State<B, M, O>,
-            _logger: &mut Logger,
-        ) -> Result<()> {
+        fn eval_before_all(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
             self.clock.eval_before();
             Ok(())
         }
 
-        fn eval_after_all(
-            &mut self,
-            _state: &mut State<B, M, O>,
-            _logger: &mut Logger,
-        ) -> Result<()> {
+        fn eval_after_all(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
             self.clock.eval_after();
             Ok(())
         }
@@ -179,18 +167,18 @@ impl SpeedMonitor {
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O> for SpeedMonitor {
+impl<S: Setup> Callback<S> for SpeedMonitor {
     fn name(&self) -> &str {
         "speed_monitor"
     }
 
-    fn fit_start(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         self.clock.marks.clear();
         self.clock.mark(state);
         Ok(())
     }
 
-    fn batch_end(&mut self, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
         self.clock.mark(state);
         let mut values: Vec<(&str, f64)> = Vec::with_capacity(6);
         if let Some(d) = self.clock.last_interval() {
@@ -260,21 +248,19 @@ impl RuntimeEstimator {
     }
 }
 
-impl<B: AutodiffBackend, M: TrainModel<B>, O: Optimizer<M, B>> Callback<B, M, O>
-    for RuntimeEstimator
-{
+impl<S: Setup> Callback<S> for RuntimeEstimator {
     fn name(&self) -> &str {
         "runtime_estimator"
     }
 
-    fn fit_start(&mut self, state: &mut State<B, M, O>, _logger: &mut Logger) -> Result<()> {
+    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         self.clock.marks.clear();
         self.clock.mark(state);
         self.start = self.clock.now();
         Ok(())
     }
 
-    fn batch_end(&mut self, state: &mut State<B, M, O>, logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
         self.clock.mark(state);
         let elapsed = (self.clock.now() - self.start).as_secs_f64();
         let mut values = vec![("time/elapsed_seconds", elapsed)];

@@ -17,6 +17,8 @@ pub use idx::{
 pub use loader::{BatchIter, DataLoader};
 pub use sampler::Sampler;
 
+use derive_new::new;
+
 use crate::error::Result;
 
 /// Anything that yields an epoch's batches in order, starting at any batch.
@@ -33,18 +35,13 @@ pub trait BatchSource<T>: Send {
     fn iter_from(&self, epoch: u64, start: usize) -> BatchIter<T>;
 }
 
-/// A dataset held in memory.
-#[derive(Debug, Clone)]
+/// A dataset held in memory (`InMemoryDataset::new(items)`).
+#[derive(Debug, Clone, new)]
 pub struct InMemoryDataset<I> {
     items: Vec<I>,
 }
 
 impl<I> InMemoryDataset<I> {
-    /// Wraps a vector of items.
-    pub fn new(items: Vec<I>) -> Self {
-        InMemoryDataset { items }
-    }
-
     /// Keeps only the first `n` items (for quick runs); a no-op when `n` is larger.
     pub fn truncate(&mut self, n: usize) {
         self.items.truncate(n);

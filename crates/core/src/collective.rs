@@ -1,0 +1,252 @@
+//! Where a data-parallel run meets its other ranks. Core never talks to another process: it
+//! calls a [`Collective`] at four fixed points, and `flashover-distributed` (or a test)
+//! implements the trait. Without one, a run is a single process and none of this runs.
+//!
+//! The seams, in the order a run meets them:
+//! 1. **Initial weights** ([`Collective::broadcast_model`]): once, while the trainer is built,
+//!    after `INIT` and any restore, before `AFTER_LOAD`: every rank takes rank 0's weights.
+//! 2. **Gradients** ([`Collective::sync_gradients`]): once per optimizer step, after the
+//!    microbatches are accumulated and before `AFTER_TRAIN_BATCH`, so that gradient clipping
+//!    and SAM see the averaged gradients. The whole step's gradients travel in one flat buffer
+//!    (every trainable parameter in the module's order), with the batch loss and a flag for a
+//!    non-finite loss: one all-reduce per step. If any rank's loss was not finite (and the run
+//!    skips such batches), every rank skips the step.
+//! 3. **Evaluation metrics** ([`Collective::reduce_metrics`]): after each evaluator's last
+//!    batch, its metrics' running totals (sums and counts) are summed over ranks, so every rank
+//!    reads the global value; each rank evaluates its own shard of the data.
+//! 4. **Stop requests** ([`Collective::any_stop`]): after every `BATCH_CHECKPOINT` and
+//!    `EPOCH_CHECKPOINT`: one rank asking to stop stops all, at the same batch.
+//!
+//! And one rule that needs no communication: components that write (loggers, the progress
+//! bar, plots, the profiler's trace, the checkpoint saver) act on rank 0 only, unless wrapped
+//! in [`OnEveryRank`]; [`World`] says which rank this is and [`Ranks`] what a component asks.
+//!
+//! An implementation provides four primitives (the world, a sum of a device buffer, a sum of
+//! host numbers, a broadcast of a device buffer); the seams are provided methods built on them,
+//! which an implementation may override (to bucket gradients, for example).
+
+use burn::optim::GradientsParams;
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+
+use crate::callback::Callback;
+use crate::error::{CoreError, Result};
+use crate::event::Event;
+use crate::logger::{Logger, LoggerDestination};
+use crate::params::{flatten_grads, flatten_params, grad_ids, load_flat_params, unflatten_grads};
+use crate::setup::{InnerBackendOf, Setup};
+use crate::state::{State, World};
+use crate::time::{Progress, Timestamp};
+
+/// Which ranks of a data-parallel run a component acts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ranks {
+    /// Rank 0 only: components that write files or the terminal.
+    Main,
+    /// Every rank.
+    Every,
+}
+
+/// One rank's share of an optimizer step, as the trainer hands it to
+/// [`Collective::sync_gradients`].
+pub struct LocalStep {
+    /// The batch's gradients on this rank (summed over its microbatches); `None` when its
+    /// loss was not finite and the run skips such batches.
+    pub grads: Option<GradientsParams>,
+    /// The batch's loss on this rank (ignored when `grads` is `None`).
+    pub loss: f64,
+}
+
+/// What the ranks agreed on for an optimizer step.
+pub struct GlobalStep {
+    /// The gradients averaged over every rank, for the parameters that had one here; `None`
+    /// when any rank skipped the batch (then no rank steps).
+    pub grads: Option<GradientsParams>,
+    /// The loss averaged over every rank; `None` when the step is skipped.
+    pub loss: Option<f64>,
+    /// How many ranks had a non-finite loss.
+    pub skipped_ranks: usize,
+}
+
+/// The communication a data-parallel run needs; see the module docs for where the trainer
+/// calls it.
+///
+/// Every method is collective: every rank calls it, in the same order, with buffers of the
+/// same length. Every rank must receive the same bits (reduce in a fixed order, or reduce on
+/// one rank and broadcast), or the ranks' weights drift apart. A rank that cannot reach its
+/// peers returns an error naming the peer, within a timeout; it never waits forever.
+pub trait Collective<S: Setup>: Send {
+    /// This process's rank and the number of ranks.
+    fn world(&self) -> World;
+
+    /// The element-wise sum of `buffer` over every rank.
+    fn all_reduce_sum(
+        &mut self,
+        buffer: Tensor<InnerBackendOf<S>, 1>,
+    ) -> Result<Tensor<InnerBackendOf<S>, 1>>;
+
+    /// Sums `values` element-wise over every rank, in place (metric totals, stop flags).
+    fn all_reduce_sum_host(&mut self, values: &mut [f64]) -> Result<()>;
+
+    /// Rank 0's `buffer`, on every rank (other ranks' values are ignored).
+    fn broadcast(
+        &mut self,
+        buffer: Tensor<InnerBackendOf<S>, 1>,
+    ) -> Result<Tensor<InnerBackendOf<S>, 1>>;
+
+    /// Gives every rank rank 0's weights; parameter ids are kept.
+    fn broadcast_model(&mut self, model: S::Model) -> Result<S::Model> {
+        match flatten_params::<S::Backend, _>(&model) {
+            Some(flat) => {
+                let flat = self.broadcast(flat)?;
+                load_flat_params::<S::Backend, _>(model, flat)
+            }
+            None => Ok(model),
+        }
+    }
+
+    /// Averages an optimizer step's gradients and loss over every rank, in one all-reduce of
+    /// one buffer: the trainable parameters' gradients in `model`'s order, then the loss, then
+    /// a flag that is 1 where the loss was not finite.
+    fn sync_gradients(&mut self, model: &S::Model, local: LocalStep) -> Result<GlobalStep> {
+        let size = self.world().size.max(1) as f64;
+        let keep = local
+            .grads
+            .as_ref()
+            .map(|g| grad_ids::<S::Backend, _>(model, g));
+        let Some(flat) = flatten_grads::<S::Backend, _>(model, local.grads.as_ref()) else {
+            // Nothing trains; still agree on the loss and the skip flag.
+            let mut v = match keep {
+                Some(_) => [local.loss, 0.0],
+                None => [0.0, 1.0],
+            };
+            self.all_reduce_sum_host(&mut v)?;
+            let skipped_ranks = v[1].round() as usize;
+            return Ok(GlobalStep {
+                grads: (skipped_ranks == 0).then(GradientsParams::new),
+                loss: (skipped_ranks == 0).then(|| v[0] / size),
+                skipped_ranks,
+            });
+        };
+        let n = flat.dims()[0];
+        let (loss, flag) = match keep {
+            Some(_) => (local.loss as f32, 0.0f32),
+            None => (0.0, 1.0),
+        };
+        let extras = Tensor::from_data(TensorData::new(vec![loss, flag], [2]), &flat.device());
+        let sum = self.all_reduce_sum(Tensor::cat(vec![flat, extras], 0))?;
+        let tail: Vec<f32> = sum
+            .clone()
+            .narrow(0, n, 2)
+            .into_data()
+            .iter::<f32>()
+            .map(|v| v.elem::<f32>())
+            .collect();
+        let skipped_ranks = tail.get(1).copied().unwrap_or(0.0).round() as usize;
+        let Some(keep) = keep.filter(|_| skipped_ranks == 0) else {
+            return Ok(GlobalStep {
+                grads: None,
+                loss: None,
+                skipped_ranks: skipped_ranks.max(1),
+            });
+        };
+        let mean = sum.narrow(0, 0, n).div_scalar(size);
+        let grads = unflatten_grads::<S::Backend, _>(model, mean, &|id| keep.contains(&id));
+        Ok(GlobalStep {
+            grads: Some(grads),
+            loss: tail.first().map(|&l| f64::from(l) / size),
+            skipped_ranks: 0,
+        })
+    }
+
+    /// Sums every rank's metric totals, in place.
+    fn reduce_metrics(&mut self, totals: &mut [f64]) -> Result<()> {
+        self.all_reduce_sum_host(totals)
+    }
+
+    /// Whether any rank asked to stop, and the first that did.
+    fn any_stop(&mut self, requested: bool) -> Result<Option<usize>> {
+        let world = self.world();
+        let mut flags = vec![0.0; world.size.max(1)];
+        if requested {
+            if let Some(f) = flags.get_mut(world.rank) {
+                *f = 1.0;
+            }
+        }
+        self.all_reduce_sum_host(&mut flags)?;
+        Ok(flags.iter().position(|&f| f > 0.0))
+    }
+}
+
+/// Makes a component that would act on rank 0 only (a logger, a writing callback) act on
+/// every rank of a data-parallel run; everything else passes through unchanged. Give each
+/// rank its own files then.
+///
+/// ```
+/// use flashover_core::collective::{OnEveryRank, Ranks};
+/// use flashover_core::logger::LoggerDestination;
+///
+/// struct Lines;
+/// impl LoggerDestination for Lines {
+///     fn name(&self) -> &str { "lines" }
+/// }
+/// assert_eq!(Lines.ranks(), Ranks::Main);
+/// assert_eq!(OnEveryRank(Lines).ranks(), Ranks::Every);
+/// assert_eq!(OnEveryRank(Lines).name(), "lines");
+/// ```
+pub struct OnEveryRank<T>(pub T);
+
+impl<T: LoggerDestination> LoggerDestination for OnEveryRank<T> {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn log_hyperparameters(
+        &mut self,
+        params: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<()> {
+        self.0.log_hyperparameters(params)
+    }
+    fn log_metrics(&mut self, timestamp: &Timestamp, metrics: &[(&str, f64)]) -> Result<()> {
+        self.0.log_metrics(timestamp, metrics)
+    }
+    fn run_event(
+        &mut self,
+        event: Event,
+        timestamp: &Timestamp,
+        progress: &Progress,
+    ) -> Result<()> {
+        self.0.run_event(event, timestamp, progress)
+    }
+    fn ranks(&self) -> Ranks {
+        Ranks::Every
+    }
+}
+
+impl<S: Setup, T: Callback<S>> Callback<S> for OnEveryRank<T> {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn run_event(&mut self, event: Event, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
+        self.0.run_event(event, state, logger)
+    }
+    fn needs_component_states(&self) -> bool {
+        self.0.needs_component_states()
+    }
+    fn state_dict(&self) -> serde_json::Value {
+        self.0.state_dict()
+    }
+    fn load_state_dict(&mut self, state: serde_json::Value) -> Result<()> {
+        self.0.load_state_dict(state)
+    }
+    fn ranks(&self) -> Ranks {
+        Ranks::Every
+    }
+}
+
+/// The error for a metric that cannot be summed over ranks.
+pub(crate) fn unreducible_metric(evaluator: &str, metric: &str) -> CoreError {
+    CoreError::config(
+        "evaluator metrics",
+        format!("`{metric}` of evaluator `{evaluator}`"),
+        "metrics whose running totals add over ranks (implement `Metric::totals` and `Metric::set_totals`) in a data-parallel run",
+    )
+}

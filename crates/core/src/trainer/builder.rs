@@ -1,0 +1,358 @@
+//! [`TrainerBuilder`]: collects a run's configuration, checks it (every bad value is an error
+//! naming it), and builds the trainer: `INIT`, `BEFORE_LOAD`, the restore, the broadcast of
+//! rank 0's weights in a data-parallel run, then `AFTER_LOAD`. Nothing here trains.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::{json, Value};
+
+use crate::callback::{Algorithm, Callback};
+use crate::collective::Collective;
+use crate::data::BatchSource;
+use crate::engine::Engine;
+use crate::error::{CoreError, Result};
+use crate::event::Event;
+use crate::logger::{Logger, LoggerDestination};
+use crate::restore::Restore;
+use crate::schedule::{LrSchedule, Scheduler};
+use crate::setup::{BatchOf, DeviceOf, Setup};
+use crate::state::{State, World};
+use crate::time::{Progress, Time, TimeUnit, Timestamp};
+
+use super::eval::Evaluator;
+use super::Trainer;
+
+/// Builds a [`Trainer`]; see [`Trainer::builder`].
+pub struct TrainerBuilder<S: Setup> {
+    model: S::Model,
+    optimizer: S::Optimizer,
+    train: Box<dyn BatchSource<BatchOf<S>>>,
+    max_duration: Time,
+    device: DeviceOf<S>,
+    lr: f64,
+    scheduler: Box<dyn LrSchedule>,
+    scale_schedule_ratio: f64,
+    microbatch_size: Option<usize>,
+    seed: u64,
+    world: Option<World>,
+    eval_interval: Time,
+    evaluators: Vec<Evaluator<S::Backend, S::Model>>,
+    algorithms: Vec<Box<dyn Algorithm<S>>>,
+    callbacks: Vec<Box<dyn Callback<S>>>,
+    loggers: Vec<Box<dyn LoggerDestination>>,
+    skip_nonfinite_loss: bool,
+    hyperparameters: serde_json::Map<String, Value>,
+    restore: Option<Box<dyn Restore<S>>>,
+    collective: Option<Box<dyn Collective<S>>>,
+}
+
+impl<S: Setup> TrainerBuilder<S> {
+    pub(super) fn new(
+        model: S::Model,
+        optimizer: S::Optimizer,
+        train: Box<dyn BatchSource<BatchOf<S>>>,
+        max_duration: Time,
+        device: DeviceOf<S>,
+    ) -> Self {
+        TrainerBuilder {
+            model,
+            optimizer,
+            train,
+            max_duration,
+            device,
+            lr: 0.01,
+            scheduler: Box::new(Scheduler::constant()),
+            scale_schedule_ratio: 1.0,
+            microbatch_size: None,
+            seed: 0,
+            world: None,
+            eval_interval: Time::Epoch(1),
+            evaluators: Vec::new(),
+            algorithms: Vec::new(),
+            callbacks: Vec::new(),
+            loggers: Vec::new(),
+            skip_nonfinite_loss: false,
+            hyperparameters: serde_json::Map::new(),
+            restore: None,
+            collective: None,
+        }
+    }
+
+    /// Base learning rate (the schedule multiplies it); default 0.01.
+    pub fn lr(mut self, lr: f64) -> Self {
+        self.lr = lr;
+        self
+    }
+    /// Learning-rate schedule; default constant.
+    pub fn scheduler(mut self, scheduler: impl LrSchedule + 'static) -> Self {
+        self.scheduler = Box::new(scheduler);
+        self
+    }
+    /// Scales `max_duration` and schedule milestones (Composer's `scale_schedule_ratio`).
+    pub fn scale_schedule_ratio(mut self, ratio: f64) -> Self {
+        self.scale_schedule_ratio = ratio;
+        self
+    }
+    /// Splits each batch into microbatches of this many samples (gradient accumulation).
+    pub fn microbatch_size(mut self, size: usize) -> Self {
+        self.microbatch_size = Some(size);
+        self
+    }
+    /// The run's seed; default 0.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+    /// Rank and world size for data-parallel runs; default a single process, or the
+    /// collective's world when one is given (they must agree).
+    pub fn world(mut self, world: World) -> Self {
+        self.world = Some(world);
+        self
+    }
+    /// The collective through which this rank meets the others of a data-parallel run
+    /// (see [`crate::collective`]); without one the run is a single process.
+    pub fn collective(mut self, collective: impl Collective<S> + 'static) -> Self {
+        self.collective = Some(Box::new(collective));
+        self
+    }
+    /// Default interval for evaluators that have none of their own; default `1ep`.
+    pub fn eval_interval(mut self, interval: Time) -> Self {
+        self.eval_interval = interval;
+        self
+    }
+    /// Adds an evaluator.
+    pub fn evaluator(mut self, evaluator: Evaluator<S::Backend, S::Model>) -> Self {
+        self.evaluators.push(evaluator);
+        self
+    }
+    /// Adds an algorithm; algorithms run in the order added (reversed at `AFTER_*` events).
+    pub fn algorithm(mut self, algorithm: impl Algorithm<S> + 'static) -> Self {
+        self.algorithms.push(Box::new(algorithm));
+        self
+    }
+    /// Adds an already boxed algorithm.
+    pub fn boxed_algorithm(mut self, algorithm: Box<dyn Algorithm<S>>) -> Self {
+        self.algorithms.push(algorithm);
+        self
+    }
+    /// Adds a callback; callbacks run in the order added.
+    pub fn callback(mut self, callback: impl Callback<S> + 'static) -> Self {
+        self.callbacks.push(Box::new(callback));
+        self
+    }
+    /// Adds a logger destination.
+    pub fn logger(mut self, logger: impl LoggerDestination + 'static) -> Self {
+        self.loggers.push(Box::new(logger));
+        self
+    }
+    /// Skip (and count) batches whose loss is NaN or infinite instead of failing; default off.
+    pub fn skip_nonfinite_loss(mut self, skip: bool) -> Self {
+        self.skip_nonfinite_loss = skip;
+        self
+    }
+    /// Extra hyperparameters to log once, at the first `FIT_START` (the trainer adds its own).
+    pub fn hyperparameter(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
+        self.hyperparameters.insert(key.into(), value.into());
+        self
+    }
+
+    /// Restores state (a checkpoint) while building, between `BEFORE_LOAD` and `AFTER_LOAD`.
+    pub fn restore(mut self, restore: impl Restore<S> + 'static) -> Self {
+        self.restore = Some(Box::new(restore));
+        self
+    }
+
+    /// The world this rank belongs to: the collective's, which an explicit `world` must match.
+    fn resolve_world(&self) -> Result<World> {
+        let world = match (&self.collective, self.world) {
+            (Some(c), Some(w)) if c.world() != w => {
+                return Err(CoreError::config(
+                    "world",
+                    format!("rank {} of {}", w.rank, w.size),
+                    format!(
+                        "the collective's world (rank {} of {}), or no explicit world",
+                        c.world().rank,
+                        c.world().size
+                    ),
+                ))
+            }
+            (Some(c), _) => c.world(),
+            (None, w) => w.unwrap_or_default(),
+        };
+        if world.size == 0 || world.rank >= world.size {
+            return Err(CoreError::config(
+                "world",
+                format!("rank {} of {}", world.rank, world.size),
+                "a world size >= 1 and a rank in 0..size",
+            ));
+        }
+        Ok(world)
+    }
+
+    /// Checks every setting that does not need the built state; each bad value is an error
+    /// that names it and what would be accepted.
+    fn validate(&self) -> Result<()> {
+        if !(self.lr.is_finite() && self.lr >= 0.0) {
+            return Err(CoreError::config("lr", self.lr, "a finite number >= 0"));
+        }
+        let ssr = self.scale_schedule_ratio;
+        if !(ssr.is_finite() && ssr > 0.0) {
+            return Err(CoreError::config(
+                "scale_schedule_ratio",
+                ssr,
+                "a finite number > 0",
+            ));
+        }
+        if self.max_duration.unit() == TimeUnit::Duration {
+            return Err(CoreError::config(
+                "max_duration",
+                self.max_duration,
+                "a time in ep, ba, sp or tok, or a wall-clock time",
+            ));
+        }
+        if self.train.num_batches() == 0 {
+            return Err(CoreError::EmptyDataset {
+                name: self.train.name().to_string(),
+            });
+        }
+        let batch_size = self.train.batch_size();
+        if let Some(mb) = self.microbatch_size {
+            if mb == 0 || mb > batch_size {
+                return Err(CoreError::config(
+                    "microbatch_size",
+                    mb,
+                    format!("an integer from 1 to the batch size ({batch_size})"),
+                ));
+            }
+        }
+        if self.eval_interval.is_zero() {
+            return Err(CoreError::config(
+                "eval_interval",
+                self.eval_interval,
+                "a time greater than zero",
+            ));
+        }
+        for ev in &self.evaluators {
+            if let Some(t) = ev.interval.filter(|t| t.is_zero()) {
+                return Err(CoreError::config(
+                    "evaluator interval",
+                    t,
+                    "a time greater than zero",
+                ));
+            }
+            if ev.source.num_batches() == 0 {
+                return Err(CoreError::EmptyDataset {
+                    name: ev.label.clone(),
+                });
+            }
+        }
+        // An algorithm added twice would apply its change twice (two label smoothings, two
+        // MixUps) and its two states would share one checkpoint key: refuse it.
+        let mut names = BTreeSet::new();
+        for a in &self.algorithms {
+            if !names.insert(a.name().to_string()) {
+                return Err(CoreError::config(
+                    "algorithms",
+                    format!("`{}` added twice", a.name()),
+                    "each algorithm at most once (merge their settings into one)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the configuration, runs `INIT`, `BEFORE_LOAD`, restores (if asked), gives every
+    /// rank rank 0's weights (in a data-parallel run), runs `AFTER_LOAD`, and returns the
+    /// trainer.
+    pub fn build(self) -> Result<Trainer<S>> {
+        self.validate()?;
+        let world = self.resolve_world()?;
+        let ssr = self.scale_schedule_ratio;
+        let batches_per_epoch = self.train.num_batches() as u64;
+        let max_duration = self.max_duration.scaled(ssr);
+        let samples_per_epoch = self.train.num_samples() as u64;
+        let progress = Progress {
+            batches_per_epoch,
+            samples_per_epoch,
+            max_duration,
+        };
+        self.scheduler.validate(&progress)?;
+
+        let mut hp = self.hyperparameters;
+        hp.insert("max_duration".into(), json!(max_duration.to_string()));
+        hp.insert("lr".into(), json!(self.lr));
+        hp.insert("scheduler".into(), json!(self.scheduler.describe()));
+        hp.insert("scale_schedule_ratio".into(), json!(ssr));
+        hp.insert("batch_size".into(), json!(self.train.batch_size()));
+        hp.insert("microbatch_size".into(), json!(self.microbatch_size));
+        hp.insert("seed".into(), json!(self.seed));
+        hp.insert("world_size".into(), json!(world.size));
+        hp.insert(
+            "algorithms".into(),
+            json!(self
+                .algorithms
+                .iter()
+                .map(|a| a.name().to_string())
+                .collect::<Vec<_>>()),
+        );
+
+        let state = State {
+            model: Some(self.model),
+            optimizer: self.optimizer,
+            scheduler: self.scheduler,
+            base_lr: self.lr,
+            lr: self.lr,
+            timestamp: Timestamp::default(),
+            max_duration,
+            scale_schedule_ratio: ssr,
+            batches_per_epoch,
+            samples_per_epoch,
+            batch: None,
+            outputs: None,
+            loss: None,
+            loss_value: None,
+            grads: None,
+            eval_metrics: BTreeMap::new(),
+            last_eval_batch: None,
+            evaluated: Vec::new(),
+            component_states: BTreeMap::new(),
+            skipped_batches: 0,
+            world,
+            seed: self.seed,
+            device: self.device,
+            stop_reason: None,
+        };
+        let engine = Engine::new(
+            self.algorithms,
+            self.callbacks,
+            Logger::new(self.loggers),
+            world,
+        );
+        let mut trainer = Trainer {
+            state,
+            engine,
+            train: self.train,
+            evaluators: self.evaluators,
+            eval_interval: self.eval_interval,
+            microbatch_size: self.microbatch_size,
+            skip_nonfinite_loss: self.skip_nonfinite_loss,
+            hyperparameters: Some(hp),
+            collective: self.collective,
+            clock: None,
+        };
+        trainer.engine.run(Event::Init, &mut trainer.state)?;
+        trainer.engine.run(Event::BeforeLoad, &mut trainer.state)?;
+        if let Some(restore) = self.restore {
+            let components = restore.restore(&mut trainer.state)?;
+            trainer.check_restored_position()?;
+            trainer.engine.restore_component_states(components)?;
+        }
+        if world.size > 1 {
+            if let Some(c) = trainer.collective.as_mut() {
+                trainer.state.try_map_model(|m| c.broadcast_model(m))?;
+            }
+        }
+        trainer.engine.run(Event::AfterLoad, &mut trainer.state)?;
+        Ok(trainer)
+    }
+}

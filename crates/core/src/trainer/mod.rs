@@ -1,0 +1,267 @@
+//! The trainer: owns the [`State`], the [`Engine`] and the run's collective, and turns
+//! batches into optimizer steps while firing every event in the order `crate::event` states.
+//!
+//! The module is split by phase: `builder.rs` checks the configuration and builds the trainer,
+//! this file holds the epoch loop (`fit`), `step.rs` one batch (begin, microbatch, step, end),
+//! `eval.rs` evaluation and prediction, `report.rs` what `fit` returns. Restoring state goes
+//! through [`crate::restore::Restore`]; meeting other ranks through
+//! [`crate::collective::Collective`].
+
+mod builder;
+mod eval;
+mod report;
+mod step;
+
+use std::time::{Duration, Instant};
+
+use crate::collective::Collective;
+use crate::data::BatchSource;
+use crate::engine::Engine;
+use crate::error::{CoreError, Result};
+use crate::event::Event;
+use crate::model::TrainModel;
+use crate::setup::{BatchOf, DeviceOf, Setup, SetupOf};
+use crate::state::State;
+use crate::time::{Time, TimeUnit};
+
+pub use builder::TrainerBuilder;
+pub use eval::{EvalBatch, EvalOutput, Evaluator, InnerModel};
+pub use report::FitReport;
+
+/// Trains, evaluates and predicts with a model, firing events for algorithms, callbacks and
+/// loggers.
+///
+/// ```
+/// use flashover_core::prelude::*;
+/// use flashover_core::toy;
+/// # type B = burn::backend::Autodiff<burn::backend::Flex>;
+///
+/// // 16 points in batches of 4: four batches an epoch; two epochs, in microbatches of 2.
+/// let mut trainer = toy::trainer::<B>(toy::points(16, 4), "2ep".parse()?)
+///     .scheduler(Scheduler::cosine(Time::Duration(1.0), 0.0).with_warmup(Time::Batch(2)))
+///     .microbatch_size(2)
+///     .seed(42)
+///     .build()?;
+/// let report = trainer.fit()?;              // to max_duration
+/// assert_eq!((report.steps, report.samples), (8, 32));
+/// trainer.fit_for(Time::Epoch(1))?;         // and one more epoch
+/// assert_eq!(trainer.state().timestamp.epoch, 3);
+/// // The regression y = 2x is being learned: the weight moved from 0 towards 2.
+/// let w = toy::weight(trainer.model());
+/// assert!(w > 0.5 && w < 2.5, "{w}");
+/// # Ok::<(), CoreError>(())
+/// ```
+pub struct Trainer<S: Setup> {
+    state: State<S>,
+    engine: Engine<S>,
+    train: Box<dyn BatchSource<BatchOf<S>>>,
+    evaluators: Vec<Evaluator<S::Backend, S::Model>>,
+    eval_interval: Time,
+    microbatch_size: Option<usize>,
+    skip_nonfinite_loss: bool,
+    /// The run's configuration until it has been logged (at the first `FIT_START`).
+    hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
+    collective: Option<Box<dyn Collective<S>>>,
+    /// When the current `fit` call started, and the run's wall-clock time then.
+    clock: Option<(Instant, Duration)>,
+}
+
+impl<B, M, O> Trainer<SetupOf<B, M, O>>
+where
+    B: burn::tensor::backend::AutodiffBackend,
+    M: TrainModel<B>,
+    O: burn::optim::Optimizer<M, B>,
+{
+    /// Starts building a trainer for `model` with `optimizer`, reading `train`, for
+    /// `max_duration`, on `device`.
+    pub fn builder(
+        model: M,
+        optimizer: O,
+        train: impl BatchSource<M::Batch> + 'static,
+        max_duration: Time,
+        device: DeviceOf<SetupOf<B, M, O>>,
+    ) -> TrainerBuilder<SetupOf<B, M, O>> {
+        TrainerBuilder::new(model, optimizer, Box::new(train), max_duration, device)
+    }
+}
+
+impl<S: Setup> Trainer<S> {
+    /// Whether `max_duration` is reached (so `fit` has nothing left to do).
+    pub fn is_finished(&self) -> bool {
+        self.state.progress().is_done(&self.state.timestamp) && !self.epoch_end_pending()
+    }
+
+    /// Whether every batch of the current epoch is done but its `EPOCH_END` has not run (a
+    /// run restored from a checkpoint taken at the epoch's last `BATCH_CHECKPOINT`).
+    fn epoch_end_pending(&self) -> bool {
+        self.state.timestamp.batch_in_epoch >= self.train.num_batches() as u64
+    }
+
+    fn check_restored_position(&self) -> Result<()> {
+        let ts = &self.state.timestamp;
+        let n = self.train.num_batches() as u64;
+        if ts.batch_in_epoch > n {
+            return Err(CoreError::RestoredPosition {
+                at: ts.to_string(),
+                reason: format!("the training loader has only {n} batches per epoch"),
+            });
+        }
+        if ts.batch < ts.batch_in_epoch
+            || ts.sample < ts.sample_in_epoch
+            || ts.token < ts.token_in_epoch
+        {
+            return Err(CoreError::RestoredPosition {
+                at: ts.to_string(),
+                reason: "in-epoch counts exceed the totals".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The state.
+    pub fn state(&self) -> &State<S> {
+        &self.state
+    }
+
+    /// The state, mutably (to restore a checkpoint, for example).
+    pub fn state_mut(&mut self) -> &mut State<S> {
+        &mut self.state
+    }
+
+    /// The model.
+    pub fn model(&self) -> &S::Model {
+        self.state.model()
+    }
+
+    /// Consumes the trainer and returns the model.
+    pub fn into_model(self) -> S::Model {
+        let mut state = self.state;
+        // Invariant: the model is only out of the state during the optimizer step.
+        state
+            .model
+            .take()
+            .expect("model is present outside the optimizer step")
+    }
+
+    /// Trains until `max_duration` (or a stop request). Fails if `max_duration` is already
+    /// reached.
+    pub fn fit(&mut self) -> Result<FitReport> {
+        if self.is_finished() {
+            return Err(CoreError::DurationReached {
+                max_duration: self.state.max_duration.to_string(),
+                at: self.state.timestamp.to_string(),
+            });
+        }
+        self.fit_inner()
+    }
+
+    /// Trains for `duration` more (in any unit but `dur`), extending `max_duration`: by
+    /// `duration` when the units agree, otherwise to "elapsed + duration" in `duration`'s unit.
+    pub fn fit_for(&mut self, duration: Time) -> Result<FitReport> {
+        if duration.unit() == TimeUnit::Duration || duration.is_zero() {
+            return Err(CoreError::config(
+                "duration",
+                duration,
+                "a time greater than zero in ep, ba, sp or tok, or a wall-clock time",
+            ));
+        }
+        let unit = duration.unit();
+        let now = if unit == self.state.max_duration.unit() {
+            self.state.max_duration
+        } else if unit == TimeUnit::Wall {
+            Time::Wall(self.state.timestamp.run_wall_time)
+        } else {
+            // Counts are exact in their own unit; whole epochs only, so resume mid-epoch adds
+            // from the current epoch's start.
+            Time::new(unit, self.state.timestamp.count(unit).unwrap_or(0) as f64)?
+        };
+        self.state.max_duration = (now + duration)?;
+        self.fit_inner()
+    }
+
+    /// Brings `Timestamp::run_wall_time` up to now.
+    fn tick_wall_clock(&mut self) {
+        if let Some((started, base)) = self.clock {
+            self.state.timestamp.run_wall_time = base + started.elapsed();
+        }
+    }
+
+    /// Whether the run must stop before its next batch: `max_duration` reached (counted at
+    /// the batch end just passed) or a stop requested.
+    fn must_stop(&self) -> bool {
+        self.state.stop_reason.is_some() || self.state.progress().is_done(&self.state.timestamp)
+    }
+
+    fn fit_inner(&mut self) -> Result<FitReport> {
+        let start = Instant::now();
+        self.clock = Some((start, self.state.timestamp.run_wall_time));
+        let before = self.state.timestamp.clone();
+        let mut steps = 0;
+        let mut data_wait = Duration::ZERO;
+        self.state.stop_reason = None;
+        if let Some(hp) = self.hyperparameters.take() {
+            self.engine.logger().log_hyperparameters(&hp)?;
+        }
+        self.engine.run(Event::FitStart, &mut self.state)?;
+        let num_batches = self.train.num_batches();
+        'epochs: loop {
+            if !self.epoch_end_pending() && self.must_stop() {
+                break;
+            }
+            let epoch = self.state.timestamp.epoch;
+            let first = self.state.timestamp.batch_in_epoch as usize;
+            if first == 0 {
+                self.engine.run(Event::EpochStart, &mut self.state)?;
+            }
+            let mut batches = self.train.iter_from(epoch, first);
+            // A run restored right after the last batch of an epoch (before its EPOCH_END)
+            // goes straight to the end of that epoch.
+            while (self.state.timestamp.batch_in_epoch as usize) < num_batches {
+                self.engine.run(Event::BeforeDataloader, &mut self.state)?;
+                let waited = Instant::now();
+                let batch = match batches.next() {
+                    Some(batch) => batch?,
+                    None => {
+                        return Err(CoreError::Loader {
+                            name: self.train.name().to_string(),
+                            batch: self.state.timestamp.batch_in_epoch as usize,
+                            reason: format!("it promised {num_batches} batches per epoch"),
+                        })
+                    }
+                };
+                data_wait += waited.elapsed();
+                self.state.batch = Some(batch);
+                self.engine.run(Event::AfterDataloader, &mut self.state)?;
+                if self.train_batch()? {
+                    steps += 1;
+                }
+                let epoch_done = self.state.timestamp.batch_in_epoch as usize >= num_batches;
+                if !epoch_done && self.must_stop() {
+                    break 'epochs;
+                }
+            }
+            drop(batches);
+            self.state.timestamp.advance_epoch();
+            self.tick_wall_clock();
+            self.engine.run(Event::EpochEnd, &mut self.state)?;
+            let ep = self.state.timestamp.epoch;
+            if self.evaluators.iter().any(|e| self.epoch_eval_due(e, ep)) {
+                self.run_evaluators(|t, e| t.epoch_eval_due(e, ep))?;
+            }
+            self.engine.run(Event::EpochCheckpoint, &mut self.state)?;
+            self.agree_on_stop()?;
+        }
+        self.tick_wall_clock();
+        self.engine.run(Event::FitEnd, &mut self.state)?;
+        self.clock = None;
+        let after = &self.state.timestamp;
+        Ok(FitReport {
+            steps,
+            batches: after.batch - before.batch,
+            samples: after.sample - before.sample,
+            wall: start.elapsed(),
+            data_wait,
+            stopped: self.state.stop_reason.clone(),
+        })
+    }
+}

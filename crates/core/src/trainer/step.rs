@@ -1,0 +1,276 @@
+//! One training batch, in four named phases, each firing its events in the order
+//! `crate::event` states:
+//! - [`begin`](Trainer::begin_batch): the backend seed and learning rate of the batch,
+//!   `BATCH_START`, `BEFORE_TRAIN_BATCH`;
+//! - [`microbatch`](Trainer::microbatch): forward, loss and backward of one microbatch with
+//!   their six events, and the non-finite-loss policy;
+//! - [`step`](Trainer::step): the gradient-synchronisation point of a data-parallel run,
+//!   `AFTER_TRAIN_BATCH` (clipping, SAM), the optimizer step;
+//! - [`end`](Trainer::end_batch): the timestamp, `BATCH_END`, the batch's log line, due
+//!   evaluations, `BATCH_CHECKPOINT`, and the agreement of every rank on a stop request.
+//!
+//! With no algorithms, callbacks, loggers or collective, a batch here is what a hand-written
+//! Burn loop does (forward, loss, backward, optimizer step) plus one scalar read of the loss
+//! (for the non-finite check and the logs) and the bookkeeping of the timestamp.
+
+use std::time::{Duration, Instant};
+
+use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::tensor::ElementConversion;
+
+use crate::collective::LocalStep;
+use crate::error::{CoreError, Result};
+use crate::event::Event;
+use crate::model::{Batch, TrainModel};
+use crate::params::seed_backend;
+use crate::rng::derive_seed;
+use crate::schedule::ScheduleContext;
+use crate::setup::{BatchOf, Setup};
+use crate::state::State;
+
+use super::Trainer;
+
+/// Stream tag for the backend seed set at each batch start.
+const BACKEND_STREAM: u64 = 0xB4C4_E4D0;
+
+/// What the microbatches of one batch left for the optimizer step.
+struct Accumulated {
+    /// The batch's gradients (summed over microbatches); `None` when a loss was not finite.
+    grads: Option<GradientsParams>,
+    /// The batch's loss (the sum of the weighted microbatch losses).
+    loss: f64,
+}
+
+impl<S: Setup> Trainer<S> {
+    /// One batch (already in `State::batch`, after `AFTER_DATALOADER`): returns whether an
+    /// optimizer step was taken.
+    pub(super) fn train_batch(&mut self) -> Result<bool> {
+        let started = Instant::now();
+        self.begin_batch()?;
+        // The full batch leaves the state while its microbatches are there (an algorithm may
+        // replace a microbatch); it comes back unchanged for `AFTER_TRAIN_BATCH`.
+        let full = take_batch(&mut self.state, Event::BeforeTrainBatch)?;
+        let n = full.len();
+        let tokens = full.num_tokens();
+        let split = self.microbatch_size.filter(|&s| s < n);
+        let microbatches = match split {
+            Some(size) => full.clone().split(size),
+            None => vec![full.clone()],
+        };
+        let mut accumulator = GradientsAccumulator::<S::Model>::new();
+        let mut loss = 0.0;
+        let mut finite = true;
+        for mb in microbatches {
+            // Each microbatch's loss is weighted by its share of the batch, so that the
+            // summed gradient equals the full batch's.
+            let weight = split.map(|_| mb.len() as f64 / n as f64);
+            match self.microbatch(mb, weight)? {
+                Some(value) => loss += value,
+                None => {
+                    finite = false;
+                    break;
+                }
+            }
+            if split.is_some() {
+                if let Some(g) = self.state.grads.take() {
+                    accumulator.accumulate(self.state.model(), g);
+                }
+            }
+        }
+        self.state.batch = Some(full);
+        let grads = match (finite, split) {
+            (false, _) => None,
+            (true, Some(_)) => Some(accumulator.grads()),
+            (true, None) => self.state.grads.take(),
+        };
+        let stepped = self.step(Accumulated { grads, loss }, finite)?;
+        self.end_batch(n as u64, tokens, started.elapsed())?;
+        Ok(stepped)
+    }
+
+    /// Seeds the backend for the batch, sets its learning rate, runs `BATCH_START` and
+    /// `BEFORE_TRAIN_BATCH`.
+    fn begin_batch(&mut self) -> Result<()> {
+        let state = &mut self.state;
+        let ts = &state.timestamp;
+        seed_backend::<S::Backend>(
+            &state.device,
+            derive_seed(&[
+                state.seed,
+                state.world.rank as u64,
+                ts.epoch,
+                ts.batch_in_epoch,
+                BACKEND_STREAM,
+            ]),
+        );
+        let ctx = ScheduleContext {
+            batch: ts.batch as f64,
+            progress: state.progress(),
+            scale_schedule_ratio: state.scale_schedule_ratio,
+        };
+        state.lr = state.base_lr * state.scheduler.factor(&ctx);
+        state.loss_value = None;
+        self.engine.run(Event::BatchStart, state)?;
+        self.engine.run(Event::BeforeTrainBatch, state)
+    }
+
+    /// Forward, loss and backward of one microbatch, weighted by `weight` (its share of the
+    /// batch, when the batch is split); leaves its gradients in `State::grads` and returns its
+    /// weighted loss, or `None` when the loss is not finite and the run skips such batches.
+    fn microbatch(&mut self, mb: BatchOf<S>, weight: Option<f64>) -> Result<Option<f64>> {
+        let state = &mut self.state;
+        let engine = &mut self.engine;
+        state.batch = Some(mb);
+        engine.run(Event::BeforeForward, state)?;
+        let batch = state
+            .batch
+            .as_ref()
+            .ok_or_else(|| missing("batch", Event::BeforeForward))?;
+        let output = state.model().forward(batch);
+        state.outputs = Some(output);
+        engine.run(Event::AfterForward, state)?;
+        engine.run(Event::BeforeLoss, state)?;
+        let batch = state
+            .batch
+            .as_ref()
+            .ok_or_else(|| missing("batch", Event::BeforeLoss))?;
+        let output = state
+            .outputs
+            .as_ref()
+            .ok_or_else(|| missing("outputs", Event::BeforeLoss))?;
+        let loss = state.model().loss(output, batch);
+        state.loss = Some(loss);
+        engine.run(Event::AfterLoss, state)?;
+        engine.run(Event::BeforeBackward, state)?;
+        let loss = state
+            .loss
+            .take()
+            .ok_or_else(|| missing("loss", Event::BeforeBackward))?;
+        let loss = match weight {
+            Some(w) => loss.mul_scalar(w),
+            None => loss,
+        };
+        let value: f64 = loss.clone().into_scalar().elem();
+        if !value.is_finite() {
+            let ts = &state.timestamp;
+            if !self.skip_nonfinite_loss {
+                return Err(CoreError::NonFiniteLoss {
+                    value,
+                    epoch: ts.epoch,
+                    batch: ts.batch,
+                    batch_in_epoch: ts.batch_in_epoch,
+                });
+            }
+            tracing::warn!(
+                value,
+                epoch = ts.epoch,
+                batch = ts.batch,
+                "skipping batch with non-finite loss"
+            );
+            state.outputs = None;
+            return Ok(None);
+        }
+        let grads = GradientsParams::from_grads(loss.backward(), state.model());
+        state.grads = Some(grads);
+        engine.run(Event::AfterBackward, state)?;
+        state.outputs = None;
+        Ok(Some(value))
+    }
+
+    /// The gradient-synchronisation point (a data-parallel run averages gradients and loss
+    /// over every rank here), `AFTER_TRAIN_BATCH`, then the optimizer step. Returns whether
+    /// the optimizer stepped.
+    fn step(&mut self, local: Accumulated, finite: bool) -> Result<bool> {
+        let (grads, loss) = match self.collective.as_mut() {
+            None => (local.grads, finite.then_some(local.loss)),
+            Some(c) => {
+                let global = c.sync_gradients(
+                    self.state.model(),
+                    LocalStep {
+                        grads: local.grads,
+                        loss: local.loss,
+                    },
+                )?;
+                if finite && global.grads.is_none() {
+                    tracing::warn!(
+                        ranks = global.skipped_ranks,
+                        batch = self.state.timestamp.batch,
+                        "skipping batch: another rank's loss was not finite"
+                    );
+                }
+                (global.grads, global.loss)
+            }
+        };
+        let state = &mut self.state;
+        if grads.is_none() {
+            state.skipped_batches += 1;
+        }
+        state.grads = grads;
+        state.loss_value = loss;
+        self.engine.run(Event::AfterTrainBatch, state)?;
+        let Some(grads) = state.grads.take() else {
+            return Ok(false);
+        };
+        let lr = state.lr;
+        // Invariant: the model is only taken out here, between events.
+        let model = state
+            .model
+            .take()
+            .expect("model is present outside the optimizer step");
+        state.model = Some(state.optimizer.step(lr, model, grads));
+        Ok(true)
+    }
+
+    /// Records the batch in the timestamp, runs `BATCH_END`, logs the batch, runs the
+    /// evaluations that are due and `BATCH_CHECKPOINT`, then makes every rank agree on
+    /// whether to stop.
+    fn end_batch(&mut self, samples: u64, tokens: u64, wall: Duration) -> Result<()> {
+        let before = self.state.timestamp.clone();
+        self.state.timestamp.advance_batch(samples, tokens, wall);
+        self.tick_wall_clock();
+        self.engine.run(Event::BatchEnd, &mut self.state)?;
+        if !self.engine.logger().is_empty() {
+            let ts = self.state.timestamp.clone();
+            let mut values = vec![("train/lr", self.state.lr)];
+            if let Some(l) = self.state.loss_value {
+                values.push(("train/loss", l));
+            }
+            self.engine.logger().log_metrics(&ts, &values)?;
+        }
+        if self
+            .evaluators
+            .iter()
+            .any(|e| self.batch_eval_due(e, &before))
+        {
+            self.run_evaluators(|t, e| t.batch_eval_due(e, &before))?;
+        }
+        self.engine.run(Event::BatchCheckpoint, &mut self.state)?;
+        self.state.batch = None;
+        self.agree_on_stop()
+    }
+
+    /// In a data-parallel run, stops every rank when any rank asked to stop.
+    pub(super) fn agree_on_stop(&mut self) -> Result<()> {
+        let Some(c) = self.collective.as_mut() else {
+            return Ok(());
+        };
+        if let Some(rank) = c.any_stop(self.state.stop_reason.is_some())? {
+            if self.state.stop_reason.is_none() {
+                self.state.stop_reason = Some(format!("rank {rank} asked to stop"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn missing(what: &str, event: Event) -> CoreError {
+    CoreError::Component {
+        component: "trainer".into(),
+        event: event.name(),
+        message: format!("the state's {what} was removed by an algorithm or callback"),
+    }
+}
+
+fn take_batch<S: Setup>(state: &mut State<S>, event: Event) -> Result<BatchOf<S>> {
+    state.batch.take().ok_or_else(|| missing("batch", event))
+}

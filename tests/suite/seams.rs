@@ -1,0 +1,449 @@
+//! Core's scale-out seams, exercised by two ranks on two threads of this process through a
+//! small shared-memory collective (sums in rank order, so every rank gets the same bits):
+//! rank 0's weights reach every rank, two ranks on half batches train like one process on the
+//! combined batch, evaluation metrics are global, one rank's stop stops both, a non-finite
+//! loss on one rank skips the step on both, and only rank 0's writers act.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{Sgd, SgdConfig};
+use burn::tensor::{Tensor, TensorData};
+use flashover::callbacks::StopAt;
+use flashover::core::callback::{Algorithm, Callback};
+use flashover::core::collective::{Collective, OnEveryRank, Ranks};
+use flashover::core::data::{DataLoader, Dataset, MnistBatcher, MnistDataset, MnistSplit, Sampler};
+use flashover::core::error::{CoreError, Result};
+use flashover::core::event::Event;
+use flashover::core::logger::Logger;
+use flashover::core::metric::{Accuracy, LossMetric};
+use flashover::core::params::params_sha256;
+use flashover::core::setup::{InnerBackendOf, Setup, SetupOf};
+use flashover::core::state::{State, World};
+use flashover::core::time::Time;
+use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
+use flashover_examples::{bundled_mnist_dir, MnistCnn};
+use flashover_tests::*;
+
+/// Where the ranks of one process meet: each deposits a buffer, the last to arrive releases
+/// them all, and every rank reads every buffer. A rank that waits longer than the timeout
+/// gets an error naming the ranks that never came.
+struct Hub {
+    size: usize,
+    state: Mutex<HubState>,
+    arrived_cv: Condvar,
+}
+
+struct HubState {
+    generation: u64,
+    slots: Vec<Option<Vec<f64>>>,
+    result: Vec<Vec<f64>>,
+}
+
+impl Hub {
+    fn new(size: usize) -> Arc<Hub> {
+        Arc::new(Hub {
+            size,
+            state: Mutex::new(HubState {
+                generation: 0,
+                slots: vec![None; size],
+                result: Vec::new(),
+            }),
+            arrived_cv: Condvar::new(),
+        })
+    }
+
+    fn exchange(&self, rank: usize, data: Vec<f64>) -> Result<Vec<Vec<f64>>> {
+        let mut s = self.state.lock().unwrap();
+        let generation = s.generation;
+        s.slots[rank] = Some(data);
+        if s.slots.iter().all(Option::is_some) {
+            s.result = s
+                .slots
+                .iter_mut()
+                .map(|x| x.take().unwrap_or_default())
+                .collect();
+            s.generation += 1;
+            self.arrived_cv.notify_all();
+            return Ok(s.result.clone());
+        }
+        let (s, timeout) = self
+            .arrived_cv
+            .wait_timeout_while(s, Duration::from_secs(120), |s| s.generation == generation)
+            .unwrap();
+        if timeout.timed_out() {
+            let missing: Vec<usize> = (0..self.size).filter(|&r| s.slots[r].is_none()).collect();
+            return Err(CoreError::Component {
+                component: "thread_collective".into(),
+                event: "exchange",
+                message: format!("ranks {missing:?} did not arrive within 120 s"),
+            });
+        }
+        Ok(s.result.clone())
+    }
+}
+
+/// One rank's end of a [`Hub`].
+struct ThreadCollective {
+    rank: usize,
+    hub: Arc<Hub>,
+}
+
+impl<S: Setup> Collective<S> for ThreadCollective {
+    fn world(&self) -> World {
+        World {
+            rank: self.rank,
+            size: self.hub.size,
+        }
+    }
+
+    fn all_reduce_sum(
+        &mut self,
+        buffer: Tensor<InnerBackendOf<S>, 1>,
+    ) -> Result<Tensor<InnerBackendOf<S>, 1>> {
+        let device = buffer.device();
+        let mine: Vec<f64> = buffer
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 buffers")
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let all = self.hub.exchange(self.rank, mine)?;
+        // Sum in f32, in rank order: the same bits on every rank.
+        let mut sum = vec![0f32; all[0].len()];
+        for part in &all {
+            for (s, v) in sum.iter_mut().zip(part) {
+                *s += *v as f32;
+            }
+        }
+        let n = sum.len();
+        Ok(Tensor::from_data(TensorData::new(sum, [n]), &device))
+    }
+
+    fn all_reduce_sum_host(&mut self, values: &mut [f64]) -> Result<()> {
+        let all = self.hub.exchange(self.rank, values.to_vec())?;
+        for (i, v) in values.iter_mut().enumerate() {
+            *v = all.iter().map(|p| p[i]).sum();
+        }
+        Ok(())
+    }
+
+    fn broadcast(
+        &mut self,
+        buffer: Tensor<InnerBackendOf<S>, 1>,
+    ) -> Result<Tensor<InnerBackendOf<S>, 1>> {
+        let device = buffer.device();
+        let mine: Vec<f64> = buffer
+            .into_data()
+            .to_vec::<f32>()
+            .expect("f32 buffers")
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let all = self.hub.exchange(self.rank, mine)?;
+        let root: Vec<f32> = all[0].iter().map(|v| *v as f32).collect();
+        let n = root.len();
+        Ok(Tensor::from_data(TensorData::new(root, [n]), &device))
+    }
+}
+
+type Sgd32 = OptimizerAdaptor<Sgd<Inner>, MnistCnn<TB>, TB>;
+type Run = SetupOf<TB, MnistCnn<TB>, Sgd32>;
+
+const TRAIN: usize = 256;
+const TEST: usize = 200;
+
+/// A trainer on `train` digits in batches of `batch` (sharded for `world`), evaluating the
+/// test digits (sharded likewise), with SGD at 0.05 and the model drawn from `seed`.
+fn builder(world: World, batch: usize, seed: u64, max: &str) -> TrainerBuilder<Run> {
+    let dir = bundled_mnist_dir();
+    let mut train = MnistDataset::from_dir(&dir, MnistSplit::Train).unwrap();
+    train.truncate(TRAIN);
+    let mut test = MnistDataset::from_dir(&dir, MnistSplit::Test).unwrap();
+    test.truncate(TEST);
+    let sampler = Sampler::new(train.len(), batch, true, 7)
+        .unwrap()
+        .sharded(world.rank, world.size)
+        .unwrap();
+    let test_sampler = Sampler::new(test.len(), 50, false, 0)
+        .unwrap()
+        .sharded(world.rank, world.size)
+        .unwrap();
+    let train = DataLoader::new(
+        "train",
+        Arc::new(train),
+        Arc::new(MnistBatcher),
+        sampler,
+        device(),
+    )
+    .unwrap();
+    let test = DataLoader::<Inner, _, _>::new(
+        "test",
+        Arc::new(test),
+        Arc::new(MnistBatcher),
+        test_sampler,
+        Default::default(),
+    )
+    .unwrap();
+    let evaluator = Evaluator::new(
+        "test",
+        test,
+        vec![
+            Box::new(LossMetric::default()),
+            Box::new(Accuracy::default()),
+        ],
+    );
+    Trainer::builder(
+        MnistCnn::<TB>::new(&device(), seed),
+        SgdConfig::new().init::<TB, MnistCnn<TB>>(),
+        train,
+        max.parse::<Time>().unwrap(),
+        device(),
+    )
+    .lr(0.05)
+    .seed(7)
+    .evaluator(evaluator)
+}
+
+/// Runs `f(rank, collective)` on two threads and returns both results, rank 0 first.
+fn two_ranks<T: Send + 'static>(
+    f: impl Fn(usize, ThreadCollective) -> T + Send + Sync + 'static,
+) -> (T, T) {
+    let hub = Hub::new(2);
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (hub, f) = (hub.clone(), f.clone());
+            std::thread::spawn(move || f(rank, ThreadCollective { rank, hub }))
+        })
+        .collect();
+    let mut out = handles.into_iter().map(|h| h.join().expect("rank thread"));
+    let a = out.next().expect("rank 0");
+    let b = out.next().expect("rank 1");
+    (a, b)
+}
+
+/// Every parameter value, in the model's order.
+fn weights(model: &MnistCnn<TB>) -> Vec<f32> {
+    use burn::module::{Module, ModuleVisitor, Param};
+    struct All(Vec<f32>);
+    impl ModuleVisitor<TB> for All {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<TB, D>>) {
+            self.0.extend(p.val().into_data().to_vec::<f32>().unwrap());
+        }
+    }
+    let mut v = All(Vec::new());
+    model.visit(&mut v);
+    v.0
+}
+
+/// Records the loss of every batch.
+struct Losses(Arc<Mutex<Vec<f64>>>);
+
+impl<S: Setup> Callback<S> for Losses {
+    fn name(&self) -> &str {
+        "losses"
+    }
+    fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        self.0
+            .lock()
+            .unwrap()
+            .push(state.loss_value.unwrap_or(f64::NAN));
+        Ok(())
+    }
+}
+
+#[test]
+fn two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch() {
+    // One process: batches of 32 for one epoch (8 steps).
+    let one_losses = Arc::new(Mutex::new(Vec::new()));
+    let mut one = builder(World::default(), 32, 11, "1ep")
+        .callback(Losses(one_losses.clone()))
+        .build()
+        .unwrap();
+    one.fit().unwrap();
+    let one_weights = weights(one.model());
+    // Two ranks: batches of 16 each, the union of each step's two batches is the single
+    // process's batch. Rank 1 draws its model from another seed: the broadcast replaces it.
+    let ((w0, l0, sha0), (w1, l1, sha1)) = two_ranks(|rank, c| {
+        let losses = Arc::new(Mutex::new(Vec::new()));
+        let world = World { rank, size: 2 };
+        let mut t = builder(world, 16, 11 + rank as u64, "1ep")
+            .collective(c)
+            .callback(Losses(losses.clone()))
+            .build()
+            .unwrap();
+        let initial = params_sha256(t.model());
+        t.fit().unwrap();
+        let l = losses.lock().unwrap().clone();
+        (weights(t.model()), l, initial)
+    });
+    assert_eq!(sha0, sha1, "every rank starts from rank 0's weights");
+    assert_eq!(
+        sha0,
+        params_sha256(&MnistCnn::<TB>::new(&device(), 11)),
+        "rank 0's own model is the one broadcast"
+    );
+    assert_eq!(w0, w1, "both ranks hold the same bits after every step");
+    let one_losses = one_losses.lock().unwrap().clone();
+    assert_eq!(l0, l1, "the logged loss is the global one on every rank");
+    assert_eq!(l0.len(), 8);
+    for (a, b) in l0.iter().zip(&one_losses) {
+        assert!((a - b).abs() < 1e-5, "loss {a} vs one process {b}");
+    }
+    let max_diff = w0
+        .iter()
+        .zip(&one_weights)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        max_diff < 1e-5,
+        "weights differ from one process by up to {max_diff}"
+    );
+    // The step did move the weights well beyond that tolerance.
+    let moved = one_weights
+        .iter()
+        .zip(weights(&MnistCnn::<TB>::new(&device(), 11)))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(moved > 1e-3, "training moved the weights by {moved}");
+}
+
+#[test]
+fn evaluation_metrics_are_summed_over_ranks() {
+    let mut one = builder(World::default(), 32, 5, "1ep").build().unwrap();
+    let whole = one.eval().unwrap()["test"].clone();
+    let (r0, r1) = two_ranks(|rank, c| {
+        let mut t = builder(World { rank, size: 2 }, 16, 5, "1ep")
+            .collective(c)
+            .build()
+            .unwrap();
+        t.eval().unwrap()["test"].clone()
+    });
+    // Each rank saw 100 of the 200 test digits; both report the accuracy over all 200.
+    assert_eq!(r0["accuracy"], whole["accuracy"]);
+    assert_eq!(r1["accuracy"], whole["accuracy"]);
+    assert!((r0["loss"] - whole["loss"]).abs() < 1e-6);
+    assert_eq!(r0["loss"], r1["loss"]);
+}
+
+#[test]
+fn one_rank_asking_to_stop_stops_both_at_the_same_batch() {
+    let (a, b) = two_ranks(|rank, c| {
+        let mut b = builder(World { rank, size: 2 }, 16, 3, "2ep").collective(c);
+        if rank == 1 {
+            b = b.callback(StopAt::new(Time::Batch(3)));
+        }
+        let mut t = b.build().unwrap();
+        let report = t.fit().unwrap();
+        (t.state().timestamp.batch, report.stopped)
+    });
+    assert_eq!(a.0, 3);
+    assert_eq!(b.0, 3);
+    assert_eq!(a.1.as_deref(), Some("rank 1 asked to stop"));
+    assert_eq!(b.1.as_deref(), Some("reached 3ba"));
+}
+
+/// Makes the loss of batch `at` not finite.
+struct PoisonLoss {
+    at: u64,
+}
+
+impl<S: Setup> Algorithm<S> for PoisonLoss {
+    fn name(&self) -> &str {
+        "poison_loss"
+    }
+    fn matches(&self, event: Event, state: &State<S>) -> bool {
+        event == Event::AfterLoss && state.timestamp.batch == self.at
+    }
+    fn apply(&mut self, _event: Event, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        state.loss = state.loss.take().map(|l| l.mul_scalar(f64::NAN));
+        Ok(())
+    }
+}
+
+#[test]
+fn a_non_finite_loss_on_one_rank_skips_the_step_on_both() {
+    let (a, b) = two_ranks(|rank, c| {
+        let mut b = builder(World { rank, size: 2 }, 16, 3, "4ba")
+            .collective(c)
+            .skip_nonfinite_loss(true);
+        if rank == 0 {
+            b = b.algorithm(PoisonLoss { at: 1 });
+        }
+        let mut t = b.build().unwrap();
+        let report = t.fit().unwrap();
+        (report.steps, t.state().skipped_batches, weights(t.model()))
+    });
+    assert_eq!((a.0, a.1), (3, 1));
+    assert_eq!(
+        (b.0, b.1),
+        (3, 1),
+        "rank 1's loss was finite, but it skipped with rank 0"
+    );
+    assert_eq!(a.2, b.2);
+}
+
+/// A callback that writes, and so acts on rank 0 only.
+struct Writer(Log);
+
+impl<S: Setup> Callback<S> for Writer {
+    fn name(&self) -> &str {
+        "writer"
+    }
+    fn fit_start(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        self.0.lock().unwrap().push("FIT_START".into());
+        Ok(())
+    }
+    fn ranks(&self) -> Ranks {
+        Ranks::Main
+    }
+}
+
+#[test]
+fn only_rank_zero_writes_unless_told_otherwise() {
+    let (a, b) = two_ranks(|rank, c| {
+        let (logger, writer, everywhere) = (new_log(), new_log(), new_log());
+        let mut t = builder(World { rank, size: 2 }, 16, 3, "2ba")
+            .collective(c)
+            .logger(RecordingLogger {
+                name: "L".into(),
+                log: logger.clone(),
+            })
+            .callback(Writer(writer.clone()))
+            .callback(OnEveryRank(Writer(everywhere.clone())))
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        (lines(&logger).len(), lines(&writer), lines(&everywhere))
+    });
+    assert!(a.0 > 0, "rank 0's logger sees events");
+    assert_eq!(a.1, ["FIT_START"]);
+    assert_eq!(b.0, 0, "rank 1's logger sees nothing");
+    assert!(b.1.is_empty(), "rank 1's writer stays silent");
+    assert_eq!(b.2, ["FIT_START"], "OnEveryRank acts on rank 1 too");
+}
+
+#[test]
+fn a_world_that_contradicts_the_collective_is_refused() {
+    let hub = Hub::new(2);
+    let err = builder(World { rank: 1, size: 3 }, 16, 3, "1ba")
+        .world(World { rank: 1, size: 3 })
+        .collective(ThreadCollective { rank: 0, hub })
+        .build()
+        .err()
+        .expect("refused");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("rank 1 of 3") && msg.contains("rank 0 of 2"),
+        "{msg}"
+    );
+    let err = builder(World::default(), 16, 3, "1ba")
+        .world(World { rank: 2, size: 2 })
+        .build()
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("rank 2 of 2"), "{err}");
+}

@@ -1,0 +1,361 @@
+//! The rules ARCHITECTURE.md states, enforced by `cargo test` (rust-analyzer's tidy tests are
+//! the model): the crate arrows (read from `cargo metadata`), a `//!` opening every `.rs` file,
+//! and an invariant comment above every `unwrap()`/`expect(` in library code. Each rule is a
+//! pure function over text, tested on inputs that break it, then run over the repository.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+/// Library crates that sit on `core` and must not depend on each other: every package under
+/// `crates/` except `core` itself and the facade, which re-exports them all.
+fn is_layered(name: &str, manifest: &str) -> bool {
+    manifest.contains("/crates/") && name != "flashover-core" && name != "flashover"
+}
+
+/// Every dependency arrow of `cargo metadata` output that breaks the layering: `core` depends
+/// on no other workspace crate, and a layered crate on none but `core` (any dependency kind).
+fn arrow_violations(metadata: &Value) -> Vec<String> {
+    let packages = metadata["packages"].as_array().cloned().unwrap_or_default();
+    let members: Vec<String> = packages
+        .iter()
+        .filter_map(|p| p["name"].as_str().map(String::from))
+        .collect();
+    let mut out = Vec::new();
+    for p in &packages {
+        let name = p["name"].as_str().unwrap_or_default();
+        let manifest = p["manifest_path"]
+            .as_str()
+            .unwrap_or_default()
+            .replace('\\', "/");
+        let deps = p["dependencies"].as_array().cloned().unwrap_or_default();
+        for d in deps {
+            let dep = d["name"].as_str().unwrap_or_default();
+            if !members.iter().any(|m| m == dep) {
+                continue;
+            }
+            let kind = d["kind"].as_str().unwrap_or("normal");
+            if name == "flashover-core" {
+                out.push(format!("flashover-core depends on {dep} ({kind}); core depends on no other Flashover crate"));
+            } else if is_layered(name, &manifest) && dep != "flashover-core" {
+                out.push(format!(
+                    "{name} depends on {dep} ({kind}); it may depend on flashover-core only"
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Every `.rs` file under `root` (skipping `target` folders and hidden ones).
+fn rust_files(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if path.is_dir() {
+                if name != "target" && !name.starts_with('.') {
+                    stack.push(path);
+                }
+            } else if name.ends_with(".rs") {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Whether a file's text opens with a `//!` comment.
+fn opens_with_module_doc(text: &str) -> bool {
+    text.trim_start_matches('\u{feff}').starts_with("//!")
+}
+
+/// The code of a line without string literals and a trailing `//` comment (roughly: enough
+/// to find calls, not a Rust lexer).
+fn code_of(line: &str) -> String {
+    let mut out = String::new();
+    let mut in_str = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        if in_str {
+            match c {
+                '\\' => {
+                    chars.next();
+                }
+                '"' => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => {
+                in_str = true;
+                out.push_str("\"\"");
+            }
+            '/' if chars.peek() == Some(&'/') => break,
+            _ => out.push(c),
+        }
+    }
+    out
+}
+
+fn is_comment(line: &str) -> bool {
+    line.trim_start().starts_with("//")
+}
+
+fn is_invariant_comment(line: &str) -> bool {
+    let t = line.trim_start();
+    t.starts_with("//") && !t.starts_with("///") && !t.starts_with("//!")
+}
+
+/// Lines (1-based) of `text` with an `unwrap()` or `expect(` call in library code that has no
+/// `//` comment on the line above its statement. Test modules (`#[cfg(test)]` up to the end
+/// of the item that follows) and comments are skipped.
+fn unexplained_unwraps(text: &str) -> Vec<usize> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut skip_depth: Option<i64> = None;
+    let mut depth: i64 = 0;
+    let mut pending_cfg_test = false;
+    for (i, line) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        if is_comment(line) {
+            continue;
+        }
+        let code = code_of(line);
+        if trimmed.starts_with("#[cfg(test)]") {
+            pending_cfg_test = true;
+            continue;
+        }
+        let opens = code.matches('{').count() as i64;
+        let closes = code.matches('}').count() as i64;
+        if pending_cfg_test && opens > 0 {
+            skip_depth = Some(depth);
+            pending_cfg_test = false;
+        } else if pending_cfg_test && code.trim_end().ends_with(';') {
+            // `#[cfg(test)] use ...;`: the attribute covered one line.
+            pending_cfg_test = false;
+        }
+        let in_test = skip_depth.is_some();
+        depth += opens - closes;
+        if let Some(d) = skip_depth {
+            if depth <= d {
+                skip_depth = None;
+            }
+        }
+        if in_test || !(code.contains(".unwrap()") || code.contains(".expect(")) {
+            continue;
+        }
+        // Walk up to the first line of the statement: a line continues the one above unless
+        // that one ends a statement, opens or closes a block, or ends a match arm.
+        let mut start = i;
+        while start > 0 {
+            let above = lines[start - 1];
+            if is_comment(above) || above.trim().is_empty() {
+                break;
+            }
+            let end = code_of(above).trim_end().to_string();
+            if end.ends_with(';') || end.ends_with('{') || end.ends_with('}') || end.ends_with(',')
+            {
+                break;
+            }
+            start -= 1;
+        }
+        let explained = start > 0 && is_invariant_comment(lines[start - 1]);
+        if !explained {
+            out.push(i + 1);
+        }
+    }
+    out
+}
+
+/// Calls that are allowed without a comment above them, with the reason: (file, code, why).
+const ALLOWED: &[(&str, &str, &str)] = &[];
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests crate lives inside the workspace")
+        .to_path_buf()
+}
+
+#[test]
+fn the_arrow_rule_catches_a_sibling_dependency() {
+    let meta = serde_json::json!({"packages": [
+        {"name": "flashover-core", "manifest_path": "/w/crates/core/Cargo.toml", "dependencies": [
+            {"name": "burn", "kind": null}]},
+        {"name": "flashover-algorithms", "manifest_path": "/w/crates/algorithms/Cargo.toml", "dependencies": [
+            {"name": "flashover-core", "kind": null},
+            {"name": "flashover-callbacks", "kind": "dev"}]},
+        {"name": "flashover-callbacks", "manifest_path": "/w/crates/callbacks/Cargo.toml", "dependencies": [
+            {"name": "flashover-core", "kind": null}]},
+        {"name": "flashover-models", "manifest_path": "/w/crates/models/Cargo.toml", "dependencies": [
+            {"name": "flashover-checkpoint", "kind": null}]},
+        {"name": "flashover-checkpoint", "manifest_path": "/w/crates/checkpoint/Cargo.toml", "dependencies": []},
+        {"name": "flashover", "manifest_path": "/w/crates/flashover/Cargo.toml", "dependencies": [
+            {"name": "flashover-algorithms", "kind": null}]},
+    ]});
+    let v = arrow_violations(&meta);
+    assert_eq!(v.len(), 2, "{v:?}");
+    assert!(
+        v[0].contains("flashover-algorithms depends on flashover-callbacks (dev)"),
+        "{v:?}"
+    );
+    assert!(
+        v[1].contains("flashover-models depends on flashover-checkpoint"),
+        "{v:?}"
+    );
+    let core = serde_json::json!({"packages": [
+        {"name": "flashover-core", "manifest_path": "/w/crates/core/Cargo.toml", "dependencies": [
+            {"name": "flashover-algorithms", "kind": null}]},
+        {"name": "flashover-algorithms", "manifest_path": "/w/crates/algorithms/Cargo.toml", "dependencies": []},
+    ]});
+    assert_eq!(arrow_violations(&core).len(), 1);
+}
+
+#[test]
+fn crate_arrows_point_down_to_core_only() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = std::process::Command::new(cargo)
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--no-deps",
+            "--offline",
+        ])
+        .current_dir(workspace_root())
+        .output()
+        .expect("cargo runs");
+    assert!(
+        out.status.success(),
+        "cargo metadata failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: Value = serde_json::from_slice(&out.stdout).expect("cargo metadata prints JSON");
+    let names: Vec<&str> = meta["packages"]
+        .as_array()
+        .map(|p| p.iter().filter_map(|p| p["name"].as_str()).collect())
+        .unwrap_or_default();
+    for expected in [
+        "flashover-core",
+        "flashover-algorithms",
+        "flashover-callbacks",
+        "flashover-checkpoint",
+    ] {
+        assert!(
+            names.contains(&expected),
+            "{expected} missing from {names:?}"
+        );
+    }
+    let v = arrow_violations(&meta);
+    assert!(v.is_empty(), "crate arrows broken:\n{}", v.join("\n"));
+}
+
+#[test]
+fn the_module_doc_rule_catches_a_bare_file() {
+    assert!(opens_with_module_doc("//! What this file owns.\nuse x;"));
+    assert!(!opens_with_module_doc("use x;\n//! late"));
+    assert!(!opens_with_module_doc("/// an item doc\nfn f() {}"));
+    assert!(!opens_with_module_doc("\n//! after a blank line"));
+}
+
+#[test]
+fn every_rust_file_opens_with_a_module_doc() {
+    let root = workspace_root();
+    let mut bare = Vec::new();
+    let mut seen = 0;
+    for dir in ["crates", "examples", "tests", "xtask", "benches"] {
+        for f in rust_files(&root.join(dir)) {
+            seen += 1;
+            let text = std::fs::read_to_string(&f).expect("source files are UTF-8");
+            if !opens_with_module_doc(&text) {
+                bare.push(f.strip_prefix(&root).unwrap_or(&f).display().to_string());
+            }
+        }
+    }
+    assert!(
+        seen > 50,
+        "found only {seen} files under {}",
+        root.display()
+    );
+    assert!(
+        bare.is_empty(),
+        "files without a `//!` opening:\n{}",
+        bare.join("\n")
+    );
+}
+
+#[test]
+fn the_unwrap_rule_catches_unexplained_calls_only() {
+    let src = r#"//! A file.
+fn a(x: Option<u8>) -> u8 {
+    x.unwrap()
+}
+fn b(x: Option<u8>) -> u8 {
+    // Invariant: callers pass Some.
+    x.unwrap()
+}
+fn c(x: Option<u8>) -> u8 {
+    // Invariant: the chain below cannot be empty.
+    let y = x
+        .map(|v| v + 1)
+        .expect("present");
+    y
+}
+fn d(x: Option<u8>) -> u8 {
+    /// A doc comment is not an invariant.
+    x.expect("missing")
+}
+fn e(x: Option<u8>) -> u8 {
+    let s = "not a call: .unwrap()";
+    x.unwrap_or_default() + s.len() as u8
+}
+#[cfg(test)]
+mod tests {
+    fn t(x: Option<u8>) -> u8 {
+        x.unwrap()
+    }
+}
+fn f(x: Option<u8>) -> u8 {
+    x.unwrap()
+}
+"#;
+    assert_eq!(unexplained_unwraps(src), vec![3, 18, 31]);
+}
+
+#[test]
+fn library_unwraps_carry_their_invariant() {
+    let root = workspace_root();
+    let mut bad = Vec::new();
+    for f in rust_files(&root.join("crates")) {
+        let rel = f.strip_prefix(&root).unwrap_or(&f).display().to_string();
+        // Only library code: the crates' `src/` folders.
+        if !rel.contains("/src/") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f).expect("source files are UTF-8");
+        let lines: Vec<&str> = text.lines().collect();
+        for n in unexplained_unwraps(&text) {
+            let code = lines[n - 1].trim();
+            let allowed = ALLOWED
+                .iter()
+                .any(|(file, snippet, _)| rel.ends_with(file) && code.contains(snippet));
+            if !allowed {
+                bad.push(format!("{rel}:{n}: {code}"));
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "unwrap/expect in library code without an invariant comment on the line above \
+         (add one saying why it cannot fail, or list it in ALLOWED with a reason):\n{}",
+        bad.join("\n")
+    );
+}
