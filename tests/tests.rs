@@ -20,7 +20,8 @@
 //!   bad algorithm lists are errors; sequence-length warmup trains a character model.
 //! - `seams`: the scale-out seams with two ranks on threads: rank 0's weights broadcast, two
 //!   half batches train like one whole batch, global evaluation metrics, a stop on one rank
-//!   stops both, a non-finite loss on one rank skips the step on both, only rank 0 writes.
+//!   stops both (also at `FIT_START`), a non-finite loss on one rank skips the step on both,
+//!   ranks agree on samples and on the slowest clock, SAM steps alike, only rank 0 writes.
 //! - `tidy`: the architecture's rules, enforced: crate arrows from `cargo metadata`, a `//!`
 //!   opening every file, an invariant comment above every `unwrap`/`expect` in library code.
 

@@ -447,3 +447,89 @@ fn a_world_that_contradicts_the_collective_is_refused() {
         .expect("refused");
     assert!(err.to_string().contains("rank 2 of 2"), "{err}");
 }
+
+/// Sleeps at every batch end (a slow rank).
+struct Slow(u64);
+
+impl<S: Setup> Callback<S> for Slow {
+    fn name(&self) -> &str {
+        "slow"
+    }
+    fn batch_end(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        std::thread::sleep(Duration::from_millis(self.0));
+        Ok(())
+    }
+}
+
+#[test]
+fn ranks_agree_on_samples_and_on_the_slowest_clock() {
+    // A wall-clock run with one slow rank: both stop after the same batch, with the same
+    // clock (the slow rank's), and count the samples of both ranks' batches.
+    let (a, b) = two_ranks(|rank, c| {
+        let mut b = builder(World { rank, size: 2 }, 16, 3, "0.4s").collective(c);
+        if rank == 1 {
+            b = b.callback(Slow(30));
+        }
+        let mut t = b.build().unwrap();
+        let report = t.fit().unwrap();
+        let ts = t.state().timestamp.clone();
+        (
+            report.batches,
+            ts.sample,
+            ts.run_wall_time,
+            t.state().samples_per_epoch,
+        )
+    });
+    assert_eq!(a, b);
+    let (batches, samples, wall, per_epoch) = a;
+    assert!(batches >= 2, "{batches}");
+    assert_eq!(
+        samples,
+        batches * 32,
+        "each batch counts 16 samples of each rank"
+    );
+    assert_eq!(per_epoch, TRAIN as u64);
+    assert!(wall >= Duration::from_millis(400));
+}
+
+#[test]
+fn sam_steps_alike_on_every_rank() {
+    let (a, b) = two_ranks(|rank, c| {
+        let mut t = builder(World { rank, size: 2 }, 16, 3, "4ba")
+            .collective(c)
+            .algorithm(flashover::algorithms::sam::Sam::new(0.05, 1e-12, 1).unwrap())
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        weights(t.model())
+    });
+    assert_eq!(a, b, "SAM's second-pass gradients are averaged too");
+}
+
+/// Asks to stop at `FIT_START`.
+struct StopAtStart;
+
+impl<S: Setup> Callback<S> for StopAtStart {
+    fn name(&self) -> &str {
+        "stop_at_start"
+    }
+    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        state.request_stop("not today");
+        Ok(())
+    }
+}
+
+#[test]
+fn a_stop_at_fit_start_on_one_rank_stops_both_before_any_batch() {
+    let (a, b) = two_ranks(|rank, c| {
+        let mut b = builder(World { rank, size: 2 }, 16, 3, "1ep").collective(c);
+        if rank == 0 {
+            b = b.callback(StopAtStart);
+        }
+        let mut t = b.build().unwrap();
+        let report = t.fit().unwrap();
+        (report.batches, report.stopped)
+    });
+    assert_eq!(a, (0, Some("not today".to_string())));
+    assert_eq!(b, (0, Some("rank 0 asked to stop".to_string())));
+}

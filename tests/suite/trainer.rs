@@ -318,7 +318,7 @@ mod wall_clock {
 
     #[test]
     fn a_wall_clock_max_duration_stops_at_the_first_batch_end_past_it() {
-        let run = short_run(256, 32, 20, "0.3s");
+        let run = short_run(256, 32, 20, "0.5s");
         let seen = Arc::new(Mutex::new(Vec::new()));
         let mut t = run
             .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
@@ -328,7 +328,7 @@ mod wall_clock {
             .unwrap();
         let report = t.fit().unwrap();
         let seen = seen.lock().unwrap().clone();
-        let limit = Duration::from_millis(300);
+        let limit = Duration::from_millis(500);
         assert_eq!(report.batches as usize, seen.len());
         assert!(seen.len() >= 2, "{seen:?}");
         assert!(*seen.last().unwrap() >= limit, "{seen:?}");
@@ -355,6 +355,27 @@ mod wall_clock {
             msg.contains("1h30m") && msg.contains("convertible to batches"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn fit_for_a_wall_clock_time_cannot_slip_past_the_schedule_check() {
+        let mut run = short_run(64, 32, 20, "1ep");
+        run.scheduler = MnistRun::default().scheduler;
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        let err = t.fit_for("1m".parse().unwrap()).unwrap_err();
+        assert!(err.to_string().contains("convertible to batches"), "{err}");
+        assert_eq!(
+            t.state().max_duration,
+            Time::Epoch(1),
+            "the run's length is unchanged"
+        );
+        // A count extends it as before.
+        assert_eq!(t.fit_for(Time::Batch(2)).unwrap().batches, 2);
     }
 
     #[test]

@@ -155,6 +155,8 @@ fn test(backend: Backend) -> Result<()> {
         // default backend; GPU backends run the combined resumption test with every stateful
         // algorithm on. The example's log files, trace and plot are written by host code that
         // does not depend on the backend; the monitors themselves run on every backend.
+        // The tidy rules read source files and the wall-clock tests time the host loop:
+        // neither depends on the backend.
         args.extend(strings(&[
             "--",
             "--skip",
@@ -165,6 +167,10 @@ fn test(backend: Backend) -> Result<()> {
             "algorithms::resume_each::",
             "--skip",
             "observe::example_",
+            "--skip",
+            "tidy::",
+            "--skip",
+            "trainer::wall_clock::",
         ]));
         cargo(&args)?;
     }

@@ -9,7 +9,9 @@
 //! the loss of the batch is computed again at `w + e`, and its gradient replaces `g`; the
 //! model itself is never changed, so the optimizer steps from `w`. The second pass runs on the
 //! batch as the loader and data algorithms left it, in one piece (no microbatching), without
-//! the per-forward changes of MixUp, CutMix or label smoothing.
+//! the per-forward changes of MixUp, CutMix or label smoothing. In a data-parallel run the
+//! perturbation uses the averaged gradient, and the second pass's gradient is averaged over
+//! the ranks too (as under PyTorch's DDP), so every rank steps alike.
 //!
 //! Hyperparameters: `rho` 0.05, `epsilon` 1e-12, `interval` 1 (Composer's defaults). With
 //! `interval = k`, the extra pass runs on batches k, 2k, 3k... of the run, counted from 1
@@ -132,7 +134,8 @@ impl<S: Setup> Algorithm<S> for Sam {
             return Ok(());
         };
         let g = sam_gradients(state.model(), batch, grads, self.rho, self.epsilon)?;
-        state.grads = Some(g);
+        // In a data-parallel run the second pass's gradients are averaged like the first's.
+        state.grads = Some(state.average_gradients(g)?);
         Ok(())
     }
 }

@@ -353,9 +353,6 @@ impl Saver {
     }
 
     fn save<S: Setup>(&mut self, state: &State<S>) -> Result<(), CheckpointError> {
-        if state.world.rank != 0 {
-            return Ok(());
-        }
         let ts = &state.timestamp;
         let name = render_name(&self.config.name_template, ts, state.world.rank)?;
         let mut files: Vec<(&'static str, Vec<u8>)> = vec![(
@@ -414,7 +411,8 @@ impl Saver {
 }
 
 impl<S: Setup> Callback<S> for Saver {
-    /// Only rank 0 of a data-parallel run writes (wrap in `OnEveryRank` to change that).
+    /// Only rank 0 of a data-parallel run saves. Wrapped in `OnEveryRank`, every rank saves:
+    /// give each rank its own folder, or put `{rank}` in the name template.
     fn ranks(&self) -> Ranks {
         Ranks::Main
     }

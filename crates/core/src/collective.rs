@@ -7,15 +7,29 @@
 //!    after `INIT` and any restore, before `AFTER_LOAD`: every rank takes rank 0's weights.
 //! 2. **Gradients** ([`Collective::sync_gradients`]): once per optimizer step, after the
 //!    microbatches are accumulated and before `AFTER_TRAIN_BATCH`, so that gradient clipping
-//!    and SAM see the averaged gradients. The whole step's gradients travel in one flat buffer
+//!    sees the averaged gradients. The whole step's gradients travel in one flat buffer
 //!    (every trainable parameter in the module's order), with the batch loss and a flag for a
 //!    non-finite loss: one all-reduce per step. If any rank's loss was not finite (and the run
-//!    skips such batches), every rank skips the step.
-//! 3. **Evaluation metrics** ([`Collective::reduce_metrics`]): after each evaluator's last
+//!    skips such batches), every rank skips the step. An algorithm that computes gradients of
+//!    its own (SAM's second pass) averages them through
+//!    [`State::average_gradients`](crate::state::State::average_gradients), the same call.
+//! 3. **Progress** ([`Collective::sync_progress`]): at every batch end, before `BATCH_END`,
+//!    the ranks agree on the samples and tokens of the whole data-parallel batch (the
+//!    timestamp counts those, as Composer's does) and on the run's wall-clock time (the
+//!    slowest rank's), so every rank takes the same decisions about `max_duration`, intervals
+//!    and fraction-driven algorithms. Also at each epoch end and fit end.
+//! 4. **Evaluation metrics** ([`Collective::reduce_metrics`]): after each evaluator's last
 //!    batch, its metrics' running totals (sums and counts) are summed over ranks, so every rank
-//!    reads the global value; each rank evaluates its own shard of the data.
-//! 4. **Stop requests** ([`Collective::any_stop`]): after every `BATCH_CHECKPOINT` and
-//!    `EPOCH_CHECKPOINT`: one rank asking to stop stops all, at the same batch.
+//!    reads the global value; each rank evaluates its own shard of the data. (A sharded
+//!    sampler pads the last shard by wrapping, as PyTorch's `DistributedSampler` does, so when
+//!    the evaluation set does not divide evenly a few samples count twice.)
+//! 5. **Stop requests** ([`Collective::any_stop`]): after `FIT_START` and every
+//!    `BATCH_CHECKPOINT` and `EPOCH_CHECKPOINT`: one rank asking to stop stops all, at the
+//!    same batch.
+//!
+//! A rank that fails (an error from a component, a non-finite loss without skipping) returns
+//! its error; its peers learn of it through the implementation (MPI aborts the job, and the
+//! contract below asks for a timeout), not through core.
 //!
 //! And one rule that needs no communication: components that write (loggers, the progress
 //! bar, plots, the profiler's trace, the checkpoint saver) act on rank 0 only, unless wrapped
@@ -24,6 +38,8 @@
 //! An implementation provides four primitives (the world, a sum of a device buffer, a sum of
 //! host numbers, a broadcast of a device buffer); the seams are provided methods built on them,
 //! which an implementation may override (to bucket gradients, for example).
+
+use std::time::Duration;
 
 use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
@@ -50,10 +66,23 @@ pub enum Ranks {
 /// [`Collective::sync_gradients`].
 pub struct LocalStep {
     /// The batch's gradients on this rank (summed over its microbatches); `None` when its
-    /// loss was not finite and the run skips such batches.
+    /// loss was not finite, or a component removed them.
     pub grads: Option<GradientsParams>,
-    /// The batch's loss on this rank (ignored when `grads` is `None`).
+    /// The batch's loss on this rank (ignored when it is not finite).
     pub loss: f64,
+    /// Whether every microbatch loss on this rank was finite.
+    pub finite: bool,
+}
+
+/// What the ranks agreed a batch added to the run (see [`Collective::sync_progress`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progressed {
+    /// Samples of the whole data-parallel batch.
+    pub samples: u64,
+    /// Tokens of the whole data-parallel batch.
+    pub tokens: u64,
+    /// The run's wall-clock time: the largest of the ranks'.
+    pub wall: Duration,
 }
 
 /// What the ranks agreed on for an optimizer step.
@@ -105,34 +134,39 @@ pub trait Collective<S: Setup>: Send {
     }
 
     /// Averages an optimizer step's gradients and loss over every rank, in one all-reduce of
-    /// one buffer: the trainable parameters' gradients in `model`'s order, then the loss, then
-    /// a flag that is 1 where the loss was not finite.
+    /// one buffer: the trainable parameters' gradients in `model`'s order (zeros for a rank
+    /// without gradients), then the loss, then a flag that is 1 where the loss was not finite.
+    /// If any rank's loss was not finite, no rank gets gradients. A rank gets back the
+    /// parameters it had gradients for.
     fn sync_gradients(&mut self, model: &S::Model, local: LocalStep) -> Result<GlobalStep> {
         let size = self.world().size.max(1) as f64;
         let keep = local
             .grads
             .as_ref()
-            .map(|g| grad_ids::<S::Backend, _>(model, g));
-        let Some(flat) = flatten_grads::<S::Backend, _>(model, local.grads.as_ref()) else {
+            .map(|g| grad_ids::<S::Backend, _>(model, g))
+            .unwrap_or_default();
+        let (loss, flag) = if local.finite {
+            (local.loss, 0.0)
+        } else {
+            (0.0, 1.0)
+        };
+        let grads = local.grads.as_ref().filter(|_| local.finite);
+        let Some(flat) = flatten_grads::<S::Backend, _>(model, grads) else {
             // Nothing trains; still agree on the loss and the skip flag.
-            let mut v = match keep {
-                Some(_) => [local.loss, 0.0],
-                None => [0.0, 1.0],
-            };
+            let mut v = [loss, flag];
             self.all_reduce_sum_host(&mut v)?;
             let skipped_ranks = v[1].round() as usize;
             return Ok(GlobalStep {
-                grads: (skipped_ranks == 0).then(GradientsParams::new),
+                grads: (skipped_ranks == 0 && local.grads.is_some()).then(GradientsParams::new),
                 loss: (skipped_ranks == 0).then(|| v[0] / size),
                 skipped_ranks,
             });
         };
         let n = flat.dims()[0];
-        let (loss, flag) = match keep {
-            Some(_) => (local.loss as f32, 0.0f32),
-            None => (0.0, 1.0),
-        };
-        let extras = Tensor::from_data(TensorData::new(vec![loss, flag], [2]), &flat.device());
+        let extras = Tensor::from_data(
+            TensorData::new(vec![loss as f32, flag as f32], [2]),
+            &flat.device(),
+        );
         let sum = self.all_reduce_sum(Tensor::cat(vec![flat, extras], 0))?;
         let tail: Vec<f32> = sum
             .clone()
@@ -142,19 +176,44 @@ pub trait Collective<S: Setup>: Send {
             .map(|v| v.elem::<f32>())
             .collect();
         let skipped_ranks = tail.get(1).copied().unwrap_or(0.0).round() as usize;
-        let Some(keep) = keep.filter(|_| skipped_ranks == 0) else {
+        if skipped_ranks > 0 {
             return Ok(GlobalStep {
                 grads: None,
                 loss: None,
-                skipped_ranks: skipped_ranks.max(1),
+                skipped_ranks,
             });
-        };
-        let mean = sum.narrow(0, 0, n).div_scalar(size);
-        let grads = unflatten_grads::<S::Backend, _>(model, mean, &|id| keep.contains(&id));
+        }
+        let grads = local.grads.as_ref().map(|_| {
+            let mean = sum.narrow(0, 0, n).div_scalar(size);
+            unflatten_grads::<S::Backend, _>(model, mean, &|id| keep.contains(&id))
+        });
         Ok(GlobalStep {
-            grads: Some(grads),
+            grads,
             loss: tail.first().map(|&l| f64::from(l) / size),
             skipped_ranks: 0,
+        })
+    }
+
+    /// Agrees on the run's progress after a batch: the samples and tokens of every rank's
+    /// batch (summed, so the timestamp counts the whole data-parallel batch, as a single
+    /// process training on it would) and the run's wall-clock time (the largest of the
+    /// ranks'), so that every rank decides the same about durations, intervals and
+    /// fraction-driven algorithms.
+    fn sync_progress(&mut self, samples: u64, tokens: u64, wall: Duration) -> Result<Progressed> {
+        let world = self.world();
+        let mut v = vec![0.0; 2 + world.size.max(1)];
+        v[0] = samples as f64;
+        v[1] = tokens as f64;
+        if let Some(w) = v.get_mut(2 + world.rank) {
+            *w = wall.as_secs_f64();
+        }
+        self.all_reduce_sum_host(&mut v)?;
+        let slowest = v[2..].iter().copied().fold(0.0, f64::max);
+        Ok(Progressed {
+            samples: v[0].round() as u64,
+            tokens: v[1].round() as u64,
+            // The same bits on every rank: computed from the summed values alone.
+            wall: Duration::try_from_secs_f64(slowest).unwrap_or(Duration::MAX),
         })
     }
 

@@ -8,6 +8,9 @@ use std::collections::BTreeMap;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
+use crate::collective::{Collective, LocalStep};
+use crate::error::{CoreError, Result};
+
 use crate::rng::{derive_seed, Rng};
 use crate::schedule::LrSchedule;
 use crate::setup::{BatchOf, DeviceOf, OutputOf, Setup};
@@ -99,6 +102,8 @@ pub struct State<S: Setup> {
     /// The device the model trains on.
     pub device: DeviceOf<S>,
     pub(crate) stop_reason: Option<String>,
+    /// How this rank meets the others of a data-parallel run (`None`: a single process).
+    pub(crate) collective: Option<Box<dyn Collective<S>>>,
 }
 
 impl<S: Setup> State<S> {
@@ -126,8 +131,8 @@ impl<S: Setup> State<S> {
     /// the caller must not use the state again (the trainer only does this while building).
     pub(crate) fn try_map_model(
         &mut self,
-        f: impl FnOnce(S::Model) -> crate::Result<S::Model>,
-    ) -> crate::Result<()> {
+        f: impl FnOnce(S::Model) -> Result<S::Model>,
+    ) -> Result<()> {
         // Invariant: as in `model`, no event runs while the model is out.
         let model = self
             .model
@@ -135,6 +140,44 @@ impl<S: Setup> State<S> {
             .expect("model is present outside the optimizer step");
         self.model = Some(f(model)?);
         Ok(())
+    }
+
+    /// The model and the collective, borrowed together (the trainer's gradient seam).
+    pub(crate) fn model_and_collective(
+        &mut self,
+    ) -> (&S::Model, Option<&mut Box<dyn Collective<S>>>) {
+        // Invariant: as in `model`, no event runs while the model is out.
+        let model = self
+            .model
+            .as_ref()
+            .expect("model is present outside the optimizer step");
+        (model, self.collective.as_mut())
+    }
+
+    /// Averages gradients an algorithm computed itself (SAM's second pass) over every rank of
+    /// a data-parallel run, through the same seam and buffer layout as the trainer's own
+    /// gradients; in a single process they come back unchanged. Every rank must call it at
+    /// the same point, as algorithms do (their schedules are functions of the timestamp).
+    pub fn average_gradients(&mut self, grads: GradientsParams) -> Result<GradientsParams> {
+        if self.world.size <= 1 {
+            return Ok(grads);
+        }
+        let (model, collective) = self.model_and_collective();
+        let Some(c) = collective else {
+            return Ok(grads);
+        };
+        let local = LocalStep {
+            grads: Some(grads),
+            loss: 0.0,
+            finite: true,
+        };
+        c.sync_gradients(model, local)?
+            .grads
+            .ok_or_else(|| CoreError::Component {
+                component: "collective".into(),
+                event: "average_gradients",
+                message: "the ranks did not all bring gradients to average".into(),
+            })
     }
 
     /// Asks the trainer to stop after the current batch; `reason` is logged.

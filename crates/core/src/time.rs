@@ -204,9 +204,11 @@ impl Time {
             Time::Sample(v) => Time::Sample(scale(v)),
             Time::Token(v) => Time::Token(scale(v)),
             Time::Duration(v) => Time::Duration(v),
-            Time::Wall(d) => {
-                Time::Wall(Duration::try_from_secs_f64(d.as_secs_f64() * ratio).unwrap_or(d))
-            }
+            // Too long to represent: as good as no limit.
+            Time::Wall(d) => Time::Wall(
+                Duration::try_from_secs_f64(d.as_secs_f64() * ratio.max(0.0))
+                    .unwrap_or(Duration::MAX),
+            ),
         }
     }
 

@@ -270,7 +270,14 @@ impl<S: Setup> TrainerBuilder<S> {
         let ssr = self.scale_schedule_ratio;
         let batches_per_epoch = self.train.num_batches() as u64;
         let max_duration = self.max_duration.scaled(ssr);
-        let samples_per_epoch = self.train.num_samples() as u64;
+        // In a data-parallel run the timestamp counts the samples of every rank's batch
+        // (`Collective::sync_progress`), so an epoch is every rank's share.
+        let ranks = if self.collective.is_some() {
+            world.size as u64
+        } else {
+            1
+        };
+        let samples_per_epoch = self.train.num_samples() as u64 * ranks;
         let progress = Progress {
             batches_per_epoch,
             samples_per_epoch,
@@ -321,6 +328,7 @@ impl<S: Setup> TrainerBuilder<S> {
             seed: self.seed,
             device: self.device,
             stop_reason: None,
+            collective: self.collective,
         };
         let engine = Engine::new(
             self.algorithms,
@@ -337,7 +345,6 @@ impl<S: Setup> TrainerBuilder<S> {
             microbatch_size: self.microbatch_size,
             skip_nonfinite_loss: self.skip_nonfinite_loss,
             hyperparameters: Some(hp),
-            collective: self.collective,
             clock: None,
         };
         trainer.engine.run(Event::Init, &mut trainer.state)?;
@@ -348,8 +355,10 @@ impl<S: Setup> TrainerBuilder<S> {
             trainer.engine.restore_component_states(components)?;
         }
         if world.size > 1 {
-            if let Some(c) = trainer.collective.as_mut() {
-                trainer.state.try_map_model(|m| c.broadcast_model(m))?;
+            if let Some(mut c) = trainer.state.collective.take() {
+                let broadcast = trainer.state.try_map_model(|m| c.broadcast_model(m));
+                trainer.state.collective = Some(c);
+                broadcast?;
             }
         }
         trainer.engine.run(Event::AfterLoad, &mut trainer.state)?;

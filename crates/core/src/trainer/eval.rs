@@ -90,7 +90,10 @@ impl<S: Setup> Trainer<S> {
 
     /// Sums the metric totals of evaluator `index` over every rank (a data-parallel run).
     fn reduce_metrics(&mut self, index: usize) -> Result<()> {
-        let (Some(c), Some(ev)) = (self.collective.as_mut(), self.evaluators.get_mut(index)) else {
+        let (Some(c), Some(ev)) = (
+            self.state.collective.as_mut(),
+            self.evaluators.get_mut(index),
+        ) else {
             return Ok(());
         };
         if self.state.world.size <= 1 {

@@ -14,7 +14,6 @@ mod step;
 
 use std::time::{Duration, Instant};
 
-use crate::collective::Collective;
 use crate::data::BatchSource;
 use crate::engine::Engine;
 use crate::error::{CoreError, Result};
@@ -22,7 +21,7 @@ use crate::event::Event;
 use crate::model::TrainModel;
 use crate::setup::{BatchOf, DeviceOf, Setup, SetupOf};
 use crate::state::State;
-use crate::time::{Time, TimeUnit};
+use crate::time::{Progress, Time, TimeUnit};
 
 pub use builder::TrainerBuilder;
 pub use eval::{EvalBatch, EvalOutput, Evaluator, InnerModel};
@@ -61,7 +60,6 @@ pub struct Trainer<S: Setup> {
     skip_nonfinite_loss: bool,
     /// The run's configuration until it has been logged (at the first `FIT_START`).
     hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
-    collective: Option<Box<dyn Collective<S>>>,
     /// When the current `fit` call started, and the run's wall-clock time then.
     clock: Option<(Instant, Duration)>,
 }
@@ -175,14 +173,35 @@ impl<S: Setup> Trainer<S> {
             // from the current epoch's start.
             Time::new(unit, self.state.timestamp.count(unit).unwrap_or(0) as f64)?
         };
-        self.state.max_duration = (now + duration)?;
+        let max_duration = (now + duration)?;
+        // The schedule must fit the new length as it fitted the old one (a cosine over the
+        // run cannot follow a wall-clock length).
+        let progress = Progress {
+            max_duration,
+            ..self.state.progress()
+        };
+        self.state.scheduler.validate(&progress)?;
+        self.state.max_duration = max_duration;
         self.fit_inner()
     }
 
-    /// Brings `Timestamp::run_wall_time` up to now.
-    fn tick_wall_clock(&mut self) {
-        if let Some((started, base)) = self.clock {
-            self.state.timestamp.run_wall_time = base + started.elapsed();
+    /// Brings `Timestamp::run_wall_time` up to now and, in a data-parallel run, makes every
+    /// rank agree on it (the slowest rank's) and on the samples and tokens a batch added;
+    /// returns the (agreed) samples and tokens.
+    fn agree_progress(&mut self, samples: u64, tokens: u64) -> Result<(u64, u64)> {
+        let Some((started, base)) = self.clock else {
+            return Ok((samples, tokens));
+        };
+        let wall = base + started.elapsed();
+        self.state.timestamp.run_wall_time = wall;
+        let size = self.state.world.size;
+        match self.state.collective.as_mut() {
+            Some(c) if size > 1 => {
+                let agreed = c.sync_progress(samples, tokens, wall)?;
+                self.state.timestamp.run_wall_time = agreed.wall;
+                Ok((agreed.samples, agreed.tokens))
+            }
+            _ => Ok((samples, tokens)),
         }
     }
 
@@ -203,6 +222,7 @@ impl<S: Setup> Trainer<S> {
             self.engine.logger().log_hyperparameters(&hp)?;
         }
         self.engine.run(Event::FitStart, &mut self.state)?;
+        self.agree_on_stop()?;
         let num_batches = self.train.num_batches();
         'epochs: loop {
             if !self.epoch_end_pending() && self.must_stop() {
@@ -242,16 +262,18 @@ impl<S: Setup> Trainer<S> {
             }
             drop(batches);
             self.state.timestamp.advance_epoch();
-            self.tick_wall_clock();
+            self.agree_progress(0, 0)?;
             self.engine.run(Event::EpochEnd, &mut self.state)?;
             let ep = self.state.timestamp.epoch;
             if self.evaluators.iter().any(|e| self.epoch_eval_due(e, ep)) {
                 self.run_evaluators(|t, e| t.epoch_eval_due(e, ep))?;
+                // The checkpoint that may follow counts the evaluation's time.
+                self.agree_progress(0, 0)?;
             }
             self.engine.run(Event::EpochCheckpoint, &mut self.state)?;
             self.agree_on_stop()?;
         }
-        self.tick_wall_clock();
+        self.agree_progress(0, 0)?;
         self.engine.run(Event::FitEnd, &mut self.state)?;
         self.clock = None;
         let after = &self.state.timestamp;

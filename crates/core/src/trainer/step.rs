@@ -181,28 +181,29 @@ impl<S: Setup> Trainer<S> {
     /// over every rank here), `AFTER_TRAIN_BATCH`, then the optimizer step. Returns whether
     /// the optimizer stepped.
     fn step(&mut self, local: Accumulated, finite: bool) -> Result<bool> {
-        let (grads, loss) = match self.collective.as_mut() {
-            None => (local.grads, finite.then_some(local.loss)),
+        let batch = self.state.timestamp.batch;
+        let (model, collective) = self.state.model_and_collective();
+        let (grads, loss, skipped) = match collective {
+            None => (local.grads, finite.then_some(local.loss), !finite),
             Some(c) => {
-                let global = c.sync_gradients(
-                    self.state.model(),
-                    LocalStep {
-                        grads: local.grads,
-                        loss: local.loss,
-                    },
-                )?;
-                if finite && global.grads.is_none() {
+                let local = LocalStep {
+                    grads: local.grads,
+                    loss: local.loss,
+                    finite,
+                };
+                let global = c.sync_gradients(model, local)?;
+                if finite && global.skipped_ranks > 0 {
                     tracing::warn!(
                         ranks = global.skipped_ranks,
-                        batch = self.state.timestamp.batch,
+                        batch,
                         "skipping batch: another rank's loss was not finite"
                     );
                 }
-                (global.grads, global.loss)
+                (global.grads, global.loss, global.skipped_ranks > 0)
             }
         };
         let state = &mut self.state;
-        if grads.is_none() {
+        if skipped {
             state.skipped_batches += 1;
         }
         state.grads = grads;
@@ -226,8 +227,8 @@ impl<S: Setup> Trainer<S> {
     /// whether to stop.
     fn end_batch(&mut self, samples: u64, tokens: u64, wall: Duration) -> Result<()> {
         let before = self.state.timestamp.clone();
+        let (samples, tokens) = self.agree_progress(samples, tokens)?;
         self.state.timestamp.advance_batch(samples, tokens, wall);
-        self.tick_wall_clock();
         self.engine.run(Event::BatchEnd, &mut self.state)?;
         if !self.engine.logger().is_empty() {
             let ts = self.state.timestamp.clone();
@@ -243,6 +244,8 @@ impl<S: Setup> Trainer<S> {
             .any(|e| self.batch_eval_due(e, &before))
         {
             self.run_evaluators(|t, e| t.batch_eval_due(e, &before))?;
+            // The checkpoint that may follow counts the evaluation's time.
+            self.agree_progress(0, 0)?;
         }
         self.engine.run(Event::BatchCheckpoint, &mut self.state)?;
         self.state.batch = None;
@@ -251,7 +254,7 @@ impl<S: Setup> Trainer<S> {
 
     /// In a data-parallel run, stops every rank when any rank asked to stop.
     pub(super) fn agree_on_stop(&mut self) -> Result<()> {
-        let Some(c) = self.collective.as_mut() else {
+        let Some(c) = self.state.collective.as_mut() else {
             return Ok(());
         };
         if let Some(rank) = c.any_stop(self.state.stop_reason.is_some())? {
