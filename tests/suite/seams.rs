@@ -84,6 +84,26 @@ impl Hub {
     }
 }
 
+/// A device buffer's values on the host (f32 values are exact in f64).
+fn to_host<B: burn::tensor::backend::Backend>(buffer: Tensor<B, 1>) -> Vec<f64> {
+    buffer
+        .into_data()
+        .to_vec::<f32>()
+        .expect("f32 buffers")
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+/// Host values as a device buffer on `device`.
+fn from_host<B: burn::tensor::backend::Backend>(
+    values: Vec<f32>,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let n = values.len();
+    Tensor::from_data(TensorData::new(values, [n]), device)
+}
+
 /// One rank's end of a [`Hub`].
 struct ThreadCollective {
     rank: usize,
@@ -103,14 +123,7 @@ impl<S: Setup> Collective<S> for ThreadCollective {
         buffer: Tensor<InnerBackendOf<S>, 1>,
     ) -> Result<Tensor<InnerBackendOf<S>, 1>> {
         let device = buffer.device();
-        let mine: Vec<f64> = buffer
-            .into_data()
-            .to_vec::<f32>()
-            .expect("f32 buffers")
-            .into_iter()
-            .map(f64::from)
-            .collect();
-        let all = self.hub.exchange(self.rank, mine)?;
+        let all = self.hub.exchange(self.rank, to_host(buffer))?;
         // Sum in f32, in rank order: the same bits on every rank.
         let mut sum = vec![0f32; all[0].len()];
         for part in &all {
@@ -118,8 +131,7 @@ impl<S: Setup> Collective<S> for ThreadCollective {
                 *s += *v as f32;
             }
         }
-        let n = sum.len();
-        Ok(Tensor::from_data(TensorData::new(sum, [n]), &device))
+        Ok(from_host(sum, &device))
     }
 
     fn all_reduce_sum_host(&mut self, values: &mut [f64]) -> Result<()> {
@@ -135,17 +147,11 @@ impl<S: Setup> Collective<S> for ThreadCollective {
         buffer: Tensor<InnerBackendOf<S>, 1>,
     ) -> Result<Tensor<InnerBackendOf<S>, 1>> {
         let device = buffer.device();
-        let mine: Vec<f64> = buffer
-            .into_data()
-            .to_vec::<f32>()
-            .expect("f32 buffers")
-            .into_iter()
-            .map(f64::from)
-            .collect();
-        let all = self.hub.exchange(self.rank, mine)?;
-        let root: Vec<f32> = all[0].iter().map(|v| *v as f32).collect();
-        let n = root.len();
-        Ok(Tensor::from_data(TensorData::new(root, [n]), &device))
+        let all = self.hub.exchange(self.rank, to_host(buffer))?;
+        Ok(from_host(
+            all[0].iter().map(|v| *v as f32).collect(),
+            &device,
+        ))
     }
 }
 
