@@ -124,6 +124,9 @@ pub struct MnistCnn<B: Backend> {
 }
 
 impl<B: Backend> MnistCnn<B> {
+    /// Rows and columns of the digits the model is built for.
+    pub const INPUT_SIZE: (usize, usize) = (28, 28);
+
     /// A CNN whose parameters are drawn, in field order, from a generator seeded by `seed`.
     pub fn new(device: &B::Device, seed: u64) -> Self {
         Self::with_widths(device, seed, 16, 32, 128)
@@ -255,6 +258,18 @@ pub fn mnist_loaders<B: AutodiffBackend>(
 ) -> Result<(MnistLoader<B>, MnistLoader<B::InnerBackend>)> {
     let mut train = MnistDataset::from_dir(&opts.dir, MnistSplit::Train)?;
     let mut test = MnistDataset::from_dir(&opts.dir, MnistSplit::Test)?;
+    // The CNN takes 28x28 digits; other sizes would train (its pooling adapts) to chance.
+    for (split, data) in [("training", &train), ("test", &test)] {
+        if data.image_size() != MnistCnn::<B>::INPUT_SIZE {
+            let (r, c) = data.image_size();
+            let (er, ec) = MnistCnn::<B>::INPUT_SIZE;
+            return Err(flashover::core::CoreError::config(
+                "data_dir",
+                format!("{} ({split} images of {r}x{c} pixels)", opts.dir.display()),
+                format!("{er}x{ec} images, the input of the MNIST CNN"),
+            ));
+        }
+    }
     if let Some(n) = opts.train_limit {
         train.truncate(n);
     }
@@ -270,7 +285,7 @@ pub fn mnist_loaders<B: AutodiffBackend>(
         train_sampler,
         device.clone(),
     )?
-    .with_prefetch(opts.prefetch);
+    .with_prefetch(opts.prefetch)?;
     let test = DataLoader::new(
         "test",
         Arc::new(test),
@@ -278,7 +293,7 @@ pub fn mnist_loaders<B: AutodiffBackend>(
         test_sampler,
         device.clone(),
     )?
-    .with_prefetch(opts.prefetch);
+    .with_prefetch(opts.prefetch)?;
     Ok((train, test))
 }
 

@@ -364,7 +364,10 @@ mod wall_clock {
     #[test]
     fn fit_for_a_wall_clock_time_cannot_slip_past_the_schedule_check() {
         let mut run = short_run(64, 32, 20, "1ep");
-        run.scheduler = MnistRun::default().scheduler;
+        // A cosine with warmup, as the example's default, with a warmup that fits the
+        // two-batch run.
+        run.scheduler = flashover::core::schedule::Scheduler::cosine(Time::Duration(1.0), 0.0)
+            .with_warmup(Time::Batch(1));
         let mut t = run
             .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
             .unwrap()

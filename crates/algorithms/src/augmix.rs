@@ -111,24 +111,28 @@ pub struct AugMixTransform {
 /// The AugMix algorithm; see the module docs.
 pub type AugMix = ImageAlgorithm<AugMixTransform>;
 
+/// The most chains (`width`) and augmentations per chain (`depth`) AugMix accepts (the paper
+/// uses 3 chains of 1 to 3): each costs a pass over the image.
+pub const MAX_CHAIN: usize = 16;
+
 impl AugMix {
     /// AugMix with `cfg`, for images normalised by `norm`.
     pub fn new(cfg: AugMixConfig, norm: Normalization) -> Result<Self> {
         check_range("augmix", "severity", cfg.severity as f64, 0.0, 10.0)?;
-        if cfg.depth == 0 || cfg.depth < -1 {
+        if cfg.depth == 0 || cfg.depth < -1 || cfg.depth > MAX_CHAIN as i64 {
             return Err(AlgorithmError::param(
                 "augmix",
                 "depth",
                 cfg.depth,
-                "-1 (random 1 to 3) or an integer >= 1",
+                format!("-1 (random 1 to 3) or an integer from 1 to {MAX_CHAIN}"),
             ));
         }
-        if cfg.width == 0 {
+        if cfg.width == 0 || cfg.width > MAX_CHAIN {
             return Err(AlgorithmError::param(
                 "augmix",
                 "width",
                 cfg.width,
-                "an integer >= 1",
+                format!("an integer from 1 to {MAX_CHAIN}"),
             ));
         }
         if !(cfg.alpha.is_finite() && cfg.alpha > 0.0) {

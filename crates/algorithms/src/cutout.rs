@@ -83,15 +83,20 @@ pub struct CutOutTransform {
 /// The CutOut algorithm; see the module docs.
 pub type CutOut = ImageAlgorithm<CutOutTransform>;
 
+/// The most holes per image: each hole costs a pass over the batch, and beyond a few dozen
+/// holes (the paper uses one) an image is simply erased.
+pub const MAX_HOLES: usize = 64;
+
 impl CutOut {
-    /// `num_holes >= 1` holes of side `length` (> 0; below 1 a fraction of the shorter side).
+    /// `num_holes` (1 to [`MAX_HOLES`]) holes of side `length` (> 0; below 1 a fraction of the
+    /// shorter side).
     pub fn new(num_holes: usize, length: f64) -> Result<Self> {
-        if num_holes == 0 {
+        if num_holes == 0 || num_holes > MAX_HOLES {
             return Err(AlgorithmError::param(
                 "cutout",
                 "num_holes",
                 num_holes,
-                "an integer >= 1",
+                format!("an integer from 1 to {MAX_HOLES}"),
             ));
         }
         if !(length.is_finite() && length > 0.0) {

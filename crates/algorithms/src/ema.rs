@@ -119,6 +119,9 @@ impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         self.decode_pending(&state.device)?;
+        if event == Event::FitStart {
+            state.check_countable("ema half_life", self.half_life)?;
+        }
         match event {
             Event::FitStart if self.averaged.is_none() => {
                 self.averaged = Some(ParamSet::of_autodiff(state.model()));

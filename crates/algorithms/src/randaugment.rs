@@ -49,20 +49,24 @@ pub struct RandAugmentTransform {
 /// The RandAugment algorithm; see the module docs.
 pub type RandAugment = ImageAlgorithm<RandAugmentTransform>;
 
+/// The most augmentations RandAugment chains per image (the paper uses 1 to 3): each one
+/// costs a pass over the image, and a long chain leaves nothing of it.
+pub const MAX_DEPTH: usize = 16;
+
 impl RandAugment {
-    /// `depth >= 1` layers at `severity` in `[0, 10]`.
+    /// `depth` (1 to [`MAX_DEPTH`]) layers at `severity` in `[0, 10]`.
     pub fn new(
         depth: usize,
         severity: f64,
         set: AugmentationSet,
         norm: Normalization,
     ) -> Result<Self> {
-        if depth == 0 {
+        if depth == 0 || depth > MAX_DEPTH {
             return Err(AlgorithmError::param(
                 "randaugment",
                 "depth",
                 depth,
-                "an integer >= 1",
+                format!("an integer from 1 to {MAX_DEPTH}"),
             ));
         }
         check_range("randaugment", "severity", severity, 0.0, 10.0)?;

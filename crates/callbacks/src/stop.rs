@@ -390,6 +390,13 @@ impl<S: Setup> Callback<S> for MetricStopper {
         self.name_str()
     }
 
+    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        if let Policy::Early(p) = &self.policy {
+            state.check_countable("early_stopping patience", p.patience)?;
+        }
+        Ok(())
+    }
+
     fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         if self.metric == "train/loss" {
             if let Some(loss) = state.loss_value {
@@ -494,6 +501,10 @@ impl StopAt {
 impl<S: Setup> Callback<S> for StopAt {
     fn name(&self) -> &str {
         "stop_at"
+    }
+
+    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        state.check_countable("stop_at", self.at)
     }
 
     fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {

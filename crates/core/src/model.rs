@@ -25,6 +25,11 @@ pub trait Batch: Clone + Send + 'static {
     /// checks it).
     fn split(self, size: usize) -> Vec<Self>;
 
+    /// Whether batches of this type count tokens ([`num_tokens`](Self::num_tokens)). A run
+    /// whose batches do not is refused, before training, any time in `tok` (a run length or
+    /// an interval that would never be reached). Set it to `true` with `num_tokens`.
+    const COUNTS_TOKENS: bool = false;
+
     /// Tokens in the batch, for token-counted time (`tok`); 0 for batches without tokens.
     fn num_tokens(&self) -> u64 {
         0
@@ -233,6 +238,8 @@ impl<B: Backend> Batch for TokenBatch<B> {
             })
             .collect()
     }
+
+    const COUNTS_TOKENS: bool = true;
 
     fn num_tokens(&self) -> u64 {
         let [b, t] = self.tokens.dims();

@@ -300,6 +300,26 @@ impl LrSchedule for Scheduler {
         // including one measured in tokens (the default schedule of a language model).
         let flat = matches!(self.shape, Shape::Constant { alpha, .. } if alpha == 1.0)
             && self.warmup.is_none();
+        // A warmup at least as long as the run never ends: the peak rate is never reached, and
+        // the schedules with a horizon would be over before they start (a factor of 0 at every
+        // batch, so the run would train nothing). Refused rather than silently clipped.
+        if let Some(w) = self.warmup {
+            let run = progress.to_batches(progress.max_duration);
+            if let (Some(warm), Some(run)) = (progress.to_batches(w), run) {
+                if run > 0.0 && warm >= run {
+                    return Err(CoreError::config(
+                        "warmup",
+                        w,
+                        format!(
+                            "a warmup shorter than the run (max_duration {} = {run} batches): a \
+                             warmup of {warm} batches never ends, so the learning rate never \
+                             reaches its peak; shorten the warmup (0ba for none) or lengthen the run",
+                            progress.max_duration
+                        ),
+                    ));
+                }
+            }
+        }
         for t in self.times().into_iter().filter(|_| !flat) {
             if progress.to_batches(t).is_none() {
                 return Err(CoreError::config(
@@ -448,6 +468,38 @@ mod tests {
         assert!(close(st.factor(&c), 0.1));
         let cos = Scheduler::cosine(Time::Duration(1.0), 0.0);
         assert!(close(cos.factor(&c), cos.factor(&ctx(100.0))));
+    }
+
+    #[test]
+    fn a_warmup_as_long_as_the_run_is_refused() {
+        let p = |max| Progress {
+            batches_per_epoch: 10,
+            samples_per_epoch: 640,
+            max_duration: max,
+        };
+        let s = Scheduler::cosine(Time::Duration(1.0), 0.0).with_warmup(Time::Batch(30));
+        for max in [
+            Time::Batch(20),
+            Time::Batch(30),
+            Time::Epoch(3),
+            Time::Sample(1920),
+        ] {
+            let e = s.validate(&p(max)).unwrap_err().to_string();
+            assert!(
+                e.contains("`warmup`") && e.contains("30ba") && e.contains(&max.to_string()),
+                "{e}"
+            );
+        }
+        for ok in [Time::Batch(31), Time::Epoch(4), Time::Batch(0)] {
+            s.validate(&p(ok)).unwrap();
+        }
+        // A warmup given as a fraction of the run is refused at the whole run or more.
+        let frac = Scheduler::constant().with_warmup(Time::Duration(1.0));
+        assert!(frac.validate(&p(Time::Batch(20))).is_err());
+        Scheduler::constant()
+            .with_warmup(Time::Duration(0.5))
+            .validate(&p(Time::Batch(20)))
+            .unwrap();
     }
 
     #[test]

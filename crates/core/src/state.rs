@@ -10,11 +10,12 @@ use burn::tensor::Tensor;
 
 use crate::collective::{Collective, LocalStep};
 use crate::error::{CoreError, Result};
+use crate::model::Batch;
 
 use crate::rng::{derive_seed, Rng};
 use crate::schedule::LrSchedule;
 use crate::setup::{BatchOf, DeviceOf, OutputOf, Setup};
-use crate::time::{Progress, Time, Timestamp};
+use crate::time::{Progress, Time, TimeUnit, Timestamp};
 
 /// Rank and size of the data-parallel world this process belongs to, and so who writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +44,20 @@ impl World {
     pub fn runs(&self, ranks: crate::collective::Ranks) -> bool {
         ranks == crate::collective::Ranks::Every || self.is_main()
     }
+}
+
+/// Checks that `t` (the setting `name`) can be measured on batches that count tokens
+/// (`counts_tokens`) or not: see [`State::check_countable`].
+pub fn check_countable(name: &'static str, t: Time, counts_tokens: bool) -> Result<()> {
+    if t.unit() == TimeUnit::Token && !counts_tokens {
+        return Err(CoreError::config(
+            name,
+            t,
+            "a time in ep, ba or sp (or wall-clock time): this run's batches do not count \
+             tokens (`Batch::COUNTS_TOKENS` is false), so a time in tok would never be reached",
+        ));
+    }
+    Ok(())
 }
 
 /// Everything a training run knows at a given event.
@@ -188,6 +203,19 @@ impl<S: Setup> State<S> {
     /// Why a stop was requested, if it was.
     pub fn stop_requested(&self) -> Option<&str> {
         self.stop_reason.as_deref()
+    }
+
+    /// Whether this run's batches count tokens (their [`Batch::COUNTS_TOKENS`]).
+    pub fn counts_tokens(&self) -> bool {
+        <BatchOf<S> as Batch>::COUNTS_TOKENS
+    }
+
+    /// Checks that a component's time `t` (named `name` in the error) can be reached in this
+    /// run: a time in `tok` needs batches that count tokens. Components that take a time call
+    /// it before the first batch, so such a time is an error, never a run that never ends or
+    /// an interval that never fires.
+    pub fn check_countable(&self, name: &'static str, t: Time) -> Result<()> {
+        check_countable(name, t, self.counts_tokens())
     }
 
     /// Progress against `max_duration`.

@@ -23,21 +23,49 @@ const LABELS_MAGIC: u32 = 0x0000_0801;
 /// before reading.
 const MAX_PAYLOAD: u64 = 1 << 32;
 
-fn open(path: &Path) -> Result<Box<dyn Read>> {
+/// The most a gzipped IDX file may expand, as payload bytes per compressed byte. Deflate
+/// cannot expand more than about 1032:1, and real IDX files expand 2 to 10 times (MNIST's
+/// training images: 4.7); a header that claims more than this of a small file is a
+/// decompression bomb, refused before anything is allocated.
+const MAX_GZIP_EXPANSION: u64 = 64;
+/// Headroom for small files, whose ratio says little (an all-black test image compresses
+/// almost to nothing).
+const GZIP_SLACK_BYTES: u64 = 16 << 20;
+
+/// An opened IDX file: its reader, whether it is gzipped, and its size on disk.
+struct Opened {
+    reader: Box<dyn Read>,
+    gzip: bool,
+    file_bytes: u64,
+}
+
+fn open(path: &Path) -> Result<Opened> {
     let io = |source| CoreError::Io {
         path: path.to_path_buf(),
         source,
     };
-    let mut file = BufReader::new(File::open(path).map_err(io)?);
+    let file = File::open(path).map_err(io)?;
+    let file_bytes = file.metadata().map_err(io)?.len();
+    sniff(Box::new(BufReader::new(file)), file_bytes).map_err(io)
+}
+
+/// Wraps `reader` (of `file_bytes` bytes) in a gzip decoder if its first two bytes are gzip's.
+fn sniff(mut reader: Box<dyn Read>, file_bytes: u64) -> std::io::Result<Opened> {
     let mut head = [0u8; 2];
-    let n = read_up_to(&mut file, &mut head).map_err(io)?;
+    let n = read_up_to(&mut reader, &mut head)?;
     let prefix = std::io::Cursor::new(head[..n].to_vec());
-    let chained = prefix.chain(file);
-    if n == 2 && head == [0x1f, 0x8b] {
-        Ok(Box::new(flate2::read::GzDecoder::new(chained)))
+    let chained = prefix.chain(reader);
+    let gzip = n == 2 && head == [0x1f, 0x8b];
+    let reader: Box<dyn Read> = if gzip {
+        Box::new(flate2::read::GzDecoder::new(chained))
     } else {
-        Ok(Box::new(chained))
-    }
+        Box::new(chained)
+    };
+    Ok(Opened {
+        reader,
+        gzip,
+        file_bytes,
+    })
 }
 
 fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -54,6 +82,11 @@ fn read_up_to(r: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
 /// Reads a header of `1 + dims` big-endian u32s, checks the magic, and returns the payload,
 /// which must hold exactly the product of the dimensions in bytes.
 fn read_idx(path: &Path, magic: u32, dims: usize) -> Result<(Vec<u32>, Vec<u8>)> {
+    decode_idx(open(path)?, path, magic, dims)
+}
+
+/// [`read_idx`] over an opened stream; `path` names it in errors.
+fn decode_idx(opened: Opened, path: &Path, magic: u32, dims: usize) -> Result<(Vec<u32>, Vec<u8>)> {
     let malformed = |reason: String| CoreError::MalformedData {
         path: path.to_path_buf(),
         reason,
@@ -62,9 +95,28 @@ fn read_idx(path: &Path, magic: u32, dims: usize) -> Result<(Vec<u32>, Vec<u8>)>
         path: path.to_path_buf(),
         source,
     };
-    let mut r = open(path)?;
+    let Opened {
+        reader: mut r,
+        gzip,
+        file_bytes,
+    } = opened;
+    // A gzip stream that stops decoding is damage in the file, reported as such.
+    let read_err = |source: std::io::Error| {
+        if gzip
+            && matches!(
+                source.kind(),
+                std::io::ErrorKind::InvalidInput
+                    | std::io::ErrorKind::InvalidData
+                    | std::io::ErrorKind::UnexpectedEof
+            )
+        {
+            malformed(format!("corrupt gzip stream: {source}"))
+        } else {
+            io(source)
+        }
+    };
     let mut header = vec![0u8; 4 * (1 + dims)];
-    let got = read_up_to(&mut r, &mut header).map_err(io)?;
+    let got = read_up_to(&mut r, &mut header).map_err(read_err)?;
     if got < header.len() {
         return Err(malformed(format!(
             "file ends after {got} bytes, inside the {}-byte header",
@@ -94,17 +146,41 @@ fn read_idx(path: &Path, magic: u32, dims: usize) -> Result<(Vec<u32>, Vec<u8>)>
     if expected > MAX_PAYLOAD {
         return Err(malformed(format!("header claims dimensions {shape:?} ({expected} bytes), more than any IDX file this reader accepts ({MAX_PAYLOAD} bytes)")));
     }
-    // Read at most one byte more than promised: enough to detect trailing data, and the
-    // buffer grows with the bytes that really arrive rather than with the header's claim.
+    // The claim is checked against the file before anything is read: a raw file must hold
+    // it, and a gzipped one cannot plausibly expand to it.
+    let header_bytes = header.len() as u64;
+    if !gzip && file_bytes.saturating_sub(header_bytes) < expected {
+        return Err(malformed(format!(
+            "truncated: header dimensions {shape:?} need {expected} bytes of data, the file has {}",
+            file_bytes.saturating_sub(header_bytes)
+        )));
+    }
+    let most = file_bytes
+        .saturating_mul(MAX_GZIP_EXPANSION)
+        .saturating_add(GZIP_SLACK_BYTES);
+    if gzip && expected > most {
+        return Err(malformed(format!(
+            "header claims dimensions {shape:?} ({expected} bytes), more than a {file_bytes}-byte \
+             gzip file holds at the most this reader accepts ({MAX_GZIP_EXPANSION}x its size plus \
+             {GZIP_SLACK_BYTES} bytes); refused before decompressing"
+        )));
+    }
+    // Read exactly what the header promises (the buffer grows with the bytes that really
+    // arrive), then to the end of the stream: a gzip member's checksum is only checked there,
+    // and anything past the promised bytes is trailing data.
     let mut payload = Vec::new();
-    r.take(expected + 1).read_to_end(&mut payload).map_err(io)?;
+    (&mut r)
+        .take(expected)
+        .read_to_end(&mut payload)
+        .map_err(read_err)?;
     if (payload.len() as u64) < expected {
         return Err(malformed(format!(
             "truncated: header dimensions {shape:?} need {expected} bytes of data, the file has {}",
             payload.len()
         )));
     }
-    if payload.len() as u64 > expected {
+    let mut extra = [0u8; 1];
+    if read_up_to(&mut r, &mut extra).map_err(read_err)? > 0 {
         return Err(malformed(format!(
             "trailing data after the {expected} bytes that dimensions {shape:?} describe"
         )));
@@ -139,6 +215,38 @@ pub fn read_idx_images(path: &Path) -> Result<IdxImages> {
 /// Reads an IDX1 unsigned-byte label file (raw or gzipped).
 pub fn read_idx_labels(path: &Path) -> Result<Vec<u8>> {
     Ok(read_idx(path, LABELS_MAGIC, 1)?.1)
+}
+
+/// The bytes of an IDX file held in memory, named `<memory>` in errors.
+fn from_memory(bytes: &[u8]) -> Opened {
+    let reader: Box<dyn Read> = Box::new(std::io::Cursor::new(bytes.to_vec()));
+    match sniff(reader, bytes.len() as u64) {
+        Ok(o) => o,
+        // Reading from memory cannot fail; an empty stream stands in, which decodes to the
+        // same "inside the header" error as an empty file.
+        Err(_) => Opened {
+            reader: Box::new(std::io::empty()),
+            gzip: false,
+            file_bytes: 0,
+        },
+    }
+}
+
+/// [`read_idx_images`] on the bytes of a file held in memory (raw or gzipped), with the same
+/// checks: what a fuzzer or a network source feeds the reader.
+pub fn parse_idx_images(bytes: &[u8]) -> Result<IdxImages> {
+    let (shape, pixels) = decode_idx(from_memory(bytes), Path::new("<memory>"), IMAGES_MAGIC, 3)?;
+    Ok(IdxImages {
+        count: shape[0] as usize,
+        rows: shape[1] as usize,
+        cols: shape[2] as usize,
+        pixels,
+    })
+}
+
+/// [`read_idx_labels`] on the bytes of a file held in memory (raw or gzipped).
+pub fn parse_idx_labels(bytes: &[u8]) -> Result<Vec<u8>> {
+    Ok(decode_idx(from_memory(bytes), Path::new("<memory>"), LABELS_MAGIC, 1)?.1)
 }
 
 /// Which part of MNIST to load.
@@ -245,6 +353,15 @@ impl MnistDataset {
                 ),
             });
         }
+        if images.rows == 0 || images.cols == 0 {
+            return Err(CoreError::MalformedData {
+                path: images_path.to_path_buf(),
+                reason: format!(
+                    "images of {}x{} pixels; rows and columns must be at least 1",
+                    images.rows, images.cols
+                ),
+            });
+        }
         if let Some((i, &l)) = labels.iter().enumerate().find(|(_, &l)| l > 9) {
             return Err(CoreError::MalformedData {
                 path: labels_path.to_path_buf(),
@@ -252,6 +369,11 @@ impl MnistDataset {
             });
         }
         Ok(MnistDataset { images, labels })
+    }
+
+    /// Rows and columns of every image.
+    pub fn image_size(&self) -> (usize, usize) {
+        (self.images.rows, self.images.cols)
     }
 
     /// Keeps only the first `n` items.
@@ -350,6 +472,71 @@ mod tests {
             assert_eq!((i.count, i.rows, i.cols), (2, 2, 3));
             assert_eq!(i.pixels, (0..12).collect::<Vec<u8>>());
         }
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        gz.write_all(bytes).unwrap();
+        gz.finish().unwrap()
+    }
+
+    #[test]
+    fn a_gzip_bomb_is_refused_before_it_is_decompressed() {
+        // 5.4 million blank 28x28 images: 4.2 GB of zeros in about 4 MB of gzip. The claim is
+        // checked against the file's size, so nothing near 4 GB is ever allocated.
+        let dir = tempfile::tempdir().unwrap();
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        enc.write_all(&header(IMAGES_MAGIC, &[5_400_000, 28, 28]))
+            .unwrap();
+        let zeros = vec![0u8; 1 << 20];
+        for _ in 0..64 {
+            enc.write_all(&zeros).unwrap(); // 64 MB of the promised 4.2 GB is enough to show it
+        }
+        let p = write(dir.path(), "bomb.gz", &enc.finish().unwrap());
+        let msg = read_idx_images(&p).unwrap_err().to_string();
+        assert!(
+            msg.contains("bomb.gz") && msg.contains("refused before decompressing"),
+            "{msg}"
+        );
+        // A raw file that cannot hold its claim is refused from its size alone.
+        let mut raw = header(IMAGES_MAGIC, &[1_000_000, 28, 28]);
+        raw.extend([0u8; 784]);
+        let p = write(dir.path(), "short", &raw);
+        let msg = read_idx_images(&p).unwrap_err().to_string();
+        assert!(
+            msg.contains("truncated") && msg.contains("784000000"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_gzip_stream_damaged_mid_way_is_reported_as_corrupt() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut img = header(IMAGES_MAGIC, &[200, 28, 28]);
+        let mut x = 1u32;
+        img.extend((0..200 * 784).map(|_| {
+            x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (x >> 24) as u8
+        }));
+        let good = gzip(&img);
+        let mut seen = Vec::new();
+        // Flip one byte at a time across the middle of the compressed data.
+        for k in 0..24 {
+            let mut bad = good.clone();
+            let i = good.len() / 4 + k * good.len() / 48;
+            bad[i] ^= 0x5a;
+            let p = write(dir.path(), &format!("damaged{k}.gz"), &bad);
+            let err = read_idx_images(&p).unwrap_err();
+            let msg = err.to_string();
+            assert!(matches!(err, CoreError::MalformedData { .. }), "{msg}");
+            assert!(!msg.contains("trailing data"), "byte {i}: {msg}");
+            seen.push(msg);
+        }
+        assert!(
+            seen.iter()
+                .all(|m| m.contains("corrupt gzip stream") || m.contains("truncated")),
+            "{seen:?}"
+        );
     }
 
     #[test]

@@ -15,6 +15,9 @@ use burn::tensor::backend::Backend;
 use super::{BatchSource, Sampler};
 use crate::error::{CoreError, Result};
 
+/// The most batches a loader prepares ahead.
+pub const MAX_PREFETCH: usize = 256;
+
 /// Loads batches of `O` from a dataset of `I` on device `B::Device`.
 pub struct DataLoader<B: Backend, I, O> {
     name: String,
@@ -51,12 +54,21 @@ where
         })
     }
 
-    /// How many batches to prepare ahead on a background thread; 0 loads each batch on the
-    /// training thread when it is asked for. GPU backends always load on the training thread
-    /// (see `threads_safe`).
-    pub fn with_prefetch(mut self, batches: usize) -> Self {
+    /// How many batches to prepare ahead on a background thread, from 0 to [`MAX_PREFETCH`];
+    /// 0 loads each batch on the training thread when it is asked for. GPU backends always
+    /// load on the training thread (see `threads_safe`). More than `MAX_PREFETCH` is an error
+    /// (the queue's slots are allocated up front, and a few batches ahead already hide the
+    /// loading time).
+    pub fn with_prefetch(mut self, batches: usize) -> Result<Self> {
+        if batches > MAX_PREFETCH {
+            return Err(CoreError::config(
+                "prefetch",
+                batches,
+                format!("0 (no background loading) to {MAX_PREFETCH} batches"),
+            ));
+        }
         self.prefetch = batches;
-        self
+        Ok(self)
     }
 
     /// The sampler.

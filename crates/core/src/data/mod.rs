@@ -11,10 +11,10 @@ mod sampler;
 pub use burn::data::dataloader::batcher::Batcher;
 pub use burn::data::dataset::Dataset;
 pub use idx::{
-    read_idx_images, read_idx_labels, IdxImages, MnistBatcher, MnistDataset, MnistItem, MnistSplit,
-    MNIST_MEAN, MNIST_STD,
+    parse_idx_images, parse_idx_labels, read_idx_images, read_idx_labels, IdxImages, MnistBatcher,
+    MnistDataset, MnistItem, MnistSplit, MNIST_MEAN, MNIST_STD,
 };
-pub use loader::{BatchIter, DataLoader};
+pub use loader::{BatchIter, DataLoader, MAX_PREFETCH};
 pub use sampler::Sampler;
 
 use derive_new::new;

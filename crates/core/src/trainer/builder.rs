@@ -13,10 +13,11 @@ use crate::engine::Engine;
 use crate::error::{CoreError, Result};
 use crate::event::Event;
 use crate::logger::{Logger, LoggerDestination};
+use crate::model::Batch;
 use crate::restore::Restore;
 use crate::schedule::{LrSchedule, Scheduler};
 use crate::setup::{BatchOf, DeviceOf, Setup};
-use crate::state::{State, World};
+use crate::state::{check_countable, State, World};
 use crate::time::{Progress, Time, TimeUnit, Timestamp};
 
 use super::eval::Evaluator;
@@ -225,6 +226,27 @@ impl<S: Setup> TrainerBuilder<S> {
                 ));
             }
         }
+        // A time in tokens on batches that do not count them would never be reached.
+        let tokens = <BatchOf<S> as Batch>::COUNTS_TOKENS;
+        check_countable("max_duration", self.max_duration, tokens)?;
+        check_countable("eval_interval", self.eval_interval, tokens)?;
+        for ev in &self.evaluators {
+            if let Some(t) = ev.interval {
+                check_countable("evaluator interval", t, tokens)?;
+            }
+        }
+        // A ratio that scales a run to nothing would report success for no work.
+        let scaled = self.max_duration.scaled(ssr);
+        if scaled.is_zero() && !self.max_duration.is_zero() {
+            return Err(CoreError::config(
+                "scale_schedule_ratio",
+                ssr,
+                format!(
+                    "a ratio that leaves something of max_duration {} to train (it scales to {scaled})",
+                    self.max_duration
+                ),
+            ));
+        }
         if self.eval_interval.is_zero() {
             return Err(CoreError::config(
                 "eval_interval",
@@ -284,6 +306,12 @@ impl<S: Setup> TrainerBuilder<S> {
             max_duration,
         };
         self.scheduler.validate(&progress)?;
+        if max_duration.is_zero() {
+            tracing::warn!(
+                max_duration = %max_duration,
+                "max_duration is zero: this run trains nothing (the initial weights are kept)"
+            );
+        }
 
         let mut hp = self.hyperparameters;
         hp.insert("max_duration".into(), json!(max_duration.to_string()));

@@ -163,6 +163,7 @@ impl<S: Setup> Trainer<S> {
                 "a time greater than zero in ep, ba, sp or tok, or a wall-clock time",
             ));
         }
+        self.state.check_countable("duration", duration)?;
         let unit = duration.unit();
         let now = if unit == self.state.max_duration.unit() {
             self.state.max_duration
