@@ -71,6 +71,15 @@ fn killed_at_random_points_and_resumed_gives_the_uninterrupted_result() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert_eq!(names.len(), 4, "three checkpoints and `latest`: {names:?}");
-    assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+    assert_eq!(
+        names.len(),
+        5,
+        "three checkpoints, `latest` and the folder's lock: {names:?}"
+    );
+    assert!(
+        names
+            .iter()
+            .all(|n| !n.starts_with('.') || n == flashover::checkpoint::LOCK_FILE),
+        "{names:?}"
+    );
 }

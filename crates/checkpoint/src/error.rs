@@ -78,6 +78,22 @@ pub enum CheckpointError {
         /// The checkpoint.
         path: PathBuf,
     },
+    /// Another process holds the save folder's lock: one writer per folder.
+    #[error("save folder {folder} is in use by {holder}; one run writes to a folder at a time (wait for it to end, or pick another folder)")]
+    Locked {
+        /// The folder.
+        folder: PathBuf,
+        /// Who holds it, as the holder wrote it.
+        holder: String,
+    },
+    /// Autoresume found checkpoints but none that verifies; nothing was changed.
+    #[error("no checkpoint in {folder} can be resumed from, and {} failed verification ({}); nothing was moved or deleted: check the disk or restore a copy, or ask for a fresh start (autoresume's `fresh_start_if_damaged`, `--fresh-start` in the examples) to move them aside as *.damaged and train from the beginning", .damaged.len(), .damaged.join("; "))]
+    NothingIntact {
+        /// The save folder.
+        folder: PathBuf,
+        /// Each damaged checkpoint's error.
+        damaged: Vec<String>,
+    },
     /// An asynchronous save failed in the background; reported at the next save or at the end.
     #[error("background save of {path} failed: {source}")]
     Background {

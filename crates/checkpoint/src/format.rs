@@ -65,7 +65,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
-fn sync_dir(dir: &Path) {
+pub(crate) fn sync_dir(dir: &Path) {
     // Making a rename durable needs an fsync of the directory; a filesystem that cannot open
     // directories for this gives no stronger guarantee to fall back on, so it is skipped.
     if let Ok(d) = File::open(dir) {
@@ -182,7 +182,9 @@ pub fn write_checkpoint(
 
 fn safe_entry(name: &str) -> bool {
     let p = Path::new(name);
+    // No separator anywhere: `Path` would read "model/" as the one component "model".
     !name.is_empty()
+        && !name.contains(['/', '\\'])
         && name != MANIFEST
         && p.components().count() == 1
         && matches!(p.components().next(), Some(Component::Normal(_)))
@@ -214,34 +216,8 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
         ));
     }
     let text = fs::read(&manifest_path).map_err(CheckpointError::io("read", &manifest_path))?;
-    let value: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| CheckpointError::damaged(&manifest_path, format!("not JSON: {e}")))?;
-    if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT_NAME) {
-        return Err(CheckpointError::damaged(
-            &manifest_path,
-            format!("not a {FORMAT_NAME} manifest"),
-        ));
-    }
-    let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
-    if version != FORMAT_VERSION as u64 {
-        return Err(CheckpointError::Version {
-            path: manifest_path,
-            found: u32::try_from(version).unwrap_or(u32::MAX),
-            supported: FORMAT_VERSION,
-        });
-    }
-    let manifest: Manifest = serde_json::from_value(value)
-        .map_err(|e| CheckpointError::damaged(&manifest_path, format!("unexpected layout: {e}")))?;
+    let manifest = parse_manifest(&text, &manifest_path)?;
     for entry in &manifest.files {
-        if !safe_entry(&entry.name) {
-            return Err(CheckpointError::damaged(
-                &manifest_path,
-                format!(
-                    "lists {:?}, which is not a plain file name inside the checkpoint",
-                    entry.name
-                ),
-            ));
-        }
         let path = dir.join(&entry.name);
         let meta = fs::symlink_metadata(&path).map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => {
@@ -260,6 +236,48 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
             return Err(CheckpointError::damaged(
                 &path,
                 format!("{} bytes, the manifest says {}", meta.len(), entry.bytes),
+            ));
+        }
+    }
+    Ok(manifest)
+}
+
+/// Parses and checks a manifest's bytes (`path` names it in errors): JSON, the format name,
+/// the version, the layout, and that every listed file is a plain name inside the checkpoint
+/// (no `/`, no `..`, not the manifest itself). Files are not looked at.
+pub fn parse_manifest(text: &[u8], manifest_path: &Path) -> Result<Manifest, CheckpointError> {
+    if text.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(CheckpointError::damaged(
+            manifest_path,
+            format!("{} bytes, larger than any manifest", text.len()),
+        ));
+    }
+    let value: serde_json::Value = serde_json::from_slice(text)
+        .map_err(|e| CheckpointError::damaged(manifest_path, format!("not JSON: {e}")))?;
+    if value.get("format").and_then(|f| f.as_str()) != Some(FORMAT_NAME) {
+        return Err(CheckpointError::damaged(
+            manifest_path,
+            format!("not a {FORMAT_NAME} manifest"),
+        ));
+    }
+    let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+    if version != FORMAT_VERSION as u64 {
+        return Err(CheckpointError::Version {
+            path: manifest_path.to_path_buf(),
+            found: u32::try_from(version).unwrap_or(u32::MAX),
+            supported: FORMAT_VERSION,
+        });
+    }
+    let manifest: Manifest = serde_json::from_value(value)
+        .map_err(|e| CheckpointError::damaged(manifest_path, format!("unexpected layout: {e}")))?;
+    for entry in &manifest.files {
+        if !safe_entry(&entry.name) {
+            return Err(CheckpointError::damaged(
+                manifest_path,
+                format!(
+                    "lists {:?}, which is not a plain file name inside the checkpoint",
+                    entry.name
+                ),
             ));
         }
     }
@@ -379,6 +397,9 @@ mod tests {
             "",
             ".",
             "manifest.json",
+            // Found by the manifest fuzzer: one path component, but not a plain file name.
+            "model.safetensors/",
+            "a\\b",
         ] {
             assert!(!safe_entry(bad), "{bad}");
         }

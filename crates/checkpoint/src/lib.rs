@@ -29,20 +29,33 @@
 //! decides which code runs: algorithms and callbacks come from the user's configuration and
 //! only receive their saved state.
 //!
-//! Only this crate knows the format. One writer per save folder.
+//! A checkpoint that fails verification when autoresume looks for one to resume from is
+//! renamed `<name>.damaged` (kept for inspection, never resumed from, rotated or deleted), so
+//! the resumed run can save that name again. If no checkpoint verifies, autoresume fails and
+//! changes nothing unless asked for a fresh start. An I/O error while verifying is an error,
+//! not damage.
+//!
+//! Only this crate knows the format. One writer per save folder, enforced: the saver (and
+//! autoresume) hold an OS lock on `<folder>/.lock`, released when the process ends however it
+//! ends, and a second process fails at once with an error naming the holder.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 mod error;
 pub mod format;
 mod load;
+mod lock;
 mod saver;
 mod state_file;
 mod weights;
 
 pub use error::CheckpointError;
 pub use format::write_atomic;
-pub use load::{autoresume, find_resumable, CheckpointRestore, LoadOptions};
+pub use load::{
+    autoresume, autoresume_with, find_resumable, is_moved_aside, AutoresumeOptions,
+    CheckpointRestore, LoadOptions, Skipped, DAMAGED_SUFFIX,
+};
+pub use lock::{lock_folder, FolderLock, LOCK_FILE};
 pub use saver::{
     list_checkpoints, render_name, retention, SaveInterval, SavePredicate, Saver, SaverConfig,
     TEMPLATE_FIELDS,

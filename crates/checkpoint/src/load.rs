@@ -1,9 +1,10 @@
 //! Loading: verify first (manifest, sizes, SHA-256), then restore the model, its parameter
 //! ids, the optimizer, the timestamp and the rest into a trainer being built. Autoresume finds
-//! the newest intact checkpoint in a folder, passing over damaged ones with a warning.
+//! the newest intact checkpoint in a folder, moving damaged ones aside with a warning.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use burn::optim::Optimizer;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
@@ -18,6 +19,7 @@ use crate::error::CheckpointError;
 use crate::format::{
     self, read_manifest, read_verified, verify, Manifest, MODEL, OPTIMIZER, TRAINER_STATE,
 };
+use crate::lock::{lock_folder, FolderLock};
 use crate::state_file::TrainerStateFile;
 use crate::weights::{load_weights_bytes, set_param_ids, WeightsLoad, WeightsReport};
 
@@ -37,6 +39,9 @@ pub struct CheckpointRestore {
     #[new(into)]
     dir: PathBuf,
     options: LoadOptions,
+    /// Autoresume's lock on the save folder, held until the saver takes it over.
+    #[new(default)]
+    lock: Option<Arc<FolderLock>>,
 }
 
 impl CheckpointRestore {
@@ -89,20 +94,10 @@ impl CheckpointRestore {
             return Err(CheckpointError::WeightsOnly { path: dir.clone() });
         }
         let trainer_path = dir.join(TRAINER_STATE);
-        let saved: TrainerStateFile =
-            serde_json::from_slice(&read_verified(dir, &manifest, TRAINER_STATE)?).map_err(
-                |e| CheckpointError::damaged(&trainer_path, format!("unexpected layout: {e}")),
-            )?;
-        let ts = &saved.timestamp;
-        if saved.sampler.epoch != ts.epoch || saved.sampler.batch_in_epoch != ts.batch_in_epoch {
-            return Err(CheckpointError::damaged(
-                &trainer_path,
-                format!(
-                    "sampler position {:?} disagrees with the timestamp ({ts})",
-                    saved.sampler
-                ),
-            ));
-        }
+        let saved = TrainerStateFile::parse(
+            &read_verified(dir, &manifest, TRAINER_STATE)?,
+            &trainer_path,
+        )?;
         if saved.world_size != state.world.size {
             return Err(CheckpointError::Config {
                 name: "world size",
@@ -177,12 +172,67 @@ impl<S: Setup> Restore<S> for CheckpointRestore {
     }
 }
 
-/// The newest intact checkpoint in `folder`, and the damaged ones passed over on the way
-/// (each error names its file). A missing or empty folder gives `None`: a fresh start.
-/// Newest means the most batches; the one `latest` names wins a tie.
-pub fn find_resumable(
-    folder: &Path,
-) -> Result<(Option<PathBuf>, Vec<CheckpointError>), CheckpointError> {
+/// A checkpoint directory that autoresume passed over, and why.
+#[derive(Debug)]
+pub struct Skipped {
+    /// The checkpoint directory.
+    pub dir: PathBuf,
+    /// Why it cannot be resumed from (names the file).
+    pub error: CheckpointError,
+}
+
+impl Skipped {
+    /// Whether it failed verification (damaged or incomplete), rather than being intact but
+    /// unsuitable (a weights-only checkpoint).
+    pub fn is_damaged(&self) -> bool {
+        matches!(self.error, CheckpointError::Damaged { .. })
+    }
+}
+
+impl std::fmt::Display for Skipped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.error)
+    }
+}
+
+/// The suffix given to a checkpoint that failed verification when autoresume moves it aside
+/// (`ep3-ba375.damaged`, then `.damaged-2`, ...). Such directories are never resumed from,
+/// listed for rotation or deleted.
+pub const DAMAGED_SUFFIX: &str = ".damaged";
+
+/// Whether a directory name is one autoresume moved aside.
+pub fn is_moved_aside(name: &str) -> bool {
+    name.ends_with(DAMAGED_SUFFIX)
+        || name
+            .rsplit_once(&format!("{DAMAGED_SUFFIX}-"))
+            .is_some_and(|(_, n)| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// Whether a directory without a readable manifest still looks like a checkpoint: empty (a
+/// checkpoint whose files were lost), or holding one of the files a save writes. A folder
+/// with other content is someone else's, left alone.
+fn looks_like_checkpoint(dir: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return true;
+    };
+    let names: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.is_empty()
+        || names
+            .iter()
+            .any(|n| [format::MANIFEST, MODEL, OPTIMIZER, TRAINER_STATE].contains(&n.as_str()))
+}
+
+/// The newest intact checkpoint in `folder`, and the ones passed over on the way (each error
+/// names its file). A missing or empty folder gives `None`: a fresh start. Newest means the
+/// most batches; the one `latest` names wins a tie. Reads only: nothing is moved.
+///
+/// A checkpoint written by another format version, or a file that cannot be read (an I/O
+/// error, not damage), is an error: neither says that the checkpoint is bad, so passing over
+/// it to an older one would silently lose work.
+pub fn find_resumable(folder: &Path) -> Result<(Option<PathBuf>, Vec<Skipped>), CheckpointError> {
     let entries = match std::fs::read_dir(folder) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((None, Vec::new())),
@@ -196,43 +246,131 @@ pub fn find_resumable(
     };
     let latest = format::read_latest(folder);
     let mut candidates: Vec<(u64, bool, String)> = Vec::new();
-    for e in entries.flatten() {
+    for e in entries {
+        let e = e.map_err(CheckpointError::io("list", folder))?;
         if !e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
             continue;
         }
         let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') {
+        if name.starts_with('.') || is_moved_aside(&name) {
             continue;
         }
         // The batch count orders candidates. A directory whose manifest cannot be read may be
         // the newest (its save may have been damaged after it finished), so it is tried
         // first, fails verification, and is reported by name.
-        let batch = std::fs::read(e.path().join(format::MANIFEST))
+        let manifest = std::fs::read(e.path().join(format::MANIFEST))
             .ok()
-            .and_then(|t| serde_json::from_slice::<Manifest>(&t).ok())
-            .map(|m| m.batch)
-            .unwrap_or(u64::MAX);
+            .and_then(|t| serde_json::from_slice::<Manifest>(&t).ok());
+        if manifest.is_none() && !looks_like_checkpoint(&e.path()) {
+            tracing::debug!(dir = %e.path().display(), "not a checkpoint; ignored");
+            continue;
+        }
+        let batch = manifest.map(|m| m.batch).unwrap_or(u64::MAX);
         candidates.push((batch, latest.as_deref() == Some(name.as_str()), name));
     }
     candidates.sort_by(|a, b| b.cmp(a));
-    let mut damaged = Vec::new();
+    let mut skipped = Vec::new();
     for (_, _, name) in candidates {
         let dir = folder.join(&name);
         match verify(&dir) {
-            Ok(m) if !m.weights_only => return Ok((Some(dir), damaged)),
-            Ok(_) => damaged.push(CheckpointError::WeightsOnly { path: dir }),
-            Err(e) => damaged.push(e),
+            Ok(m) if !m.weights_only => return Ok((Some(dir), skipped)),
+            Ok(_) => skipped.push(Skipped {
+                error: CheckpointError::WeightsOnly { path: dir.clone() },
+                dir,
+            }),
+            Err(error @ CheckpointError::Damaged { .. }) => skipped.push(Skipped { dir, error }),
+            Err(e) => return Err(e),
         }
     }
-    Ok((None, damaged))
+    Ok((None, skipped))
 }
 
-/// Autoresume: the restore for the newest intact checkpoint in `folder`, logging a warning
-/// for each damaged one passed over; `None` when there is nothing to resume.
-pub fn autoresume(folder: &Path) -> Result<Option<CheckpointRestore>, CheckpointError> {
-    let (found, damaged) = find_resumable(folder)?;
-    for d in &damaged {
-        tracing::warn!(error = %d, "skipping a checkpoint that cannot be resumed from");
+/// What autoresume does when it meets damage.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AutoresumeOptions {
+    /// When checkpoints exist but none verifies: move them aside and start a new run (`true`),
+    /// or fail and change nothing (`false`, the default), since their contents may be intact
+    /// (a disk that was briefly unreadable) and a fresh run would overwrite or rotate them.
+    pub fresh_start_if_damaged: bool,
+}
+
+/// Autoresume: the restore for the newest intact checkpoint in `folder` (`None` when there is
+/// nothing to resume), with the folder locked for this process ([`lock_folder`]).
+///
+/// Checkpoints newer than the one resumed from that failed verification are renamed
+/// `<name>.damaged` (each reported with a warning), so that the resumed run, reaching their
+/// batch, saves a good checkpoint under that name instead of stopping on "exists" at every
+/// restart; `latest` is pointed at the checkpoint resumed from. When checkpoints exist but
+/// none verifies, it is [`CheckpointError::NothingIntact`] unless `options` ask for a fresh
+/// start. Call it on the one process that writes the folder.
+pub fn autoresume_with(
+    folder: &Path,
+    options: AutoresumeOptions,
+) -> Result<Option<CheckpointRestore>, CheckpointError> {
+    let lock = if folder.exists() {
+        Some(lock_folder(folder)?)
+    } else {
+        None
+    };
+    let (found, skipped) = find_resumable(folder)?;
+    let damaged: Vec<&Skipped> = skipped.iter().filter(|s| s.is_damaged()).collect();
+    for s in skipped.iter().filter(|s| !s.is_damaged()) {
+        tracing::warn!(error = %s.error, "skipping a checkpoint that cannot resume a run");
     }
-    Ok(found.map(|dir| CheckpointRestore::new(dir, LoadOptions::default())))
+    if found.is_none() && !damaged.is_empty() && !options.fresh_start_if_damaged {
+        return Err(CheckpointError::NothingIntact {
+            folder: folder.to_path_buf(),
+            damaged: damaged.iter().map(|s| s.error.to_string()).collect(),
+        });
+    }
+    for s in &damaged {
+        let aside = move_aside(&s.dir)?;
+        tracing::warn!(
+            error = %s.error,
+            moved_to = %aside.display(),
+            "a checkpoint failed verification; moved aside (kept, never resumed from or rotated)"
+        );
+    }
+    if let Some(dir) = &found {
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if format::read_latest(folder).as_deref() != Some(name.as_str()) {
+            format::write_latest(folder, &name)?;
+        }
+    }
+    Ok(found.map(|dir| {
+        let mut r = CheckpointRestore::new(dir, LoadOptions::default());
+        r.lock = lock;
+        r
+    }))
+}
+
+/// [`autoresume_with`] with the default options: damage with nothing intact is an error.
+pub fn autoresume(folder: &Path) -> Result<Option<CheckpointRestore>, CheckpointError> {
+    autoresume_with(folder, AutoresumeOptions::default())
+}
+
+/// Renames a damaged checkpoint to the first free `<name>.damaged[-N]` beside it.
+fn move_aside(dir: &Path) -> Result<PathBuf, CheckpointError> {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    let mut n = 1;
+    loop {
+        let aside = if n == 1 {
+            parent.join(format!("{name}{DAMAGED_SUFFIX}"))
+        } else {
+            parent.join(format!("{name}{DAMAGED_SUFFIX}-{n}"))
+        };
+        if !aside.exists() {
+            std::fs::rename(dir, &aside).map_err(CheckpointError::io("move aside", dir))?;
+            format::sync_dir(parent);
+            return Ok(aside);
+        }
+        n += 1;
+    }
 }

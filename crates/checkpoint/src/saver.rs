@@ -8,6 +8,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use burn::optim::Optimizer;
@@ -25,6 +26,7 @@ use crate::error::CheckpointError;
 use crate::format::{
     self, is_scratch, write_checkpoint, write_latest, MODEL, OPTIMIZER, TRAINER_STATE,
 };
+use crate::lock::{lock_folder, FolderLock};
 use crate::state_file::TrainerStateFile;
 use crate::weights::weights_to_bytes;
 
@@ -97,8 +99,9 @@ pub fn retention(existing: &[(String, u64)], keep: usize) -> Vec<String> {
     sorted[keep..].iter().map(|(n, _)| n.clone()).collect()
 }
 
-/// Checkpoints in `folder` whose manifest can be read, with their batch counts. Damaged ones
-/// are not listed (so rotation never deletes what it cannot identify).
+/// Checkpoints in `folder` whose manifest can be read, with their batch counts. Damaged ones,
+/// and those autoresume moved aside, are not listed (so rotation never deletes what it cannot
+/// identify).
 pub fn list_checkpoints(folder: &Path) -> Vec<(String, u64)> {
     let Ok(entries) = fs::read_dir(folder) else {
         return Vec::new();
@@ -108,7 +111,7 @@ pub fn list_checkpoints(folder: &Path) -> Vec<(String, u64)> {
         .filter(|e| e.file_type().map(|t| t.is_dir()).unwrap_or(false))
         .filter_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') {
+            if name.starts_with('.') || crate::load::is_moved_aside(&name) {
                 return None;
             }
             let text = fs::read(e.path().join(format::MANIFEST)).ok()?;
@@ -296,6 +299,8 @@ pub struct Saver {
     last_saved_batch: Option<u64>,
     writer: Option<Writer>,
     saved: Vec<PathBuf>,
+    // After `writer`, so that a write in flight finishes before the folder is unlocked.
+    lock: Option<Arc<FolderLock>>,
 }
 
 impl Saver {
@@ -323,6 +328,7 @@ impl Saver {
             last_saved_batch: None,
             writer,
             saved: Vec::new(),
+            lock: None,
         })
     }
 
@@ -412,7 +418,7 @@ impl Saver {
 
 impl<S: Setup> Callback<S> for Saver {
     /// Only rank 0 of a data-parallel run saves. Wrapped in `OnEveryRank`, every rank saves:
-    /// give each rank its own folder, or put `{rank}` in the name template.
+    /// give each rank its own folder (a folder has one writing process).
     fn ranks(&self) -> Ranks {
         Ranks::Main
     }
@@ -423,6 +429,19 @@ impl<S: Setup> Callback<S> for Saver {
 
     fn needs_component_states(&self) -> bool {
         true
+    }
+
+    /// Before anything trains: the interval must be reachable, and the folder is created and
+    /// locked for this process (one writer per folder; a folder that cannot be written fails
+    /// here, not at the first save).
+    fn init(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
+        if let SaveInterval::Every(t) = &self.interval {
+            state.check_countable("save_interval", *t)?;
+        }
+        if self.lock.is_none() {
+            self.lock = Some(lock_folder(&self.config.folder).map_err(CheckpointError::in_saver)?);
+        }
+        Ok(())
     }
 
     fn batch_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {

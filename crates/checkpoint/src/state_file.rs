@@ -3,12 +3,15 @@
 //! precision); this file holds everything else that makes a resumed run exact.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+
+use crate::error::CheckpointError;
 
 /// Where the sampler stands: the next batch to read is batch `batch_in_epoch` of `epoch`.
 /// Redundant with the timestamp on purpose: a loader checks the two agree.
@@ -54,6 +57,25 @@ pub struct TrainerStateFile {
 }
 
 impl TrainerStateFile {
+    /// Parses `trainer_state.json`'s bytes (`path` names it in errors) and checks what can be
+    /// checked without the run: the layout, and that the sampler's position agrees with the
+    /// timestamp. Whether the position fits the run's data is the trainer's check.
+    pub fn parse(bytes: &[u8], path: &Path) -> Result<Self, CheckpointError> {
+        let saved: TrainerStateFile = serde_json::from_slice(bytes)
+            .map_err(|e| CheckpointError::damaged(path, format!("unexpected layout: {e}")))?;
+        let ts = &saved.timestamp;
+        if saved.sampler.epoch != ts.epoch || saved.sampler.batch_in_epoch != ts.batch_in_epoch {
+            return Err(CheckpointError::damaged(
+                path,
+                format!(
+                    "sampler position {:?} disagrees with the timestamp ({ts})",
+                    saved.sampler
+                ),
+            ));
+        }
+        Ok(saved)
+    }
+
     /// Takes everything but weights and optimizer moments from a live state.
     pub fn from_state<S: Setup>(state: &State<S>) -> Self {
         let ts = state.timestamp.clone();
