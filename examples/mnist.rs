@@ -148,9 +148,15 @@ struct Args {
     /// Replace an existing checkpoint of the same name.
     #[arg(long)]
     overwrite: bool,
-    /// Resume from the newest intact checkpoint in --save-folder (start fresh if none).
+    /// Resume from the newest intact checkpoint in --save-folder (start fresh if there is
+    /// none). Newer checkpoints that fail verification are renamed <name>.damaged and
+    /// reported; if checkpoints exist but none verifies, it is an error (see --fresh-start).
     #[arg(long, requires = "save_folder")]
     autoresume: bool,
+    /// With --autoresume: if no checkpoint in --save-folder verifies, move them all aside
+    /// (as <name>.damaged) and start a new run instead of failing.
+    #[arg(long, requires = "autoresume")]
+    fresh_start: bool,
     /// Load this checkpoint directory before training (autoresume wins when it finds one).
     #[arg(long)]
     load: Option<PathBuf>,
@@ -207,7 +213,7 @@ fn main() {
         .init();
     let args = Args::parse();
     if let Err(e) = dispatch(&args) {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", flashover::core::error::report(e.as_ref()));
         std::process::exit(1);
     }
 }
@@ -239,13 +245,16 @@ fn schedule(args: &Args) -> Scheduler {
 }
 
 /// Adds what --log-dir, --tensorboard, --profile, --early-stop, --stop-threshold and --out
-/// ask for.
+/// ask for; returns the training plot, which the caller draws last.
 fn observability<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     mut builder: flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>,
     args: &Args,
     device: &B::Device,
     resuming: bool,
-) -> anyhow::Result<flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>>
+) -> anyhow::Result<(
+    flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>,
+    Option<flashover::callbacks::TrainingPlot>,
+)>
 where
     B::Device: 'static,
 {
@@ -293,10 +302,16 @@ where
     if let Some(spec) = &args.stop_threshold {
         builder = builder.callback(MetricStopper::parse_threshold(spec)?);
     }
-    if let Some(dir) = args.out.as_ref().or(args.log_dir.as_ref()) {
-        builder = builder.callback(TrainingPlot::new(dir.join("training.png")));
+    // Drawn by `train` after the weights and the summary are written.
+    let plot = args
+        .out
+        .as_ref()
+        .or(args.log_dir.as_ref())
+        .map(|dir| TrainingPlot::new(dir.join("training.png")).drawn_by_caller());
+    if let Some(plot) = &plot {
+        builder = builder.callback(plot.clone());
     }
-    Ok(builder)
+    Ok((builder, plot))
 }
 
 fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> anyhow::Result<()> {
@@ -335,6 +350,11 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     optimizer: O,
 ) -> anyhow::Result<()> {
     let started = Instant::now();
+    // Every output location is checked before the first batch, not found unwritable after
+    // the run.
+    if let Some(out) = &args.out {
+        flashover::callbacks::check_writable_dir(out).context("checking --out")?;
+    }
     let mut recipe = MnistRun {
         data: MnistData {
             dir: args.data_dir.clone().unwrap_or_else(bundled_mnist_dir),
@@ -385,12 +405,17 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         builder = builder.callback(Saver::new(config, SaveInterval::Every(args.save_interval))?);
     }
     let resume = match &args.save_folder {
-        Some(folder) if args.autoresume => autoresume(folder)?,
+        Some(folder) if args.autoresume => {
+            let options = AutoresumeOptions {
+                fresh_start_if_damaged: args.fresh_start,
+            };
+            flashover::checkpoint::autoresume_with(folder, options)?
+        }
         _ => None,
     };
     // A resumed run appends to the logs of the run it continues.
     let resuming = resume.is_some() || (args.load.is_some() && !args.weights_only);
-    builder = observability(builder, args, &device, resuming)?;
+    let (mut builder, plot) = observability(builder, args, &device, resuming)?;
     if let Some(restore) = resume {
         builder = builder.restore(restore);
     } else if let Some(path) = &args.load {
@@ -462,6 +487,15 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         let text = serde_json::to_string_pretty(&summary)?;
         flashover::checkpoint::write_atomic(&out.join("summary.json"), text.as_bytes())?;
     }
-    println!("{summary}");
+    // The plot is drawn last: everything above is written even if it cannot be drawn.
+    if let Some(plot) = &plot {
+        plot.draw_or_warn();
+    }
+    // A closed stdout is reported (and the exit status says so), not a panic.
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{summary}")
+        .and_then(|_| stdout.flush())
+        .context("writing the summary to stdout")?;
     Ok(())
 }

@@ -1,8 +1,10 @@
 //! The training plot: loss, accuracy and learning rate against batches, drawn into one PNG at
-//! `FIT_END`.
+//! `FIT_END` (or by the caller, after its own results are written); a plot that cannot be
+//! drawn is a warning, never a lost run.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 use derive_new::new;
 
@@ -14,12 +16,20 @@ use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
 use crate::error::CallbackError;
-use crate::plot::{write_panels, LineChart, Series};
+use crate::files::check_writable_dir;
+use crate::plot::{write_panels, LineChart, PlotError, Series};
 
 /// Draws, at `FIT_END`, a PNG of three panels against batches: the training loss (each
 /// batch's, and its moving average over 20 batches) with every evaluator's loss; every
 /// evaluator's accuracy; and the learning rate. Panels without data (no evaluator measures
 /// accuracy) are left out.
+///
+/// A plot is never worth a run: its folder is checked at `INIT` (an unwritable path fails
+/// before the first batch), but a chart that cannot be drawn at the end (no font installed,
+/// a full disk) is a warning, and training, checkpoints and logs carry on. A program that
+/// writes its own results after `fit` can draw the plot after them instead:
+/// [`drawn_by_caller`](Self::drawn_by_caller), then [`draw_or_warn`](Self::draw_or_warn) on a
+/// clone (clones share the recorded points).
 ///
 /// ```no_run
 /// use flashover_callbacks::TrainingPlot;
@@ -28,17 +38,23 @@ use crate::plot::{write_panels, LineChart, Series};
 /// ```
 ///
 /// `TrainingPlot::new(path)` draws 900x900 pixels.
-#[derive(new)]
+#[derive(Clone, new)]
 pub struct TrainingPlot {
     #[new(into)]
     path: PathBuf,
     #[new(value = "(900, 900)")]
     size: (u32, u32),
+    #[new(value = "false")]
+    deferred: bool,
     #[new(default)]
+    points: Arc<Mutex<Points>>,
+}
+
+/// What the plot has recorded.
+#[derive(Default)]
+struct Points {
     loss: Vec<(f64, f64)>,
-    #[new(default)]
     lr: Vec<(f64, f64)>,
-    #[new(default)]
     eval: BTreeMap<String, Vec<(f64, f64)>>,
 }
 
@@ -57,6 +73,50 @@ impl TrainingPlot {
         Ok(self)
     }
 
+    /// Records during training but does not draw at `FIT_END`: the caller draws with
+    /// [`draw_or_warn`](Self::draw_or_warn) (or [`draw`](Self::draw)) when its own results
+    /// are safe.
+    pub fn drawn_by_caller(mut self) -> Self {
+        self.deferred = true;
+        self
+    }
+
+    fn points(&self) -> std::sync::MutexGuard<'_, Points> {
+        // The points are plain vectors, consistent after every push: a panic elsewhere while
+        // the lock was held leaves nothing half-written to recover from.
+        self.points.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Draws the chart now (nothing when nothing was recorded).
+    pub fn draw(&self) -> std::result::Result<(), PlotError> {
+        let charts = self.charts();
+        if charts.is_empty() {
+            return Ok(());
+        }
+        // Drawing is third-party code over a font read from disk: a panic there is caught
+        // and reported like any other failure to draw.
+        let path = self.path.clone();
+        let size = self.size;
+        std::panic::catch_unwind(move || write_panels(&charts, size, &path)).unwrap_or_else(|_| {
+            Err(PlotError::Draw {
+                path: self.path.clone(),
+                reason: "the chart library panicked".into(),
+            })
+        })
+    }
+
+    /// Draws the chart, and if it cannot be drawn logs a warning naming the reason and returns
+    /// `false`; the run's other results are never lost to a plot.
+    pub fn draw_or_warn(&self) -> bool {
+        match self.draw() {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "training plot not drawn; the run's other results are unaffected");
+                false
+            }
+        }
+    }
+
     /// The panels as they stand.
     pub fn charts(&self) -> Vec<LineChart> {
         let chart = |title: &str, y: &str, series: Vec<Series>| LineChart {
@@ -67,20 +127,21 @@ impl TrainingPlot {
             size: self.size,
             y_range: None,
         };
+        let p = self.points();
         let mut charts = Vec::new();
         let mut losses = Vec::new();
-        if !self.loss.is_empty() {
+        if !p.loss.is_empty() {
             losses.push(Series {
                 name: "train (per batch)".into(),
-                points: self.loss.clone(),
+                points: p.loss.clone(),
             });
             losses.push(Series {
                 name: "train (mean of 20)".into(),
-                points: moving_average(&self.loss, 20),
+                points: moving_average(&p.loss, 20),
             });
         }
         let eval_with = |word: &str| -> Vec<Series> {
-            self.eval
+            p.eval
                 .iter()
                 .filter(|(k, _)| k.rsplit('/').next().is_some_and(|m| m.contains(word)))
                 .map(|(k, v)| Series {
@@ -97,13 +158,13 @@ impl TrainingPlot {
         if !accuracy.is_empty() {
             charts.push(chart("accuracy", "accuracy", accuracy));
         }
-        if !self.lr.is_empty() {
+        if !p.lr.is_empty() {
             charts.push(chart(
                 "learning rate",
                 "lr",
                 vec![Series {
                     name: "lr".into(),
-                    points: self.lr.clone(),
+                    points: p.lr.clone(),
                 }],
             ));
         }
@@ -135,21 +196,31 @@ impl<S: Setup> Callback<S> for TrainingPlot {
         "training_plot"
     }
 
+    /// The folder is created and checked before the first batch.
+    fn init(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            check_writable_dir(dir).map_err(|e| CallbackError::io("training_plot", dir, e))?;
+        }
+        Ok(())
+    }
+
     fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         let x = state.timestamp.batch as f64;
+        let mut p = self.points();
         if let Some(l) = state.loss_value {
-            self.loss.push((x, l));
+            p.loss.push((x, l));
         }
-        self.lr.push((x, state.lr));
+        p.lr.push((x, state.lr));
         Ok(())
     }
 
     fn eval_after_all(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
         let x = state.timestamp.batch as f64;
+        let mut p = self.points();
         for label in &state.evaluated {
             if let Some(metrics) = state.eval_metrics.get(label) {
                 for (name, v) in metrics {
-                    self.eval
+                    p.eval
                         .entry(format!("{label}/{name}"))
                         .or_default()
                         .push((x, *v));
@@ -159,15 +230,11 @@ impl<S: Setup> Callback<S> for TrainingPlot {
         Ok(())
     }
 
+    /// Draws (unless the caller draws), warning instead of failing when it cannot.
     fn fit_end(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
-        let charts = self.charts();
-        if charts.is_empty() {
-            return Ok(());
+        if !self.deferred {
+            self.draw_or_warn();
         }
-        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).map_err(|e| CallbackError::io("training_plot", dir, e))?;
-        }
-        write_panels(&charts, self.size, &self.path).map_err(CallbackError::from)?;
         Ok(())
     }
 }

@@ -18,6 +18,20 @@ use serde_json::{Map, Value};
 
 use crate::error::CallbackError;
 
+/// Checks, before a run starts, that files can be written into directory `dir`: creates it
+/// (and its parents) if missing, then creates and removes a probe file. Used for output
+/// locations that are only written at the end (a plot, `--out`), so that a bad path fails
+/// before the first batch rather than after the run.
+pub fn check_writable_dir(dir: &Path) -> std::io::Result<()> {
+    let fail = |what: &str, e: std::io::Error| {
+        std::io::Error::new(e.kind(), format!("cannot {what} {}: {e}", dir.display()))
+    };
+    std::fs::create_dir_all(dir).map_err(|e| fail("create directory", e))?;
+    let probe = dir.join(format!(".flashover-probe-{}", std::process::id()));
+    File::create(&probe).map_err(|e| fail("write a file into", e))?;
+    std::fs::remove_file(&probe).map_err(|e| fail("remove a probe file from", e))
+}
+
 /// A buffered file that names itself in errors.
 struct Sink {
     component: &'static str,

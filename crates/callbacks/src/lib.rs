@@ -47,6 +47,6 @@ pub mod tensorboard;
 pub use console::{ConsoleLogger, ProgressBar};
 pub use curves::TrainingPlot;
 pub use error::CallbackError;
-pub use files::{CsvLogger, JsonlLogger, CSV_HEADER};
+pub use files::{check_writable_dir, CsvLogger, JsonlLogger, CSV_HEADER};
 pub use stop::{MetricStopper, StopAt};
 pub use tensorboard::TensorBoardLogger;

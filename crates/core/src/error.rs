@@ -119,7 +119,7 @@ pub enum CoreError {
     },
 
     /// A component (algorithm, callback, logger) failed with an error of its own crate.
-    #[error("{component}: {source}")]
+    #[error("{}", prefixed(component, source.as_ref()))]
     External {
         /// The component's name.
         component: String,
@@ -151,6 +151,41 @@ pub enum CoreError {
         /// Why.
         reason: String,
     },
+}
+
+/// `component: message`, unless the message already starts with the component's name.
+fn prefixed(component: &str, source: &(dyn std::error::Error + Send + Sync)) -> String {
+    let text = source.to_string();
+    if text.starts_with(&format!("{component}: ")) {
+        text
+    } else {
+        format!("{component}: {text}")
+    }
+}
+
+/// An error and its chain of sources as one line, `outer: cause: root cause`, leaving out a
+/// source whose text the line already holds (many errors quote their source in their own
+/// message, and printing the chain naively would repeat it). This is how the examples print
+/// a failure.
+///
+/// ```
+/// use flashover_core::error::{report, CoreError};
+/// let io = std::io::Error::other("disk full");
+/// let e = CoreError::Io { path: "x.idx".into(), source: io };
+/// assert_eq!(report(&e), "cannot read data file x.idx: disk full");
+/// ```
+pub fn report(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !text.is_empty() && !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        source = s.source();
+    }
+    line
 }
 
 /// Shorthand for results in this crate.

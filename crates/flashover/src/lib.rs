@@ -50,8 +50,8 @@ pub mod prelude {
         TensorBoardLogger, TrainingPlot,
     };
     pub use flashover_checkpoint::{
-        autoresume, load_weights, save_weights, CheckpointError, CheckpointRestore, LoadOptions,
-        SaveInterval, Saver, SaverConfig,
+        autoresume, autoresume_with, load_weights, save_weights, AutoresumeOptions,
+        CheckpointError, CheckpointRestore, LoadOptions, SaveInterval, Saver, SaverConfig,
     };
     pub use flashover_core::prelude::*;
 }
