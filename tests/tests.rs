@@ -8,6 +8,11 @@
 //!   boundary, mid-epoch, after an epoch, microbatches, warmup, other schedules, async saves).
 //! - `crash`: SIGKILL at random points, autoresume, same bits as the uninterrupted run.
 //! - `damage`: damaged or hostile checkpoints and failed saves are typed errors naming the file.
+//! - `hardening`: a new user's mistakes through the example: a run that would train nothing,
+//!   damaged checkpoints under autoresume (moved aside, or an error that changes nothing), two
+//!   processes on one save folder, output paths and token times checked before the first
+//!   batch, a missing font, wrong image sizes, a closed stdout, unbounded settings, errors
+//!   said once.
 //! - `data`: the IDX reader on the real bundled files, raw and gzipped, whole and truncated.
 //! - `determinism`: same seed, same bits; another seed, other bits.
 //! - `bad_input`: every bad configuration is a typed error that names the value.
@@ -41,6 +46,8 @@ mod data;
 mod determinism;
 #[path = "suite/events.rs"]
 mod events;
+#[path = "suite/hardening.rs"]
+mod hardening;
 #[path = "suite/microbatch.rs"]
 mod microbatch;
 #[path = "suite/observe.rs"]

@@ -61,3 +61,31 @@ fn a_truncated_copy_of_a_real_file_names_the_file() {
         "{err}"
     );
 }
+
+#[test]
+fn a_real_gzip_file_damaged_mid_stream_is_reported_as_corrupt() {
+    // One byte flipped at several places inside the real compressed labels: each is reported
+    // as a corrupt gzip stream (or, when the damage shortens the data, as truncated), never as
+    // "trailing data", which used to be the report when the damage lengthened it.
+    let real = std::fs::read(bundled_mnist_dir().join("train-labels-idx1-ubyte.gz")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut corrupt = 0;
+    for k in 1..16 {
+        let mut bad = real.clone();
+        let i = k * real.len() / 16;
+        bad[i] ^= 0x21;
+        let path = dir.path().join(format!("labels-{k}.gz"));
+        std::fs::write(&path, &bad).unwrap();
+        let err = flashover::core::data::read_idx_labels(&path)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("labels-{k}.gz")), "{err}");
+        assert!(!err.contains("trailing data"), "byte {i}: {err}");
+        assert!(
+            err.contains("corrupt gzip stream") || err.contains("truncated"),
+            "byte {i}: {err}"
+        );
+        corrupt += err.contains("corrupt gzip stream") as usize;
+    }
+    assert!(corrupt >= 10, "only {corrupt} of 15 reported as corrupt");
+}

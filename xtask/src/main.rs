@@ -156,7 +156,8 @@ fn test(backend: Backend) -> Result<()> {
         // algorithm on. The example's log files, trace and plot are written by host code that
         // does not depend on the backend; the monitors themselves run on every backend.
         // The tidy rules read source files and the wall-clock tests time the host loop:
-        // neither depends on the backend.
+        // neither depends on the backend. The hardening tests check inputs, files, locks and
+        // messages on the host before or around training, the same code on every backend.
         args.extend(strings(&[
             "--",
             "--skip",
@@ -171,6 +172,8 @@ fn test(backend: Backend) -> Result<()> {
             "tidy::",
             "--skip",
             "trainer::wall_clock::",
+            "--skip",
+            "hardening::",
         ]));
         cargo(&args)?;
     }

@@ -1,0 +1,561 @@
+//! What a new user hits with bad inputs, damaged files, a missing font and two processes at
+//! once, through the real example program: a run never reports success for work it did not
+//! do, never loops on a damaged checkpoint, never throws away finished work, and checks every
+//! output location and every time unit before the first batch.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use flashover::checkpoint::format::{sha256_hex, verify, MODEL};
+use flashover::checkpoint::LOCK_FILE;
+use flashover_tests::*;
+
+/// Runs the example and expects it to fail; returns its stderr.
+fn fails(args: &[&str]) -> String {
+    let out = run_mnist(args);
+    assert!(
+        !out.status.success(),
+        "mnist {args:?} should have failed:\n{}",
+        out.stderr
+    );
+    assert!(out.summary.is_none(), "a failed run printed a summary");
+    assert!(
+        !out.stderr.contains("panicked"),
+        "mnist {args:?} panicked:\n{}",
+        out.stderr
+    );
+    out.stderr
+}
+
+/// The `error: ...` line of a failed run.
+fn error_line(stderr: &str) -> String {
+    stderr
+        .lines()
+        .find(|l| l.starts_with("error: "))
+        .unwrap_or_else(|| panic!("no error line in:\n{stderr}"))
+        .to_string()
+}
+
+/// Fails if the error line says something twice: no `: `-separated part repeats, and no
+/// part holds another whole.
+fn said_once(line: &str) {
+    let parts: Vec<&str> = line
+        .trim_start_matches("error: ")
+        .split(": ")
+        .filter(|p| p.len() >= 12)
+        .collect();
+    for (i, a) in parts.iter().enumerate() {
+        for b in &parts[i + 1..] {
+            assert!(
+                !a.contains(b) && !b.contains(a),
+                "the error repeats {b:?}:\n{line}"
+            );
+        }
+    }
+}
+
+fn flip_byte(path: &Path) {
+    let mut b = fs::read(path).unwrap();
+    let i = b.len() / 2;
+    b[i] ^= 0x40;
+    fs::write(path, b).unwrap();
+}
+
+fn tree_hashes(dir: &Path) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if e.file_name() == LOCK_FILE {
+            continue; // the lock's holder record, rewritten by every run
+        }
+        if p.is_dir() {
+            out.extend(tree_hashes(&p));
+        } else {
+            out.push((p.clone(), sha256_hex(&fs::read(&p).unwrap())));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn a_run_that_would_train_nothing_says_so() {
+    // The warmup (SHORT's 20ba) at least as long as the run: an error naming both, where the
+    // learning rate used to be 0 at every batch and the run exited 0 with its initial weights.
+    for max in ["20ba", "12ba", "1ep"] {
+        let line = error_line(&fails(&short_args(&["--max-duration", max])));
+        assert!(
+            line.contains("`warmup`") && line.contains("20ba") && line.contains(max),
+            "{line}"
+        );
+    }
+    // One batch more than the warmup trains.
+    let s = summary_of(&short_args(&["--max-duration", "21ba"]));
+    assert_eq!(s["batches"], 21);
+    // A ratio that scales the run to nothing.
+    let line = error_line(&fails(&short_args(&[
+        "--max-duration",
+        "3ep",
+        "--scale-schedule-ratio",
+        "0.1",
+    ])));
+    assert!(
+        line.contains("scale_schedule_ratio") && line.contains("0.1") && line.contains("0ep"),
+        "{line}"
+    );
+    // Asked for explicitly, a zero-length run evaluates the initial weights, and says that it
+    // trained nothing.
+    let out = run_mnist(&short_args(&["--max-duration", "0ba"]));
+    assert!(out.status.success(), "{}", out.stderr);
+    assert_eq!(out.summary.as_ref().unwrap()["batches"], 0);
+    assert!(out.stderr.contains("trains nothing"), "{}", out.stderr);
+}
+
+#[test]
+fn autoresume_moves_a_damaged_checkpoint_aside_and_the_run_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let save = ["--save-folder", folder, "--save-interval", "4ba"];
+    let first: Vec<&str> = save
+        .iter()
+        .copied()
+        .chain(["--stop-after", "8ba"])
+        .collect();
+    summary_of(&short_args(&first));
+    let damaged = dir.path().join("ep0-ba8");
+    flip_byte(&damaged.join(MODEL));
+    let damaged_bytes = fs::read(damaged.join(MODEL)).unwrap();
+    // Resumes from ep0-ba4, passes batch 8 (saving ep0-ba8 afresh) and goes on. Before, the
+    // save at batch 8 stopped the run with "exists", at every restart.
+    let again: Vec<&str> = save
+        .iter()
+        .copied()
+        .chain(["--autoresume", "--stop-after", "12ba"])
+        .collect();
+    let out = run_mnist(&short_args(&again));
+    assert!(out.status.success(), "{}", out.stderr);
+    let aside = dir.path().join("ep0-ba8.damaged");
+    assert!(
+        out.stderr.contains("moved aside") && out.stderr.contains("ep0-ba8.damaged"),
+        "the move must be reported:\n{}",
+        out.stderr
+    );
+    assert_eq!(
+        fs::read(aside.join(MODEL)).unwrap(),
+        damaged_bytes,
+        "kept as it was"
+    );
+    verify(&damaged).expect("a good ep0-ba8 was saved in its place");
+    verify(&dir.path().join("ep0-ba12")).unwrap();
+    assert_eq!(
+        fs::read_to_string(dir.path().join("latest")).unwrap(),
+        "ep0-ba12"
+    );
+    // And it ends where a run that was never damaged ends.
+    let clean = tempfile::tempdir().unwrap();
+    let straight = summary_of(&short_args(&[
+        "--save-folder",
+        clean.path().to_str().unwrap(),
+        "--stop-after",
+        "12ba",
+    ]));
+    assert_eq!(outcome(out.summary.as_ref().unwrap()), outcome(&straight));
+    // A third start finds everything in order and nothing more to move.
+    let third = run_mnist(&short_args(&again));
+    assert!(
+        third.status.success() && !third.stderr.contains("moved aside"),
+        "{}",
+        third.stderr
+    );
+}
+
+#[test]
+fn when_no_checkpoint_verifies_autoresume_changes_nothing_unless_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    summary_of(&short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--stop-after",
+        "8ba",
+    ]));
+    flip_byte(&dir.path().join("ep0-ba4").join(MODEL));
+    flip_byte(&dir.path().join("ep0-ba8").join(MODEL));
+    let before = tree_hashes(dir.path());
+    // With --overwrite and --keep 1 a fresh start would replace or rotate them: refused, and
+    // nothing is touched.
+    let stderr = fails(&short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--overwrite",
+        "--keep",
+        "1",
+        "--autoresume",
+    ]));
+    let line = error_line(&stderr);
+    assert!(
+        line.contains("can be resumed from")
+            && line.contains("ep0-ba4")
+            && line.contains("ep0-ba8")
+            && line.contains("--fresh-start"),
+        "{line}"
+    );
+    said_once(&line);
+    assert_eq!(tree_hashes(dir.path()), before, "nothing may change");
+    // Asked for, the fresh start keeps both aside and trains from the beginning.
+    let s = summary_of(&short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--overwrite",
+        "--keep",
+        "1",
+        "--autoresume",
+        "--fresh-start",
+        "--stop-after",
+        "4ba",
+    ]));
+    assert_eq!(s["batches"], 4);
+    for name in ["ep0-ba4.damaged", "ep0-ba8.damaged"] {
+        assert!(dir.path().join(name).join(MODEL).is_file(), "{name} kept");
+    }
+    verify(&dir.path().join("ep0-ba4")).unwrap();
+}
+
+#[test]
+fn an_unreadable_checkpoint_is_an_error_not_damage() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    summary_of(&short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--stop-after",
+        "8ba",
+    ]));
+    // A manifest the OS cannot read as a file (EISDIR): an I/O error, which says nothing
+    // about the checkpoint's contents. Autoresume must not pass over it to an older one.
+    let manifest = dir.path().join("ep0-ba8").join("manifest.json");
+    fs::remove_file(&manifest).unwrap();
+    fs::create_dir(&manifest).unwrap();
+    let err = flashover::checkpoint::find_resumable(dir.path()).unwrap_err();
+    assert!(
+        matches!(err, flashover::checkpoint::CheckpointError::Io { .. }),
+        "{err}"
+    );
+    let line = error_line(&fails(&short_args(&[
+        "--save-folder",
+        folder,
+        "--autoresume",
+    ])));
+    assert!(
+        line.contains("manifest.json") && line.contains("cannot read"),
+        "{line}"
+    );
+    assert!(!dir.path().join("ep0-ba8.damaged").exists());
+}
+
+fn spawn_mnist(args: &[&str]) -> std::process::Child {
+    Command::new(example_bin("mnist"))
+        .args(args)
+        .args(["--no-progress", "--backend", BACKEND])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the example starts")
+}
+
+/// Waits until `folder/.lock` names process `pid`.
+fn wait_for_lock(folder: &Path, pid: u32) {
+    let started = Instant::now();
+    loop {
+        let text = fs::read_to_string(folder.join(LOCK_FILE)).unwrap_or_default();
+        if text.contains(&format!("process {pid} ")) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "process {pid} never locked {}",
+            folder.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn two_processes_cannot_write_one_save_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let run = short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--overwrite",
+        "--max-duration",
+        "8ep",
+    ]);
+    let first = spawn_mnist(&run);
+    wait_for_lock(dir.path(), first.id());
+    // The second fails at once, naming the first; before, both ran (and with --overwrite
+    // both exited 0, the folder ending with whichever wrote last).
+    let started = Instant::now();
+    let line = error_line(&fails(&run));
+    assert!(
+        line.contains(&format!("in use by process {}", first.id())) && line.contains(folder),
+        "{line}"
+    );
+    let refused_in = started.elapsed();
+    let done = first.wait_with_output().unwrap();
+    assert!(
+        done.status.success(),
+        "the first run was disturbed:\n{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    assert!(
+        refused_in < Duration::from_secs(30),
+        "refused only after {refused_in:?}"
+    );
+    let latest = fs::read_to_string(dir.path().join("latest")).unwrap();
+    assert_eq!(latest, "ep7-ba128");
+    verify(&dir.path().join(latest)).unwrap();
+    // A SIGKILLed holder leaves the folder free: the OS releases the lock with the process.
+    let resume = short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--autoresume",
+        "--max-duration",
+        "12ep",
+    ]);
+    let mut killed = spawn_mnist(&resume);
+    wait_for_lock(dir.path(), killed.id());
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    let s = summary_of(&short_args(&[
+        "--save-folder",
+        folder,
+        "--autoresume",
+        "--max-duration",
+        "12ep",
+    ]));
+    assert_eq!(s["epochs"], 12);
+}
+
+#[test]
+fn every_output_location_is_checked_before_the_first_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    fs::write(&file, b"not a folder").unwrap();
+    let logs = dir.path().join("logs");
+    let logs_s = logs.to_str().unwrap();
+    let under_file = file.join("out");
+    let under = under_file.to_str().unwrap();
+    for flag in ["--out", "--save-folder"] {
+        let stderr = fails(&short_args(&[
+            flag,
+            under,
+            "--log-dir",
+            logs_s,
+            "--log-every",
+            "1",
+        ]));
+        let line = error_line(&stderr);
+        assert!(line.contains(under), "{flag}: {line}");
+        said_once(&line);
+        // Nothing trained: the log has no training loss.
+        let jsonl = fs::read_to_string(logs.join("metrics.jsonl")).unwrap_or_default();
+        assert!(
+            !jsonl.contains("train/loss"),
+            "{flag}: training ran before the error:\n{jsonl}"
+        );
+    }
+}
+
+#[test]
+fn a_missing_font_costs_the_plot_not_the_run() {
+    // A mount namespace with an empty /usr/share/fonts: the slim container of the report.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let logs = dir.path().join("logs");
+    let mut args: Vec<String> = vec![example_bin("mnist").to_string_lossy().into_owned()];
+    args.extend(
+        short_args(&[
+            "--out",
+            out.to_str().unwrap(),
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "--max-duration",
+            "2ep",
+            "--no-progress",
+            "--backend",
+            BACKEND,
+        ])
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    let run = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg("mount -t tmpfs fontless /usr/share/fonts && exec \"$@\"")
+        .arg("sh")
+        .args(&args)
+        .output()
+        .expect("unshare (util-linux) runs");
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        !stderr.contains("mount:") && !stderr.contains("unshare:"),
+        "this test needs root to hide the fonts in a mount namespace:\n{stderr}"
+    );
+    assert!(run.status.success(), "the run was lost:\n{stderr}");
+    let summary: serde_json::Value =
+        serde_json::from_str(String::from_utf8_lossy(&run.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(summary["batches"], 32);
+    assert!(out.join("model.safetensors").is_file() && out.join("summary.json").is_file());
+    assert!(logs.join("metrics.jsonl").is_file() && logs.join("metrics.csv").is_file());
+    assert!(
+        stderr.contains("training plot not drawn") && stderr.contains("no TrueType font"),
+        "the missing plot must be reported:\n{stderr}"
+    );
+    assert!(!out.join("training.png").exists());
+}
+
+#[test]
+fn times_in_tokens_on_a_dataset_without_tokens_are_errors() {
+    for extra in [
+        &["--max-duration", "100tok"][..],
+        &["--save-folder", "unused", "--save-interval", "100tok"],
+        &["--eval-interval", "500tok"],
+        &["--stop-after", "100tok"],
+        &["--early-stop", "test/accuracy:patience=100tok"],
+        &["--algorithms", "ema:half_life=100tok"],
+    ] {
+        let line = error_line(&fails(&short_args(extra)));
+        assert!(
+            line.contains("100tok") || line.contains("500tok"),
+            "{extra:?}: {line}"
+        );
+        assert!(line.contains("do not count tokens"), "{extra:?}: {line}");
+        said_once(&line);
+    }
+    assert!(!Path::new("unused").exists());
+}
+
+/// Writes an IDX pair of `n` images of `rows x cols` (raw) into `dir` for both splits.
+fn write_digits(dir: &Path, n: u32, rows: u32, cols: u32) {
+    for split in ["train", "t10k"] {
+        let mut img = Vec::new();
+        for w in [0x0803u32, n, rows, cols] {
+            img.extend(w.to_be_bytes());
+        }
+        img.extend((0..n * rows * cols).map(|i| (i % 251) as u8));
+        fs::write(dir.join(format!("{split}-images-idx3-ubyte")), img).unwrap();
+        let mut lab = Vec::new();
+        for w in [0x0801u32, n] {
+            lab.extend(w.to_be_bytes());
+        }
+        lab.extend((0..n).map(|i| (i % 10) as u8));
+        fs::write(dir.join(format!("{split}-labels-idx1-ubyte")), lab).unwrap();
+    }
+}
+
+#[test]
+fn images_of_another_size_than_the_models_are_refused() {
+    for (rows, cols) in [(1, 1), (27, 27), (28, 14)] {
+        let dir = tempfile::tempdir().unwrap();
+        write_digits(dir.path(), 64, rows, cols);
+        let line = error_line(&fails(&[
+            "--data-dir",
+            dir.path().to_str().unwrap(),
+            "--max-duration",
+            "1ep",
+            "--warmup",
+            "0ba",
+        ]));
+        assert!(
+            line.contains(&format!("{rows}x{cols}")) && line.contains("28x28"),
+            "{line}"
+        );
+    }
+    // 28x28 from the same writer trains.
+    let dir = tempfile::tempdir().unwrap();
+    write_digits(dir.path(), 64, 28, 28);
+    let s = summary_of(&[
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--max-duration",
+        "1ep",
+        "--warmup",
+        "0ba",
+    ]);
+    assert_eq!(s["batches"], 1);
+}
+
+#[test]
+fn a_closed_stdout_is_an_error_not_a_panic() {
+    let mut child = spawn_mnist(&short_args(&["--max-duration", "2ep"]));
+    drop(child.stdout.take()); // nobody reads the summary
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("writing the summary to stdout") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn unbounded_settings_are_bounded_and_errors_are_said_once() {
+    for (args, expect) in [
+        (&["--prefetch", "1000000000"][..], "prefetch"),
+        (
+            &["--algorithms", "cutout:num_holes=1000000000"],
+            "num_holes",
+        ),
+        (&["--algorithms", "randaugment:depth=1000000000"], "depth"),
+        (&["--algorithms", "augmix:width=1000000"], "width"),
+        (&["--algorithms", "cutout:num_holes=x"], "num_holes"),
+        (&["--algorithms", "mixup:alpha=-1"], "alpha"),
+        (&["--algorithms", "sam:rho=0"], "rho"),
+        (&["--algorithms", "nosuch"], "nosuch"),
+        (&["--recipe", "scorching"], "scorching"),
+        (&["--max-duration", "3parsecs"], "3parsecs"),
+        (&["--early-stop", "test/accuracy:patience=0ep"], "patience"),
+    ] {
+        let started = Instant::now();
+        let line = error_line(&fails(&short_args(args)));
+        assert!(line.contains(expect), "{args:?}: {line}");
+        said_once(&line);
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "{args:?} took {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+#[test]
+fn a_checkpoint_name_that_exists_is_said_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let run = short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--stop-after",
+        "4ba",
+    ]);
+    summary_of(&run);
+    let line = error_line(&fails(&run));
+    assert_eq!(line.matches("exists").count(), 1, "{line}");
+    said_once(&line);
+}
