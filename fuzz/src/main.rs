@@ -4,8 +4,9 @@
 //! its size could justify into `fuzz/findings/<target>/`. Deterministic for a given seed.
 //!
 //! ```text
-//! cargo run --release -p flashover-fuzz -- --seconds 600 idx manifest   # or: all
-//! cargo run --release -p flashover-fuzz -- --save-corpus --seconds 60 time
+//! cargo build --release --workspace      # (building this crate alone would rebuild Burn)
+//! target/release/flashover-fuzz --seconds 600 idx manifest   # or: all
+//! target/release/flashover-fuzz --save-corpus --seconds 60 time
 //! ```
 //! Exit status 1 when anything was found.
 

@@ -56,8 +56,31 @@ fn holder_text() -> String {
         .map(|d| d.as_secs())
         .unwrap_or(0);
     format!(
-        "process {} on {host} (since {since} s after the Unix epoch)",
-        std::process::id()
+        "process {} on {host} (since {} UTC)",
+        std::process::id(),
+        utc(since)
+    )
+}
+
+/// `YYYY-MM-DD hh:mm:ss` for seconds since the Unix epoch (the proleptic Gregorian calendar,
+/// by the days-to-civil conversion; std has no calendar and one line is not worth a crate).
+fn utc(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let t = secs % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        t / 3600,
+        t % 3600 / 60,
+        t % 60
     )
 }
 
@@ -119,6 +142,14 @@ pub fn lock_folder(folder: &Path) -> Result<Arc<FolderLock>, CheckpointError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dates_by_hand() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00");
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00");
+        assert_eq!(utc(1_796_124_912), "2026-12-01 11:35:12");
+        assert_eq!(utc(4_107_542_399), "2100-02-28 23:59:59");
+    }
 
     #[test]
     fn one_process_shares_its_lock_and_releases_it_with_the_last_handle() {

@@ -181,6 +181,13 @@ fn decode_idx(opened: Opened, path: &Path, magic: u32, dims: usize) -> Result<(V
     }
     let mut extra = [0u8; 1];
     if read_up_to(&mut r, &mut extra).map_err(read_err)? > 0 {
+        // A damaged deflate stream often decodes to more bytes before its checksum fails:
+        // read on (into nothing, as far as a gzip file may expand) to tell damage from a
+        // stream that really is longer than its header says.
+        if gzip {
+            let rest = most.saturating_sub(expected);
+            std::io::copy(&mut (&mut r).take(rest), &mut std::io::sink()).map_err(read_err)?;
+        }
         return Err(malformed(format!(
             "trailing data after the {expected} bytes that dimensions {shape:?} describe"
         )));
