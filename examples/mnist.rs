@@ -244,17 +244,17 @@ fn schedule(args: &Args) -> Scheduler {
     }
 }
 
+/// The trainer builder of this program.
+type Builder<B, O> = flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>;
+
 /// Adds what --log-dir, --tensorboard, --profile, --early-stop, --stop-threshold and --out
 /// ask for; returns the training plot, which the caller draws last.
 fn observability<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
-    mut builder: flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>,
+    mut builder: Builder<B, O>,
     args: &Args,
     device: &B::Device,
     resuming: bool,
-) -> anyhow::Result<(
-    flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>,
-    Option<flashover::callbacks::TrainingPlot>,
-)>
+) -> anyhow::Result<(Builder<B, O>, Option<flashover::callbacks::TrainingPlot>)>
 where
     B::Device: 'static,
 {

@@ -14,7 +14,7 @@ use flashover_examples::MnistRun;
 use flashover_tests::*;
 
 /// A save folder with two real checkpoints, after 4 and 8 batches.
-fn two_checkpoints() -> (tempfile::TempDir, PathBuf, PathBuf) {
+pub(crate) fn two_checkpoints() -> (tempfile::TempDir, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().to_str().unwrap();
     summary_of(&short_args(&[

@@ -12,6 +12,8 @@ use flashover::checkpoint::format::{sha256_hex, verify, MODEL};
 use flashover::checkpoint::LOCK_FILE;
 use flashover_tests::*;
 
+use crate::damage::two_checkpoints;
+
 /// Runs the example and expects it to fail; returns its stderr.
 fn fails(args: &[&str]) -> String {
     let out = run_mnist(args);
@@ -115,16 +117,9 @@ fn a_run_that_would_train_nothing_says_so() {
 
 #[test]
 fn autoresume_moves_a_damaged_checkpoint_aside_and_the_run_completes() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _, damaged) = two_checkpoints();
     let folder = dir.path().to_str().unwrap();
     let save = ["--save-folder", folder, "--save-interval", "4ba"];
-    let first: Vec<&str> = save
-        .iter()
-        .copied()
-        .chain(["--stop-after", "8ba"])
-        .collect();
-    summary_of(&short_args(&first));
-    let damaged = dir.path().join("ep0-ba8");
     flip_byte(&damaged.join(MODEL));
     let damaged_bytes = fs::read(damaged.join(MODEL)).unwrap();
     // Resumes from ep0-ba4, passes batch 8 (saving ep0-ba8 afresh) and goes on. Before, the
@@ -173,16 +168,8 @@ fn autoresume_moves_a_damaged_checkpoint_aside_and_the_run_completes() {
 
 #[test]
 fn when_no_checkpoint_verifies_autoresume_changes_nothing_unless_asked() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _, _) = two_checkpoints();
     let folder = dir.path().to_str().unwrap();
-    summary_of(&short_args(&[
-        "--save-folder",
-        folder,
-        "--save-interval",
-        "4ba",
-        "--stop-after",
-        "8ba",
-    ]));
     flip_byte(&dir.path().join("ep0-ba4").join(MODEL));
     flip_byte(&dir.path().join("ep0-ba8").join(MODEL));
     let before = tree_hashes(dir.path());
@@ -231,16 +218,8 @@ fn when_no_checkpoint_verifies_autoresume_changes_nothing_unless_asked() {
 
 #[test]
 fn an_unreadable_checkpoint_is_an_error_not_damage() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _, _) = two_checkpoints();
     let folder = dir.path().to_str().unwrap();
-    summary_of(&short_args(&[
-        "--save-folder",
-        folder,
-        "--save-interval",
-        "4ba",
-        "--stop-after",
-        "8ba",
-    ]));
     // A manifest the OS cannot read as a file (EISDIR): an I/O error, which says nothing
     // about the checkpoint's contents. Autoresume must not pass over it to an older one.
     let manifest = dir.path().join("ep0-ba8").join("manifest.json");
