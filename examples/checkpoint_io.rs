@@ -64,6 +64,9 @@ fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
         ..run.data
     };
     run.max_duration = Time::Batch(4);
+    // Four batches at a constant rate: the default warmup (30 batches) is longer than this
+    // run, which the trainer refuses.
+    run.scheduler = flashover::core::schedule::Scheduler::constant();
     let mut trainer = run
         .builder::<B, _>(MnistRun::adamw::<B>(), &device)?
         .build()?;
