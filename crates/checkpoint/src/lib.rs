@@ -52,8 +52,8 @@ mod weights;
 pub use error::CheckpointError;
 pub use format::write_atomic;
 pub use load::{
-    autoresume, autoresume_with, find_resumable, is_moved_aside, AutoresumeOptions,
-    CheckpointRestore, LoadOptions, Skipped, DAMAGED_SUFFIX,
+    autoresume, autoresume_read_only, autoresume_with, find_resumable, is_moved_aside,
+    AutoresumeOptions, CheckpointRestore, LoadOptions, Skipped, DAMAGED_SUFFIX,
 };
 pub use lock::{lock_folder, FolderLock, LOCK_FILE};
 pub use saver::{

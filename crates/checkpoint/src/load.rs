@@ -99,14 +99,16 @@ impl CheckpointRestore {
             &trainer_path,
         )?;
         if saved.world_size != state.world.size {
-            return Err(CheckpointError::Config {
-                name: "world size",
-                value: state.world.size.to_string(),
-                expected: format!(
-                    "the world size the checkpoint was saved with ({})",
-                    saved.world_size
-                ),
-            });
+            // Elastic resumption: the timestamp counts the whole data-parallel batch, and a
+            // run that keeps its global batch (each rank reading global / world) reads the
+            // same samples at batch k of an epoch at any world size, so the run continues
+            // from the same global sample position.
+            tracing::info!(
+                checkpoint = %dir.display(),
+                saved_world_size = saved.world_size,
+                world_size = state.world.size,
+                "resuming on another number of ranks: the global batch size must be the same as when the checkpoint was saved"
+            );
         }
         // Optimizer state is keyed by parameter id: the model takes the saved ids first.
         let mut missing_ids = Vec::new();
@@ -345,6 +347,22 @@ pub fn autoresume_with(
         r.lock = lock;
         r
     }))
+}
+
+/// Autoresume for a process that reads the folder but does not write it: the other ranks of
+/// a data-parallel run, after rank 0's [`autoresume_with`] has moved damaged checkpoints
+/// aside. The newest intact checkpoint, with nothing locked, renamed or rewritten; a folder
+/// that does not exist means a fresh start. Damaged checkpoints left in place (there should
+/// be none after rank 0's pass) are skipped with a warning.
+pub fn autoresume_read_only(folder: &Path) -> Result<Option<CheckpointRestore>, CheckpointError> {
+    if !folder.exists() {
+        return Ok(None);
+    }
+    let (found, skipped) = find_resumable(folder)?;
+    for s in &skipped {
+        tracing::warn!(error = %s.error, "skipping a checkpoint that cannot resume a run");
+    }
+    Ok(found.map(|dir| CheckpointRestore::new(dir, LoadOptions::default())))
 }
 
 /// [`autoresume_with`] with the default options: damage with nothing intact is an error.

@@ -72,6 +72,10 @@ pub struct LocalStep {
     pub loss: f64,
     /// Whether every microbatch loss on this rank was finite.
     pub finite: bool,
+    /// Samples in this rank's batch: each rank's mean gradient and loss weigh by it, so the
+    /// average is the mean over every sample of the data-parallel batch even when the ranks'
+    /// batches differ in size.
+    pub samples: u64,
 }
 
 /// What the ranks agreed a batch added to the run (see [`Collective::sync_progress`]).
@@ -133,49 +137,58 @@ pub trait Collective<S: Setup>: Send {
         }
     }
 
-    /// Averages an optimizer step's gradients and loss over every rank, in one all-reduce of
-    /// one buffer: the trainable parameters' gradients in `model`'s order (zeros for a rank
-    /// without gradients), then the loss, then a flag that is 1 where the loss was not finite.
-    /// If any rank's loss was not finite, no rank gets gradients. A rank gets back the
-    /// parameters it had gradients for.
+    /// Averages an optimizer step's gradients and loss over every sample of the data-parallel
+    /// batch, in one all-reduce of one buffer: this rank's mean gradients (the trainable
+    /// parameters in `model`'s order, zeros for a rank without gradients) times its sample
+    /// count, then its loss times its sample count, its sample count, and a flag that is 1
+    /// where the loss was not finite. The sums divided by the total sample count are the
+    /// global means, so ranks with batches of different sizes (a user's uneven shards) weigh
+    /// correctly. If any rank's loss was not finite, no rank gets gradients. A rank gets back
+    /// the parameters it had gradients for.
     fn sync_gradients(&mut self, model: &S::Model, local: LocalStep) -> Result<GlobalStep> {
-        let size = self.world().size.max(1) as f64;
         let keep = local
             .grads
             .as_ref()
             .map(|g| grad_ids::<S::Backend, _>(model, g))
             .unwrap_or_default();
+        let n = local.samples as f64;
         let (loss, flag) = if local.finite {
-            (local.loss, 0.0)
+            (local.loss * n, 0.0)
         } else {
             (0.0, 1.0)
         };
         let grads = local.grads.as_ref().filter(|_| local.finite);
         let Some(flat) = flatten_grads::<S::Backend, _>(model, grads) else {
             // Nothing trains; still agree on the loss and the skip flag.
-            let mut v = [loss, flag];
+            let mut v = [loss, n, flag];
             self.all_reduce_sum_host(&mut v)?;
-            let skipped_ranks = v[1].round() as usize;
+            let skipped_ranks = v[2].round() as usize;
             return Ok(GlobalStep {
                 grads: (skipped_ranks == 0 && local.grads.is_some()).then(GradientsParams::new),
-                loss: (skipped_ranks == 0).then(|| v[0] / size),
+                loss: (skipped_ranks == 0).then(|| v[0] / v[1].max(1.0)),
                 skipped_ranks,
             });
         };
-        let n = flat.dims()[0];
+        let len = flat.dims()[0];
+        let device = flat.device();
+        let weighted = if local.finite {
+            flat.mul_scalar(n)
+        } else {
+            flat
+        };
         let extras = Tensor::from_data(
-            TensorData::new(vec![loss as f32, flag as f32], [2]),
-            &flat.device(),
+            TensorData::new(vec![loss as f32, n as f32, flag as f32], [3]),
+            &device,
         );
-        let sum = self.all_reduce_sum(Tensor::cat(vec![flat, extras], 0))?;
+        let sum = self.all_reduce_sum(Tensor::cat(vec![weighted, extras], 0))?;
         let tail: Vec<f32> = sum
             .clone()
-            .narrow(0, n, 2)
+            .narrow(0, len, 3)
             .into_data()
             .iter::<f32>()
             .map(|v| v.elem::<f32>())
             .collect();
-        let skipped_ranks = tail.get(1).copied().unwrap_or(0.0).round() as usize;
+        let skipped_ranks = tail.get(2).copied().unwrap_or(0.0).round() as usize;
         if skipped_ranks > 0 {
             return Ok(GlobalStep {
                 grads: None,
@@ -183,13 +196,14 @@ pub trait Collective<S: Setup>: Send {
                 skipped_ranks,
             });
         }
+        let total = tail.get(1).copied().unwrap_or(1.0).max(1.0);
         let grads = local.grads.as_ref().map(|_| {
-            let mean = sum.narrow(0, 0, n).div_scalar(size);
+            let mean = sum.narrow(0, 0, len).div_scalar(total);
             unflatten_grads::<S::Backend, _>(model, mean, &|id| keep.contains(&id))
         });
         Ok(GlobalStep {
             grads,
-            loss: tail.first().map(|&l| f64::from(l) / size),
+            loss: tail.first().map(|&l| f64::from(l) / f64::from(total)),
             skipped_ranks: 0,
         })
     }

@@ -177,6 +177,7 @@ impl<S: Setup> State<S> {
         if self.world.size <= 1 {
             return Ok(grads);
         }
+        let samples = self.batch.as_ref().map_or(1, |b| b.len() as u64);
         let (model, collective) = self.model_and_collective();
         let Some(c) = collective else {
             return Ok(grads);
@@ -185,6 +186,7 @@ impl<S: Setup> State<S> {
             grads: Some(grads),
             loss: 0.0,
             finite: true,
+            samples,
         };
         c.sync_gradients(model, local)?
             .grads

@@ -20,6 +20,7 @@ pub struct Sampler {
     seed: u64,
     rank: usize,
     world_size: usize,
+    pad: bool,
 }
 
 impl Sampler {
@@ -40,6 +41,7 @@ impl Sampler {
             seed,
             rank: 0,
             world_size: 1,
+            pad: true,
         })
     }
 
@@ -66,6 +68,18 @@ impl Sampler {
         Ok(self)
     }
 
+    /// Shards without padding: rank `rank` gets the positions `rank, rank + world_size, ...`
+    /// of the epoch's order that exist, so the ranks' shares differ by at most one item and
+    /// every item is seen exactly once over all ranks. For evaluation, where a metric must
+    /// not count an item twice and ranks need not take the same number of batches (metrics
+    /// are summed once, after the last batch). Training pads instead ([`Sampler::sharded`]):
+    /// there every rank must take the same number of optimizer steps.
+    pub fn sharded_exact(self, rank: usize, world_size: usize) -> Result<Self> {
+        let mut s = self.sharded(rank, world_size)?;
+        s.pad = false;
+        Ok(s)
+    }
+
     /// Drops the last batch of each epoch when it is smaller than `batch_size`.
     pub fn drop_last(mut self, drop_last: bool) -> Self {
         self.drop_last = drop_last;
@@ -79,7 +93,21 @@ impl Sampler {
 
     /// Items this rank sees per epoch (before `drop_last`).
     pub fn rank_len(&self) -> usize {
-        self.len.div_ceil(self.world_size)
+        if self.pad {
+            self.len.div_ceil(self.world_size)
+        } else {
+            self.len.saturating_sub(self.rank).div_ceil(self.world_size)
+        }
+    }
+
+    /// Items in one epoch of the whole data-parallel order: the dataset's length, padded (by
+    /// wrapping around) to a multiple of the world size when the sampler pads.
+    pub fn global_len(&self) -> usize {
+        if self.pad {
+            self.rank_len() * self.world_size
+        } else {
+            self.len
+        }
     }
 
     /// Batches per epoch for this rank.
@@ -244,6 +272,55 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn exact_shards_see_every_item_once(len in 0usize..300, world in 1usize..7, seed: u64, epoch in 0u64..4) {
+            let mut seen = vec![0u32; len];
+            let mut sizes = Vec::new();
+            for rank in 0..world {
+                let s = Sampler::new(len, 5, true, seed).unwrap().sharded_exact(rank, world).unwrap();
+                let order = s.epoch_indices(epoch);
+                prop_assert_eq!(order.len(), s.rank_len());
+                let batched: Vec<usize> = (0..s.num_batches()).flat_map(|b| s.batch_indices(epoch, b).unwrap()).collect();
+                prop_assert_eq!(&batched, &order);
+                for i in order { seen[i] += 1; }
+                sizes.push(s.rank_len());
+            }
+            prop_assert!(seen.iter().all(|&c| c == 1), "every item exactly once: {:?}", seen);
+            let (lo, hi) = (sizes.iter().min().copied().unwrap_or(0), sizes.iter().max().copied().unwrap_or(0));
+            prop_assert!(hi - lo <= 1);
+        }
+
+        #[test]
+        fn a_global_batch_holds_the_same_items_at_every_world_size(len in 1usize..400, per_rank in 1usize..6, seed: u64) {
+            // With the global batch fixed (each rank reading global / world), batch k of an
+            // epoch is the same set of items for any world size dividing it: what lets a
+            // checkpoint resume on another number of ranks.
+            let global = per_rank * 6;
+            let batches = |world: usize| -> Vec<Vec<usize>> {
+                let samplers: Vec<_> = (0..world)
+                    .map(|r| Sampler::new(len, global / world, true, seed).unwrap().sharded(r, world).unwrap())
+                    .collect();
+                (0..samplers[0].num_batches())
+                    .map(|b| {
+                        let mut v: Vec<usize> = samplers.iter().flat_map(|s| s.batch_indices(1, b).unwrap()).collect();
+                        v.sort_unstable();
+                        v
+                    })
+                    .collect()
+            };
+            let one = batches(1);
+            for world in [2, 3, 6] {
+                let other = batches(world);
+                prop_assert_eq!(one.len(), other.len());
+                // Every batch but the last is identical; the last differs only by the
+                // wrap-around padding that makes it divide.
+                let last = one.len() - 1;
+                prop_assert_eq!(&one[..last], &other[..last]);
+                for i in &one[last] { prop_assert!(other[last].contains(i)); }
+                prop_assert!(other[last].len() - one[last].len() < world);
+            }
+        }
+
         #[test]
         fn each_epoch_is_a_permutation_that_depends_on_seed_and_epoch(len in 1usize..500, seed: u64, epoch in 0u64..100) {
             let s = Sampler::new(len, 7, true, seed).unwrap();

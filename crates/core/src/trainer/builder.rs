@@ -116,6 +116,16 @@ impl<S: Setup> TrainerBuilder<S> {
         self.collective = Some(Box::new(collective));
         self
     }
+
+    /// [`TrainerBuilder::collective`] for a collective already boxed (as
+    /// `flashover_distributed::Distributed::collective` returns it); `None` leaves the run a
+    /// single process.
+    pub fn boxed_collective(mut self, collective: Option<Box<dyn Collective<S>>>) -> Self {
+        if collective.is_some() {
+            self.collective = collective;
+        }
+        self
+    }
     /// Default interval for evaluators that have none of their own; default `1ep`.
     pub fn eval_interval(mut self, interval: Time) -> Self {
         self.eval_interval = interval;
@@ -319,6 +329,10 @@ impl<S: Setup> TrainerBuilder<S> {
         hp.insert("scheduler".into(), json!(self.scheduler.describe()));
         hp.insert("scale_schedule_ratio".into(), json!(ssr));
         hp.insert("batch_size".into(), json!(self.train.batch_size()));
+        hp.insert(
+            "global_batch_size".into(),
+            json!(self.train.batch_size() * ranks as usize),
+        );
         hp.insert("microbatch_size".into(), json!(self.microbatch_size));
         hp.insert("seed".into(), json!(self.seed));
         hp.insert("world_size".into(), json!(world.size));
@@ -384,6 +398,11 @@ impl<S: Setup> TrainerBuilder<S> {
         }
         if world.size > 1 {
             if let Some(mut c) = trainer.state.collective.take() {
+                let agreed = agree_on_position(c.as_mut(), &trainer.state.timestamp, world);
+                if let Err(e) = agreed {
+                    trainer.state.collective = Some(c);
+                    return Err(e);
+                }
                 let broadcast = trainer.state.try_map_model(|m| c.broadcast_model(m));
                 trainer.state.collective = Some(c);
                 broadcast?;
@@ -392,4 +411,35 @@ impl<S: Setup> TrainerBuilder<S> {
         trainer.engine.run(Event::AfterLoad, &mut trainer.state)?;
         Ok(trainer)
     }
+}
+
+/// Checks that every rank starts from the same position (the same checkpoint, or none): a
+/// rank that could not read the checkpoint folder would otherwise train from batch 0 beside
+/// ranks that resumed, with weights broadcast from rank 0 and optimizer states that differ.
+fn agree_on_position<S: Setup>(
+    c: &mut dyn Collective<S>,
+    ts: &crate::time::Timestamp,
+    world: World,
+) -> Result<()> {
+    const FIELDS: usize = 4;
+    let mine = [ts.epoch, ts.batch, ts.sample, ts.token];
+    let mut all = vec![0.0; FIELDS * world.size];
+    for (slot, v) in all[FIELDS * world.rank..].iter_mut().zip(mine) {
+        *slot = v as f64;
+    }
+    c.all_reduce_sum_host(&mut all)?;
+    let at = |r: usize| &all[FIELDS * r..FIELDS * (r + 1)];
+    if let Some(r) = (1..world.size).find(|&r| at(r) != at(0)) {
+        let describe = |v: &[f64]| format!("epoch {}, batch {}, sample {}", v[0], v[1], v[2]);
+        return Err(CoreError::RestoredPosition {
+            at: ts.to_string(),
+            reason: format!(
+                "rank {r} starts at {} but rank 0 at {}; every rank must resume from the same \
+                 checkpoint (a save folder every rank can read, or --load of the same path)",
+                describe(at(r)),
+                describe(at(0))
+            ),
+        });
+    }
+    Ok(())
 }

@@ -182,6 +182,7 @@ impl<S: Setup> Trainer<S> {
     /// the optimizer stepped.
     fn step(&mut self, local: Accumulated, finite: bool) -> Result<bool> {
         let batch = self.state.timestamp.batch;
+        let samples = self.state.batch.as_ref().map_or(0, |b| b.len() as u64);
         let (model, collective) = self.state.model_and_collective();
         let (grads, loss, skipped) = match collective {
             None => (local.grads, finite.then_some(local.loss), !finite),
@@ -190,6 +191,7 @@ impl<S: Setup> Trainer<S> {
                     grads: local.grads,
                     loss: local.loss,
                     finite,
+                    samples,
                 };
                 let global = c.sync_gradients(model, local)?;
                 if finite && global.skipped_ranks > 0 {
