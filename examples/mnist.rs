@@ -14,6 +14,7 @@ use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
 use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
 use flashover::backend::COMPILED;
+use flashover::distributed::{Distributed, Options as DistOptions};
 use flashover::prelude::*;
 use flashover_examples::{
     bundled_mnist_dir, defaults, AccuracyCurve, MnistCnn, MnistData, MnistRun,
@@ -52,10 +53,12 @@ struct Args {
     /// How long to train (ep, ba, sp or tok, or a wall-clock time such as 1h30m).
     #[arg(long, default_value = defaults::MAX_DURATION)]
     max_duration: Time,
-    /// Samples per batch (per optimizer step).
+    /// Samples per batch (per optimizer step), over all processes: with N processes each
+    /// reads batch-size / N (N must divide it), so the run trains like one process would.
     #[arg(long, default_value_t = defaults::BATCH_SIZE)]
     batch_size: usize,
-    /// Split each batch into microbatches of this size (gradient accumulation).
+    /// Split each process's share of a batch into microbatches of this size (gradient
+    /// accumulation).
     #[arg(long)]
     microbatch_size: Option<usize>,
     /// Peak learning rate.
@@ -201,6 +204,23 @@ struct Args {
     /// set), for example to resume later.
     #[arg(long)]
     stop_after: Option<Time>,
+    /// The number of processes this run expects (started by `cargo xtask launch -n N` or
+    /// `mpirun -n N`); an error if the launcher started another number, or none.
+    #[arg(long)]
+    processes: Option<usize>,
+    /// Train on N devices of this process, one thread each (burn-collective's local mode):
+    /// the GPUs 0..N of a GPU backend, or N threads on the CPU backends' one device.
+    /// `--batch-size` is divided over them as over processes.
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
+    /// In a multi-process run: how long a process waits for the others in one exchange
+    /// before it names the one that is lost and ends the job (a wall-clock time).
+    #[arg(long, default_value = "60s")]
+    peer_timeout: Time,
+    /// Append the index of every training digit this process reads to FILE.<rank> (tests
+    /// of sharding and resumption; use with --prefetch 0).
+    #[arg(long, hide = true)]
+    record_indices: Option<PathBuf>,
 }
 
 fn main() {
@@ -212,14 +232,103 @@ fn main() {
         )
         .init();
     let args = Args::parse();
-    if let Err(e) = dispatch(&args) {
-        eprintln!("error: {}", flashover::core::error::report(e.as_ref()));
-        std::process::exit(1);
+    let dist = match join(&args) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {}", flashover::core::error::report(e.as_ref()));
+            std::process::exit(1);
+        }
+    };
+    if args.devices != 1 {
+        std::process::exit(local_devices(&args));
+    }
+    match dispatch(&args, &dist, 0) {
+        // Waits for every process, then MPI shuts down as `dist` is dropped.
+        Ok(()) => dist.finish(None),
+        Err(e) => {
+            let line = flashover::core::error::report(e.as_ref());
+            let world = dist.world();
+            if world.size > 1 {
+                eprintln!("error (rank {} of {}): {line}", world.rank, world.size);
+            } else {
+                eprintln!("error: {line}");
+            }
+            // In a multi-process run, tells the others (each prints it) and ends the job.
+            dist.finish(Some(&line));
+            std::process::exit(1);
+        }
     }
 }
 
-fn dispatch(args: &Args) -> anyhow::Result<()> {
-    flashover_examples::with_backend!(args.backend.as_str(), run(args, Default::default()))
+/// `--devices N`: N training threads in this process, one device each; returns the exit
+/// status (non-zero if any thread failed).
+fn local_devices(args: &Args) -> i32 {
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("error: {e}");
+        1
+    };
+    if let Some((w, _)) = flashover::distributed::launched() {
+        if w.size > 1 {
+            return fail(
+                &flashover::distributed::DistributedError::DevicesAndProcesses {
+                    devices: args.devices,
+                    processes: w.size,
+                },
+            );
+        }
+    }
+    let Time::Wall(timeout) = args.peer_timeout else {
+        return fail(&"--peer-timeout must be a wall-clock time such as 60s");
+    };
+    let group = match flashover::distributed::LocalGroup::new(args.devices, timeout) {
+        Ok(g) => g,
+        Err(e) => return fail(&e),
+    };
+    let failed = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..args.devices)
+            .map(|rank| {
+                let dist = Distributed::Local {
+                    group: group.clone(),
+                    rank,
+                };
+                scope.spawn(move || match dispatch(args, &dist, rank) {
+                    Ok(()) => {
+                        dist.finish(None);
+                        false
+                    }
+                    Err(e) => {
+                        let line = flashover::core::error::report(e.as_ref());
+                        eprintln!("error (device {rank} of {}): {line}", args.devices);
+                        dist.finish(Some(&line));
+                        true
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or(true))
+            .fold(false, |a, b| a | b)
+    });
+    i32::from(failed)
+}
+
+/// Joins the multi-process job this process was started in, if any.
+fn join(args: &Args) -> anyhow::Result<Distributed> {
+    let Time::Wall(timeout) = args.peer_timeout else {
+        anyhow::bail!(
+            "invalid value {} for `peer_timeout`: expected a wall-clock time such as 60s or 2m",
+            args.peer_timeout
+        );
+    };
+    Ok(flashover::distributed::init(DistOptions {
+        timeout,
+        expected: args.processes,
+    })?)
+}
+
+fn dispatch(args: &Args, dist: &Distributed, device: usize) -> anyhow::Result<()> {
+    flashover_examples::with_backend!(args.backend.as_str(), run(args, device, dist))
 }
 
 fn schedule(args: &Args) -> Scheduler {
@@ -254,6 +363,7 @@ fn observability<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     args: &Args,
     device: &B::Device,
     resuming: bool,
+    main: bool,
 ) -> anyhow::Result<(Builder<B, O>, Option<flashover::callbacks::TrainingPlot>)>
 where
     B::Device: 'static,
@@ -263,7 +373,9 @@ where
     use flashover::callbacks::{
         CsvLogger, JsonlLogger, MetricStopper, TensorBoardLogger, TrainingPlot,
     };
-    if let Some(dir) = &args.log_dir {
+    // Log files, the trace and the plot are rank 0's (other ranks would write the same
+    // global values into the same files); stopping rules run on every rank.
+    if let (Some(dir), true) = (&args.log_dir, main) {
         let every = Time::Batch(args.log_every.max(1));
         let mut speed = SpeedMonitor::new(100)?;
         if let Some(peak) = args.peak_flops {
@@ -307,6 +419,7 @@ where
         .out
         .as_ref()
         .or(args.log_dir.as_ref())
+        .filter(|_| main)
         .map(|dir| TrainingPlot::new(dir.join("training.png")).drawn_by_caller());
     if let Some(plot) = &plot {
         builder = builder.callback(plot.clone());
@@ -314,7 +427,12 @@ where
     Ok((builder, plot))
 }
 
-fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> anyhow::Result<()> {
+fn run<B: AutodiffBackend>(
+    args: &Args,
+    device_index: usize,
+    dist: &Distributed,
+) -> anyhow::Result<()> {
+    let device = flashover_examples::device_at::<B>(device_index);
     let decay = || {
         Some(burn::optim::decay::WeightDecayConfig::new(
             args.weight_decay,
@@ -325,7 +443,7 @@ fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> anyhow::Result<()>
             let o = AdamWConfig::new()
                 .with_weight_decay(args.weight_decay)
                 .init::<B, MnistCnn<B>>();
-            train(args, device, o)
+            train(args, device, o, dist)
         }
         OptimizerKind::Adam => train(
             args,
@@ -333,13 +451,14 @@ fn run<B: AutodiffBackend>(args: &Args, device: B::Device) -> anyhow::Result<()>
             AdamConfig::new()
                 .with_weight_decay(decay())
                 .init::<B, MnistCnn<B>>(),
+            dist,
         ),
         OptimizerKind::Sgd => {
             let o = SgdConfig::new()
                 .with_momentum(Some(MomentumConfig::new().with_momentum(args.momentum)))
                 .with_weight_decay(decay())
                 .init::<B, MnistCnn<B>>();
-            train(args, device, o)
+            train(args, device, o, dist)
         }
     }
 }
@@ -348,22 +467,32 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
     args: &Args,
     device: B::Device,
     optimizer: O,
+    dist: &Distributed,
 ) -> anyhow::Result<()> {
     let started = Instant::now();
+    let world = dist.world();
+    let main = world.is_main();
     // Every output location is checked before the first batch, not found unwritable after
-    // the run.
-    if let Some(out) = &args.out {
+    // the run. Only rank 0 writes.
+    if let (Some(out), true) = (&args.out, main) {
         flashover::callbacks::check_writable_dir(out).context("checking --out")?;
     }
+    let batch_size = flashover::distributed::per_rank("batch_size", args.batch_size, world)?;
+    let record_indices = args
+        .record_indices
+        .as_ref()
+        .map(|p| PathBuf::from(format!("{}.{}", p.display(), world.rank)));
     let mut recipe = MnistRun {
         data: MnistData {
             dir: args.data_dir.clone().unwrap_or_else(bundled_mnist_dir),
-            batch_size: args.batch_size,
+            batch_size,
             eval_batch_size: 500,
             seed: args.seed,
             train_limit: args.train_limit,
             test_limit: args.test_limit,
             prefetch: args.prefetch,
+            world,
+            record_indices,
         },
         max_duration: args.max_duration,
         microbatch_size: args.microbatch_size,
@@ -388,7 +517,8 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         .logger(ConsoleLogger::new(args.log_every))
         .hyperparameter("backend", args.backend.clone())
         .hyperparameter("optimizer", format!("{:?}", args.optimizer).to_lowercase())
-        .callback(curve.clone());
+        .callback(curve.clone())
+        .boxed_collective(dist.collective(device.clone())?);
     if !args.no_progress {
         builder = builder.logger(ProgressBar::new());
     }
@@ -404,18 +534,32 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         config.overwrite = args.overwrite;
         builder = builder.callback(Saver::new(config, SaveInterval::Every(args.save_interval))?);
     }
-    let resume = match &args.save_folder {
-        Some(folder) if args.autoresume => {
-            let options = AutoresumeOptions {
-                fresh_start_if_damaged: args.fresh_start,
-            };
-            flashover::checkpoint::autoresume_with(folder, options)?
-        }
-        _ => None,
+    // Rank 0 looks first (it may move damaged checkpoints aside), then the others find
+    // the folder as rank 0 left it; the trainer checks that every rank resumed alike.
+    let autoresume = || -> anyhow::Result<_> {
+        Ok(match &args.save_folder {
+            Some(folder) if args.autoresume && main => {
+                let options = AutoresumeOptions {
+                    fresh_start_if_damaged: args.fresh_start,
+                };
+                flashover::checkpoint::autoresume_with(folder, options)?
+            }
+            // The other ranks only read what rank 0 left; it alone writes the folder.
+            Some(folder) if args.autoresume => flashover::checkpoint::autoresume_read_only(folder)?,
+            _ => None,
+        })
+    };
+    let resume = if main {
+        let r = autoresume()?;
+        dist.barrier()?;
+        r
+    } else {
+        dist.barrier()?;
+        autoresume()?
     };
     // A resumed run appends to the logs of the run it continues.
     let resuming = resume.is_some() || (args.load.is_some() && !args.weights_only);
-    let (mut builder, plot) = observability(builder, args, &device, resuming)?;
+    let (mut builder, plot) = observability(builder, args, &device, resuming, main)?;
     if let Some(restore) = resume {
         builder = builder.restore(restore);
     } else if let Some(path) = &args.load {
@@ -454,6 +598,11 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         .get("test")
         .context("the test evaluator returned no metrics")?;
     let digest = params_sha256::<B, _>(trainer.model());
+    // Every rank's digest: the ranks must hold the same weights.
+    let digests = dist.all_gather_text(&digest)?;
+    if !main {
+        return Ok(());
+    }
     let state = trainer.state();
     let ts = &state.timestamp;
     let train_seconds = report.wall.as_secs_f64();
@@ -466,6 +615,11 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         "samples_per_second": report.samples as f64 / train_seconds.max(f64::MIN_POSITIVE),
         "data_wait_fraction": report.data_wait.as_secs_f64() / train_seconds.max(f64::MIN_POSITIVE),
         "params_sha256": digest,
+        "params_sha256_by_rank": digests,
+        "world_size": world.size,
+        "devices": args.devices,
+        "allreduce_seconds": dist.allreduce_time().as_secs_f64(),
+        "batch_size": args.batch_size,
         "epochs": ts.epoch,
         "batches": ts.batch,
         "samples": ts.sample,

@@ -27,6 +27,12 @@
 //!   half batches train like one whole batch, global evaluation metrics, a stop on one rank
 //!   stops both (also at `FIT_START`), a non-finite loss on one rank skips the step on both,
 //!   ranks agree on samples and on the slowest clock, SAM steps alike, only rank 0 writes.
+//! - `distributed` (with the `mpi` feature): the example under `mpirun`: two processes train
+//!   like one on the whole batch and repeat bit-exactly, every rank holds the same weights,
+//!   SIGKILLed jobs resume to the same bits, a checkpoint of 2 ranks resumes on 1 and 3
+//!   seeing every sample once, a stopped rank is named and the job ends, one rank's error
+//!   ends all, bad launches are errors, and two ranks train across a veth pair between two
+//!   network namespaces.
 //! - `tidy`: the architecture's rules, enforced: crate arrows from `cargo metadata`, a `//!`
 //!   opening every file, an invariant comment above every `unwrap`/`expect` in library code.
 
@@ -44,6 +50,9 @@ mod damage;
 mod data;
 #[path = "suite/determinism.rs"]
 mod determinism;
+#[cfg(feature = "mpi")]
+#[path = "suite/distributed.rs"]
+mod distributed;
 #[path = "suite/events.rs"]
 mod events;
 #[path = "suite/hardening.rs"]

@@ -33,7 +33,7 @@ use flashover::core::model::{ClassificationBatch, ClassificationOutput, EvalMode
 use flashover::core::params::init_model;
 use flashover::core::schedule::Scheduler;
 use flashover::core::setup::{Setup, SetupOf};
-use flashover::core::state::State;
+use flashover::core::state::{State, World};
 use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::core::Result;
@@ -60,6 +60,18 @@ macro_rules! with_backend {
             )),
         }
     }};
+}
+
+/// Device `index` of backend `B`: the index-th GPU of a GPU backend; the CPU backends have
+/// one device, which every index names.
+pub fn device_at<B: Backend>(index: usize) -> B::Device {
+    use burn::tensor::backend::DeviceOps;
+    let default = B::Device::default();
+    let id = default.id();
+    <B::Device as burn::tensor::backend::Device>::from_id(burn::tensor::backend::DeviceId {
+        type_id: id.type_id,
+        index_id: index as u16,
+    })
 }
 
 /// A reader of device memory for the memory monitor, for the device of whichever backend
@@ -234,6 +246,12 @@ pub struct MnistData {
     pub test_limit: Option<usize>,
     /// Batches to prepare ahead (0: load on the training thread).
     pub prefetch: usize,
+    /// This process's rank and the world size: each rank reads its shard, `batch_size` per
+    /// rank (the caller divides a global batch).
+    pub world: World,
+    /// Append every training item index this rank reads to this file, one per line (for
+    /// the tests that check which samples a run saw; load with `prefetch: 0`).
+    pub record_indices: Option<PathBuf>,
 }
 
 impl MnistData {
@@ -247,6 +265,8 @@ impl MnistData {
             train_limit: None,
             test_limit: None,
             prefetch: 2,
+            world: World::default(),
+            record_indices: None,
         }
     }
 }
@@ -276,11 +296,20 @@ pub fn mnist_loaders<B: AutodiffBackend>(
     if let Some(n) = opts.test_limit {
         test.truncate(n);
     }
-    let train_sampler = Sampler::new(train.len(), opts.batch_size, true, opts.seed)?;
-    let test_sampler = Sampler::new(test.len(), opts.eval_batch_size, false, 0)?;
+    // Training pads the last shard so every rank takes the same steps; evaluation does
+    // not, so no test digit counts twice (see `Sampler::sharded_exact`).
+    let (rank, world) = (opts.world.rank, opts.world.size);
+    let train_sampler =
+        Sampler::new(train.len(), opts.batch_size, true, opts.seed)?.sharded(rank, world)?;
+    let test_sampler =
+        Sampler::new(test.len(), opts.eval_batch_size, false, 0)?.sharded_exact(rank, world)?;
+    let train: Arc<dyn Dataset<MnistItem>> = match &opts.record_indices {
+        Some(path) => Arc::new(RecordingDataset::create(train, path)?),
+        None => Arc::new(train),
+    };
     let train = DataLoader::new(
         "train",
-        Arc::new(train),
+        train,
         Arc::new(MnistBatcher),
         train_sampler,
         device.clone(),
@@ -295,6 +324,47 @@ pub fn mnist_loaders<B: AutodiffBackend>(
     )?
     .with_prefetch(opts.prefetch)?;
     Ok((train, test))
+}
+
+/// A dataset that appends the index of every item read to a file, one per line, then
+/// passes the read on: which samples a run trained on, for the tests of sharding and elastic
+/// resumption.
+pub struct RecordingDataset<D> {
+    inner: D,
+    file: std::sync::Mutex<std::fs::File>,
+}
+
+impl<D> RecordingDataset<D> {
+    /// Wraps `inner`, appending to `path` (created if missing).
+    pub fn create(inner: D, path: &std::path::Path) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|source| flashover::core::CoreError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        Ok(RecordingDataset {
+            inner,
+            file: std::sync::Mutex::new(file),
+        })
+    }
+}
+
+impl<I, D: Dataset<I>> Dataset<I> for RecordingDataset<D> {
+    fn get(&self, index: usize) -> Option<I> {
+        use std::io::Write;
+        if let Ok(mut f) = self.file.lock() {
+            // A test tool: a failed write shows as missing indices in the test that reads it.
+            let _ = writeln!(f, "{index}");
+        }
+        self.inner.get(index)
+    }
+
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
 }
 
 /// The MNIST example's training recipe; its `Default` is what `cargo run --example mnist`

@@ -23,6 +23,7 @@ use flashover::core::setup::{InnerBackendOf, Setup, SetupOf};
 use flashover::core::state::{State, World};
 use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
+use flashover::distributed::LocalGroup;
 use flashover_examples::{bundled_mnist_dir, MnistCnn};
 use flashover_tests::*;
 
@@ -315,6 +316,105 @@ fn two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch() {
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(moved > 1e-3, "training moved the weights by {moved}");
+}
+
+/// Runs `f(rank, member)` on two threads of one `LocalGroup` (burn-collective's local mode).
+fn two_local_ranks<T: Send + 'static>(
+    timeout: Duration,
+    f: impl Fn(usize, LocalGroup) -> T + Send + Sync + 'static,
+) -> (T, T) {
+    // burn-collective keeps one local group per backend in a process: one test at a time.
+    static ONE_GROUP: Mutex<()> = Mutex::new(());
+    let _turn = ONE_GROUP.lock().unwrap_or_else(|p| p.into_inner());
+    let group = LocalGroup::new(2, timeout).unwrap();
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (g, f) = (group.clone(), f.clone());
+            std::thread::spawn(move || f(rank, g))
+        })
+        .collect();
+    let mut out = handles.into_iter().map(|h| h.join().expect("rank thread"));
+    (out.next().expect("rank 0"), out.next().expect("rank 1"))
+}
+
+#[test]
+fn two_devices_of_one_process_train_like_one_process_on_the_whole_batch() {
+    // The same check as above through flashover-distributed's LocalGroup: device buffers
+    // through burn-collective's local all-reduce and broadcast, host numbers in shared memory.
+    let mut one = builder(World::default(), 32, 11, "1ep").build().unwrap();
+    one.fit().unwrap();
+    let one_weights = weights(one.model());
+    let (r0, r1) = two_local_ranks(Duration::from_secs(60), |rank, group| {
+        let member = group.member::<Inner>(rank, Default::default()).unwrap();
+        let world = World { rank, size: 2 };
+        let mut t = builder(world, 16, 11 + rank as u64, "1ep")
+            .collective(member)
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        (weights(t.model()), t.state().eval_metrics.clone())
+    });
+    assert_eq!(
+        r0.0, r1.0,
+        "both devices hold the same bits after every step"
+    );
+    assert_eq!(r0.1, r1.1, "evaluation metrics are the global ones on both");
+    let max_diff =
+        r0.0.iter()
+            .zip(&one_weights)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+    assert!(
+        max_diff < 1e-5,
+        "weights differ from one process by up to {max_diff}"
+    );
+}
+
+#[test]
+fn a_failed_or_missing_device_thread_ends_the_others_with_an_error_naming_it() {
+    // Rank 1 fails before its trainer exists: rank 0's build (its first collective) returns
+    // rank 1's error instead of waiting for it.
+    let (r0, _) = two_local_ranks(Duration::from_secs(60), |rank, group| {
+        if rank == 1 {
+            group.fail(1, "cannot read its data");
+            return None;
+        }
+        let member = group.member::<Inner>(rank, Default::default()).unwrap();
+        Some(
+            builder(World { rank, size: 2 }, 16, 11, "1ep")
+                .collective(member)
+                .build()
+                .err()
+                .map(|e| e.to_string()),
+        )
+    });
+    let e = r0.flatten().expect("rank 0 fails");
+    assert!(
+        e.contains("rank 1") && e.contains("cannot read its data"),
+        "{e}"
+    );
+    // Rank 1 never comes: rank 0 gives up after the timeout, naming it.
+    let started = std::time::Instant::now();
+    let (r0, _) = two_local_ranks(Duration::from_millis(500), |rank, group| {
+        if rank == 1 {
+            return None;
+        }
+        let member = group.member::<Inner>(rank, Default::default()).unwrap();
+        Some(
+            builder(World { rank, size: 2 }, 16, 11, "1ep")
+                .collective(member)
+                .build()
+                .err()
+                .map(|e| e.to_string()),
+        )
+    });
+    let e = r0.flatten().expect("rank 0 fails");
+    assert!(
+        e.contains("rank(s) 1") && e.contains("did not arrive"),
+        "{e}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
 }
 
 #[test]

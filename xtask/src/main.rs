@@ -74,14 +74,38 @@ enum Cmd {
         check: bool,
     },
     /// Run the tests with a backend. The default backend runs the whole workspace suite;
-    /// others run the cross-crate suite on that backend, less the long accuracy test and the
-    /// SIGKILL timing test.
+    /// others run a representative subset of the cross-crate suite on that backend (the
+    /// tests whose outcome depends on the backend's kernels), or with --all the whole suite
+    /// less the long accuracy test and the SIGKILL timing test.
     Test {
         #[arg(long, value_enum, default_value_t = Backend::Flex)]
         backend: Backend,
+        /// On a GPU backend, the whole cross-crate suite instead of the subset.
+        #[arg(long)]
+        all: bool,
     },
     /// fmt check, clippy with warnings denied, then the tests (default backend).
     Check,
+    /// Run an example on N processes through mpirun (OpenMPI), after building it with the
+    /// `mpi` feature: `cargo xtask launch -n 2 -- --max-duration 6ep`. Arguments after `--`
+    /// go to the example; `--processes N` is added so that it checks what it was given.
+    Launch {
+        /// Number of processes (ranks).
+        #[arg(short = 'n', long = "processes")]
+        n: usize,
+        /// An OpenMPI host file (one line per machine: `host slots=K`), passed to mpirun;
+        /// without one, every process runs on this machine.
+        #[arg(long)]
+        hostfile: Option<std::path::PathBuf>,
+        #[arg(long, value_enum, default_value_t = Backend::Flex)]
+        backend: Backend,
+        /// Which example to run.
+        #[arg(long, default_value = "mnist")]
+        example: String,
+        /// The example's arguments.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
     /// Measure, in one run: trainer overhead against a hand-written Burn loop, and
     /// checkpoint save/load against raw I/O of the same bytes. Writes
     /// target/bench/<backend>.json and .md and prints the tables.
@@ -104,6 +128,95 @@ fn cargo(args: &[String]) -> Result<()> {
         .with_context(|| format!("running {cargo}"))?;
     if !status.success() {
         bail!("cargo {} failed with {status}", args.join(" "));
+    }
+    Ok(())
+}
+
+/// The mpirun arguments that start `n` copies of `program` on this machine or on the
+/// machines of `hostfile`: root needs `--allow-run-as-root`; more processes than cores on
+/// one machine need `--oversubscribe` (and no binding to cores); the thread count is pinned
+/// to one per process and passed to every machine.
+fn mpirun_args(n: usize, hostfile: Option<&std::path::Path>, program: &str) -> Vec<String> {
+    let mut a = strings(&["-n"]);
+    a.push(n.to_string());
+    if is_root() {
+        a.push("--allow-run-as-root".into());
+    }
+    match hostfile {
+        Some(h) => {
+            a.push("--hostfile".into());
+            a.push(h.display().to_string());
+        }
+        None => {
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            if n > cores {
+                a.extend(strings(&["--oversubscribe", "--bind-to", "none"]));
+            }
+        }
+    }
+    a.extend(strings(&["-x", "RAYON_NUM_THREADS=1"]));
+    if std::env::var_os("RUST_LOG").is_some() {
+        a.extend(strings(&["-x", "RUST_LOG"]));
+    }
+    a.push(program.into());
+    a
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn launch(
+    n: usize,
+    hostfile: Option<std::path::PathBuf>,
+    backend: Backend,
+    example: &str,
+    args: &[String],
+) -> Result<()> {
+    if n == 0 {
+        bail!("invalid value 0 for `-n`: expected a number of processes >= 1");
+    }
+    if backend == Backend::All {
+        bail!("invalid value all for `--backend`: launch runs one backend (flex, ndarray, wgpu or cuda)");
+    }
+    if let Some(h) = &hostfile {
+        if !h.is_file() {
+            bail!("host file {} does not exist (expected an OpenMPI host file: one `host slots=K` line per machine)", h.display());
+        }
+    }
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        bail!("mpirun not found: install OpenMPI (Debian: apt-get install -y libopenmpi-dev openmpi-bin libclang-dev) or put its bin directory on PATH");
+    }
+    let mut build_args = strings(&[
+        "build",
+        "--release",
+        "--workspace",
+        "--examples",
+        "--features",
+        "flashover-examples/mpi",
+    ]);
+    build_args.extend(backend.cargo_args());
+    cargo(&build_args)?;
+    let program = format!("{}/release/examples/{example}", backend.target_dir());
+    let mut a = mpirun_args(n, hostfile.as_deref(), &program);
+    a.push("--processes".into());
+    a.push(n.to_string());
+    if backend != Backend::Flex {
+        a.push("--backend".into());
+        a.push(backend.name().into());
+    }
+    a.extend(args.iter().cloned());
+    eprintln!("$ mpirun {}", a.join(" "));
+    let status = Command::new("mpirun")
+        .args(&a)
+        .status()
+        .context("running mpirun")?;
+    if !status.success() {
+        std::process::exit(status.code().unwrap_or(1));
     }
     Ok(())
 }
@@ -133,7 +246,31 @@ fn build(backend: Backend, check: bool) -> Result<()> {
     Ok(())
 }
 
-fn test(backend: Backend) -> Result<()> {
+/// The cross-crate tests a GPU backend runs by default: one or two of each kind whose result
+/// depends on the backend's kernels and device buffers (numerics, determinism, exact
+/// resumption, every algorithm's tensor code, device memory, the collective's device-host
+/// round trip). The rest of the suite checks host code (files, parsing, locks, messages,
+/// timing, the source tree) that is the same on every backend, or repeats these on more
+/// configurations; `cargo xtask test --backend wgpu --all` runs everything.
+const GPU_SUBSET: &[&str] = &[
+    "determinism::",
+    "microbatch::",
+    "events::short_run_trace_matches_the_snapshot",
+    "trainer::eval_and_predict_report_sane_values",
+    "trainer::sgd_with_momentum_adam_and_adamw_all_train_through_the_trainer",
+    "trainer::non_finite_batches_can_be_skipped_and_counted",
+    "resume::resume_mid_epoch",
+    "resume::resume_from_an_asynchronous_save",
+    "algorithms::every_algorithm_trains_and_changes_the_run",
+    "algorithms::resume_with_the_stateful_algorithms_together",
+    "seams::two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch",
+    "seams::sam_steps_alike_on_every_rank",
+    "observe::device_memory_is_read_where_the_backend_reports_it",
+    "observe::nan_monitor_names_the_batch_of_a_bad_loss_or_gradient",
+    "distributed::two_processes_train_like_one_process_on_the_whole_batch_and_repeat_bit_exactly",
+];
+
+fn test(backend: Backend, all: bool) -> Result<()> {
     for b in backend.each() {
         if b == Backend::Flex {
             cargo(&strings(&["test", "--release", "--workspace"]))?;
@@ -149,32 +286,14 @@ fn test(backend: Backend) -> Result<()> {
             "flashover-tests",
         ]);
         args.extend(b.cargo_args());
-        // The long accuracy run and the SIGKILL test (whose kill times are tuned to the CPU
-        // backend's speed) run on the default backend only.
-        // Per-algorithm resumption (14 runs of three processes each) is exercised on the
-        // default backend; GPU backends run the combined resumption test with every stateful
-        // algorithm on. The example's log files, trace and plot are written by host code that
-        // does not depend on the backend; the monitors themselves run on every backend.
-        // The tidy rules read source files and the wall-clock tests time the host loop:
-        // neither depends on the backend. The hardening tests check inputs, files, locks and
-        // messages on the host before or around training, the same code on every backend.
-        args.extend(strings(&[
-            "--",
-            "--skip",
-            "accuracy::",
-            "--skip",
-            "crash::",
-            "--skip",
-            "algorithms::resume_each::",
-            "--skip",
-            "observe::example_",
-            "--skip",
-            "tidy::",
-            "--skip",
-            "trainer::wall_clock::",
-            "--skip",
-            "hardening::",
-        ]));
+        args.push("--".into());
+        if all {
+            // Everything but the long accuracy run and the SIGKILL test, whose kill times
+            // are tuned to the CPU backend's speed.
+            args.extend(strings(&["--skip", "accuracy::", "--skip", "crash::"]));
+        } else {
+            args.extend(strings(GPU_SUBSET));
+        }
         cargo(&args)?;
     }
     Ok(())
@@ -356,6 +475,7 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
             "scaling",
             &strings(&["--steps", scale_steps, "--reps", scale_reps]),
         )?;
+        let distributed = distributed_bench(b, quick)?;
         let report = serde_json::json!({
             "machine": machine(b),
             "quick": quick,
@@ -364,11 +484,12 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
             "recipes": tta_json["recipes"],
             "time_to_accuracy": tta_json,
             "scaling": last_json(&scaling)?,
+            "distributed": distributed.as_ref().map(|d| d.0.clone()),
         });
         let json_path = format!("target/bench/{}.json", b.name());
         std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
         let md = format!(
-            "# Flashover bench: {} ({})\n\n## Trainer overhead\n\n{}\n\n{}\n\n## Checkpoint I/O\n\n{}\n\n## Time to accuracy\n\n{}\n\n{}\n\nCurves: `{plot_path}`\n\n## Scaling\n\n{}\n",
+            "# Flashover bench: {} ({})\n\n## Trainer overhead\n\n{}\n\n{}\n\n## Checkpoint I/O\n\n{}\n\n## Time to accuracy\n\n{}\n\n{}\n\nCurves: `{plot_path}`\n\n## Scaling\n\n{}\n\n## Processes (MPI)\n\n{}\n",
             b.name(),
             if quick { "quick" } else { "full" },
             table(&overhead),
@@ -376,7 +497,10 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
             table(&checkpoint),
             tta.lines().find(|l| l.starts_with("Target:")).unwrap_or(""),
             table(&tta),
-            table(&scaling)
+            table(&scaling),
+            distributed
+                .as_ref()
+                .map_or("not measured: mpirun not found (install OpenMPI)".to_string(), |d| d.1.clone())
         );
         let md_path = format!("target/bench/{}.md", b.name());
         std::fs::write(&md_path, &md)?;
@@ -385,12 +509,164 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
     Ok(())
 }
 
+/// Median and range of `v` (sorted in place).
+fn median_range(v: &mut [f64]) -> (f64, f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    (median, v[0], v[n - 1])
+}
+
+/// The main job on one process and on two (through mpirun, one thread each), interleaved:
+/// training throughput of the whole data-parallel batch, its ratio, the share of a step
+/// spent in the gradient all-reduce, and (full mode) the training seconds to 97% test
+/// accuracy. `None` where mpirun is missing. Returns the JSON section and a Markdown table.
+fn distributed_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Value, String)>> {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        eprintln!("mpirun not found: the multi-process rows are skipped (install OpenMPI)");
+        return Ok(None);
+    }
+    let mut args = strings(&[
+        "build",
+        "--release",
+        "-p",
+        "flashover-examples",
+        "--example",
+        "mnist",
+        "--features",
+        "flashover-examples/mpi",
+    ]);
+    args.extend(
+        b.cargo_args()
+            .into_iter()
+            .filter(|a| !a.contains("flashover-tests")),
+    );
+    if b != Backend::Flex {
+        let n = args.len();
+        args[n - 1] = format!("flashover-examples/{}", b.name());
+    }
+    cargo(&args)?;
+    let bin = format!("{}/release/examples/mnist", b.target_dir());
+    let run = |world: usize, extra: &[&str]| -> Result<serde_json::Value> {
+        let mut a = strings(&["--no-progress"]);
+        a.extend(strings(extra));
+        let out = if world == 1 {
+            run_binary(b, &bin, &a)?
+        } else {
+            let mut m = mpirun_args(world, None, &bin);
+            m.extend(strings(&[
+                "--processes",
+                &world.to_string(),
+                "--backend",
+                b.name(),
+            ]));
+            m.extend(a);
+            eprintln!("$ mpirun {}", m.join(" "));
+            let out = Command::new("mpirun")
+                .args(&m)
+                .env("RAYON_NUM_THREADS", "1")
+                .output()
+                .context("running mpirun")?;
+            if !out.status.success() {
+                bail!("mpirun failed:\n{}", String::from_utf8_lossy(&out.stderr));
+            }
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        last_json(&out)
+    };
+    // Throughput: 100 batches of the default global batch (64), no evaluation inside the
+    // timed fit; repetitions interleaved so that both sizes see the same machine.
+    let reps = if quick { 3 } else { 5 };
+    let (mut ratio, mut one, mut two, mut share, mut ms) = (vec![], vec![], vec![], vec![], vec![]);
+    for _ in 0..reps {
+        let s1 = run(1, &["--max-duration", "100ba"])?;
+        let s2 = run(2, &["--max-duration", "100ba"])?;
+        let sps = |s: &serde_json::Value| s["samples_per_second"].as_f64().unwrap_or(f64::NAN);
+        one.push(sps(&s1));
+        two.push(sps(&s2));
+        ratio.push(sps(&s2) / sps(&s1));
+        let train = s2["train_seconds"].as_f64().unwrap_or(f64::NAN);
+        let reduce = s2["allreduce_seconds"].as_f64().unwrap_or(f64::NAN);
+        share.push(reduce / train);
+        ms.push(reduce * 1000.0 / 100.0);
+    }
+    let (r_med, r_min, r_max) = median_range(&mut ratio);
+    let (o_med, o_min, o_max) = median_range(&mut one);
+    let (t_med, t_min, t_max) = median_range(&mut two);
+    let (f_med, f_min, f_max) = median_range(&mut share);
+    let (m_med, m_min, m_max) = median_range(&mut ms);
+    // Time to accuracy: the default run (6 epochs), evaluated every half epoch; full mode.
+    let target = 0.97;
+    let mut tta = serde_json::Map::new();
+    if !quick {
+        for world in [1usize, 2] {
+            let s = run(world, &["--eval-interval", "0.5ep"])?;
+            let seconds = s["accuracy_curve"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["accuracy"].as_f64().unwrap_or(0.0) >= target)
+                .and_then(|p| p["train_seconds"].as_f64());
+            tta.insert(
+                format!("world{world}"),
+                serde_json::json!({"seconds_to_target": seconds, "final_accuracy": s["test_accuracy"]}),
+            );
+        }
+    }
+    let json = serde_json::json!({
+        "reps": reps,
+        "global_batch_size": 64,
+        "world1_samples_per_second": {"median": o_med, "min": o_min, "max": o_max},
+        "world2_samples_per_second": {"median": t_med, "min": t_min, "max": t_max},
+        "world2_over_world1": r_med,
+        "world2_over_world1_range": [r_min, r_max],
+        "allreduce_fraction": f_med,
+        "allreduce_fraction_range": [f_min, f_max],
+        "allreduce_ms_per_step": m_med,
+        "allreduce_ms_per_step_range": [m_min, m_max],
+        "target_accuracy": target,
+        "time_to_accuracy": tta,
+    });
+    let mut md = format!(
+        "{reps} interleaved repetitions of 100 batches of 64 (one thread per process); median (min-max)\n\n| processes | samples/s | scaling | all-reduce ms/step | all-reduce share of a step |\n|---|---|---|---|---|\n| 1 | {o_med:.0} ({o_min:.0}-{o_max:.0}) | 1.00 | - | - |\n| 2 | {t_med:.0} ({t_min:.0}-{t_max:.0}) | {r_med:.2}x ({r_min:.2}-{r_max:.2}); efficiency {:.0}% | {m_med:.2} ({m_min:.2}-{m_max:.2}) | {:.1}% ({:.1}-{:.1}%) |\n",
+        r_med / 2.0 * 100.0,
+        f_med * 100.0,
+        f_min * 100.0,
+        f_max * 100.0
+    );
+    if !tta.is_empty() {
+        md.push_str(&format!(
+            "\nTraining seconds to {:.0}% test accuracy (default run, evaluated every half epoch):",
+            target * 100.0
+        ));
+        for (k, v) in &tta {
+            md.push_str(&format!(
+                " {k}: {} s (final {});",
+                v["seconds_to_target"], v["final_accuracy"]
+            ));
+        }
+        md.push('\n');
+    }
+    Ok(Some((json, md)))
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Cmd::Build { backend, check } => build(backend, check),
-        Cmd::Test { backend } => test(backend),
+        Cmd::Test { backend, all } => test(backend, all),
         Cmd::Bench { backend, quick } => bench(backend, quick),
+        Cmd::Launch {
+            n,
+            hostfile,
+            backend,
+            example,
+            args,
+        } => launch(n, hostfile, backend, &example, &args),
         Cmd::Check => {
             cargo(&strings(&["fmt", "--all", "--check"]))?;
             cargo(&strings(&[
@@ -408,7 +684,7 @@ fn main() -> Result<()> {
                 "-D",
                 "warnings",
             ]))?;
-            test(Backend::Flex)
+            test(Backend::Flex, false)
         }
     }
 }
