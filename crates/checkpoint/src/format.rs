@@ -103,9 +103,15 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     result
 }
 
-/// Whether a directory entry name is one of the saver's temporary or discarded directories.
+/// Whether a directory entry name is one of the saver's temporary or discarded directories,
+/// or the temporary sibling of a file being replaced by [`write_atomic`] (`.latest.tmp-<pid>`).
 pub(crate) fn is_scratch(name: &str) -> bool {
-    name.starts_with(".tmp-") || name.starts_with(".trash-")
+    name.starts_with(".tmp-")
+        || name.starts_with(".trash-")
+        || name.starts_with('.')
+            && name
+                .rsplit_once(".tmp-")
+                .is_some_and(|(_, pid)| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Writes a checkpoint directory `folder/name` holding `files`, atomically: everything goes
@@ -353,6 +359,23 @@ pub fn read_latest(folder: &Path) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scratch_names_include_a_killed_atomic_write_and_nothing_a_user_would_name() {
+        for name in [".tmp-ep1-ba2-77", ".trash-ep1-ba2-77", ".latest.tmp-10190"] {
+            assert!(is_scratch(name), "{name}");
+        }
+        for name in [
+            "latest",
+            "ep1-ba2",
+            ".lock",
+            "ep1-ba2.damaged",
+            ".latest.tmp-",
+            "x.tmp-1",
+        ] {
+            assert!(!is_scratch(name), "{name}");
+        }
+    }
 
     fn sample(dir: &Path) -> PathBuf {
         write_checkpoint(

@@ -183,7 +183,12 @@ impl Job {
         if let Ok(entries) = fs::read_dir(&self.folder) {
             for e in entries.flatten() {
                 if is_scratch(&e.file_name().to_string_lossy()) {
-                    let _ = fs::remove_dir_all(e.path());
+                    // A killed `write_atomic` leaves a file, a killed save a directory.
+                    if e.file_type().is_ok_and(|t| t.is_dir()) {
+                        let _ = fs::remove_dir_all(e.path());
+                    } else {
+                        let _ = fs::remove_file(e.path());
+                    }
                 }
             }
         }
