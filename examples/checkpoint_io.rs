@@ -11,13 +11,13 @@ use std::io::Write;
 use std::path::Path;
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
 use flashover::backend::COMPILED;
 use flashover::core::callback::Callback;
 use flashover::core::logger::Logger;
 use flashover::core::restore::Restore;
 use flashover::core::setup::SetupOf;
+use flashover::models::TrainBackend;
 use flashover::prelude::*;
 use flashover_examples::{median_min_max, MnistData, MnistRun};
 use serde_json::json;
@@ -49,7 +49,7 @@ fn dir_bytes(dir: &Path) -> anyhow::Result<u64> {
     Ok(total)
 }
 
-fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
+fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let device = B::Device::default();
     let scratch = match &args.dir {
         Some(d) => d.clone(),

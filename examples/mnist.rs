@@ -11,10 +11,10 @@ use std::time::Instant;
 use anyhow::Context;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
-use burn::tensor::backend::AutodiffBackend;
 use clap::{Parser, ValueEnum};
 use flashover::backend::COMPILED;
 use flashover::distributed::{Distributed, Options as DistOptions};
+use flashover::models::TrainBackend;
 use flashover::prelude::*;
 use flashover_examples::{
     bundled_mnist_dir, defaults, AccuracyCurve, MnistCnn, MnistData, MnistRun,
@@ -89,10 +89,15 @@ struct Args {
     /// Speed-up algorithms, comma-separated, each with optional `:key=value` parameters, for
     /// example `label_smoothing,mixup:alpha=0.2,ema:half_life=100ba`. Names: label_smoothing,
     /// mixup, cutmix, cutout, colout, progressive_resizing, randaugment, augmix,
-    /// selective_backprop, gradient_clipping, ema, swa, sam, layer_freezing. Added after the
-    /// recipe's.
+    /// selective_backprop, gradient_clipping, ema, swa, sam, layer_freezing, channels_last.
+    /// Added after the recipe's.
     #[arg(long, default_value = "")]
     algorithms: String,
+    /// Layout of the CNN's activations: auto (channels-last on the CPU, where Flashover's
+    /// kernels are the fast path; channels-first on GPU backends), channels-first (Burn's own
+    /// kernels) or channels-last. The weights are the same in every format.
+    #[arg(long, default_value = "auto")]
+    memory_format: MemoryFormat,
     /// Seed for weights, data order and every random draw.
     #[arg(long, default_value_t = defaults::SEED)]
     seed: u64,
@@ -358,7 +363,7 @@ type Builder<B, O> = flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCn
 
 /// Adds what --log-dir, --tensorboard, --profile, --early-stop, --stop-threshold and --out
 /// ask for; returns the training plot, which the caller draws last.
-fn observability<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
+fn observability<B: TrainBackend, O: Optimizer<MnistCnn<B>, B>>(
     mut builder: Builder<B, O>,
     args: &Args,
     device: &B::Device,
@@ -427,7 +432,7 @@ where
     Ok((builder, plot))
 }
 
-fn run<B: AutodiffBackend>(
+fn run<B: TrainBackend>(
     args: &Args,
     device_index: usize,
     dist: &Distributed,
@@ -463,7 +468,7 @@ fn run<B: AutodiffBackend>(
     }
 }
 
-fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
+fn train<B: TrainBackend, O: Optimizer<MnistCnn<B>, B>>(
     args: &Args,
     device: B::Device,
     optimizer: O,
@@ -503,6 +508,7 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         eval_interval: args.eval_interval,
         skip_nonfinite_loss: args.skip_nonfinite_loss,
         algorithms: flashover::algorithms::spec::parse_list(&args.algorithms)?,
+        memory_format: args.memory_format,
     };
     if let Some(name) = &args.recipe {
         recipe = recipe.with_recipe(name)?;
@@ -631,6 +637,10 @@ fn train<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
         "recipe": args.recipe,
         "algorithms": recipe.algorithms.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
         "scale_schedule_ratio": recipe.scale_schedule_ratio,
+        // Whether the convolutions and pools ran channels-last (the CPU fast path).
+        "channels_last": flashover::models::channels_last::<B>(trainer.model().memory_format()),
+        // Peak resident memory of the process so far (Linux; null elsewhere).
+        "peak_rss_bytes": flashover::callbacks::monitors::process_memory().map(|(_, peak)| peak),
         "accuracy_curve": curve.points(),
         "stopped": report.stopped,
     });

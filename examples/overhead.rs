@@ -12,9 +12,9 @@
 //! ```
 
 use anyhow::Context;
-use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
 use flashover::backend::COMPILED;
+use flashover::models::TrainBackend;
 use flashover_examples::median_min_max;
 use flashover_examples::overhead::{flashover, handwritten};
 use serde_json::json;
@@ -46,7 +46,7 @@ fn main() -> anyhow::Result<()> {
     flashover_examples::with_backend!(args.backend.as_str(), measure(&args))
 }
 
-fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
+fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let device = B::Device::default();
     let (steps, bs) = (args.steps, args.batch_size);
     // One untimed run of each warms caches and allocators.

@@ -8,9 +8,9 @@
 
 use std::time::Instant;
 
-use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
 use flashover::backend::COMPILED;
+use flashover::models::TrainBackend;
 use flashover::prelude::*;
 use flashover_examples::{median_min_max, mnist_loaders, MnistCnn, MnistData, MnistRun};
 use serde_json::json;
@@ -46,7 +46,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// Seconds for `steps` steps at `batch` on a model `width` times the CNN's.
-fn time_steps<B: AutodiffBackend>(args: &Args, batch: usize, width: usize) -> anyhow::Result<f64> {
+fn time_steps<B: TrainBackend>(args: &Args, batch: usize, width: usize) -> anyhow::Result<f64> {
     let device = B::Device::default();
     let mut data = MnistData::bundled(batch, 1);
     data.test_limit = Some(10);
@@ -63,7 +63,7 @@ fn time_steps<B: AutodiffBackend>(args: &Args, batch: usize, width: usize) -> an
     Ok(start.elapsed().as_secs_f64())
 }
 
-fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
+fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let gpu = !matches!(args.backend.as_str(), "flex" | "ndarray");
     let mut models = vec![("cnn", 1)];
     if gpu {

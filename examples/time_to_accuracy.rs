@@ -11,12 +11,12 @@
 //! ```
 
 use anyhow::Context;
-use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
 use flashover::algorithms::recipes::RECIPES;
 use flashover::backend::COMPILED;
 use flashover::callbacks::plot::{LineChart, Series};
 use flashover::core::time::Time;
+use flashover::models::TrainBackend;
 use flashover_examples::{median_min_max, AccuracyCurve, CurvePoint, MnistRun};
 use serde_json::json;
 
@@ -53,7 +53,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// One training run of `recipe` (`None`: the baseline); returns its accuracy curve.
-fn one<B: AutodiffBackend>(args: &Args, recipe: Option<&str>) -> anyhow::Result<Vec<CurvePoint>> {
+fn one<B: TrainBackend>(args: &Args, recipe: Option<&str>) -> anyhow::Result<Vec<CurvePoint>> {
     let mut run = MnistRun {
         eval_interval: Time::Batch(args.eval_every),
         ..MnistRun::default()
@@ -83,7 +83,7 @@ fn accuracy_at(curve: &[CurvePoint], seconds: f64) -> f64 {
         .map_or(f64::NAN, |p| p.accuracy)
 }
 
-fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
+fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let names: Vec<Option<&str>> = std::iter::once(None)
         .chain(RECIPES.iter().map(|r| Some(r.name)))
         .collect();

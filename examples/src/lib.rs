@@ -10,14 +10,8 @@ pub mod shakespeare;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use burn::module::Module;
-use burn::nn::conv::{Conv2d, Conv2dConfig};
-use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::nn::{Linear, LinearConfig, PaddingConfig2d, Relu};
 use burn::optim::Optimizer;
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::module::adaptive_avg_pool2d;
-use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
 use flashover::algorithms::augment::Normalization;
 use flashover::algorithms::recipes::recipe;
 use flashover::algorithms::spec::{build_image_classification, AlgorithmSpec};
@@ -27,16 +21,15 @@ use flashover::core::data::{
     MNIST_STD,
 };
 use flashover::core::logger::Logger;
-use flashover::core::loss::{classification_loss, cross_entropy};
 use flashover::core::metric::{Accuracy, LossMetric, TopKAccuracy};
-use flashover::core::model::{ClassificationBatch, ClassificationOutput, EvalModel, TrainModel};
-use flashover::core::params::init_model;
+use flashover::core::model::{ClassificationBatch, HasMemoryFormat, MemoryFormat};
 use flashover::core::schedule::Scheduler;
 use flashover::core::setup::{Setup, SetupOf};
 use flashover::core::state::{State, World};
 use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::core::Result;
+use flashover::models::TrainBackend;
 
 /// Calls `f::<Autodiff<B>>(args...)` for the backend named by `name` (a `&str`), among those
 /// compiled into this build; any other name is an error listing the available ones. Shared by
@@ -123,108 +116,7 @@ pub fn bundled_mnist_dir() -> PathBuf {
         .join("mnist-10k")
 }
 
-/// A small CNN for 28x28 digits: two 3x3 convolutions (16 and 32 channels, each followed by
-/// ReLU and 2x2 max-pooling), then 1568 -> 128 -> 10 fully connected. About 220k parameters.
-#[derive(Module, Debug)]
-pub struct MnistCnn<B: Backend> {
-    conv1: Conv2d<B>,
-    conv2: Conv2d<B>,
-    fc1: Linear<B>,
-    fc2: Linear<B>,
-    pool: MaxPool2d,
-    relu: Relu,
-}
-
-impl<B: Backend> MnistCnn<B> {
-    /// Rows and columns of the digits the model is built for.
-    pub const INPUT_SIZE: (usize, usize) = (28, 28);
-
-    /// A CNN whose parameters are drawn, in field order, from a generator seeded by `seed`.
-    pub fn new(device: &B::Device, seed: u64) -> Self {
-        Self::with_widths(device, seed, 16, 32, 128)
-    }
-
-    /// The same architecture with `c1` and `c2` convolution channels and `hidden` units (the
-    /// larger model of the scaling benchmark).
-    pub fn with_widths(device: &B::Device, seed: u64, c1: usize, c2: usize, hidden: usize) -> Self {
-        init_model::<B, _>(device, seed, |d| MnistCnn {
-            conv1: Conv2dConfig::new([1, c1], [3, 3])
-                .with_padding(PaddingConfig2d::Same)
-                .init(d),
-            conv2: Conv2dConfig::new([c1, c2], [3, 3])
-                .with_padding(PaddingConfig2d::Same)
-                .init(d),
-            fc1: LinearConfig::new(c2 * 7 * 7, hidden).init(d),
-            fc2: LinearConfig::new(hidden, 10).init(d),
-            pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
-            relu: Relu::new(),
-        })
-    }
-
-    /// Floating-point operations of one forward pass on one 28x28 digit, counting a
-    /// multiply-add as two (biases, activations and pooling, under 1% here, left out):
-    /// `2 * (9 * c1 * 28^2 + 9 * c1 * c2 * 14^2 + 49 * c2 * hidden + 10 * hidden)`.
-    pub fn forward_flops(&self) -> f64 {
-        let [c1, _, _, _] = self.conv1.weight.dims();
-        let [c2, _, _, _] = self.conv2.weight.dims();
-        let [_, hidden] = self.fc1.weight.dims();
-        let (c1, c2, hidden) = (c1 as f64, c2 as f64, hidden as f64);
-        2.0 * (9.0 * c1 * 784.0 + 9.0 * c1 * c2 * 196.0 + 49.0 * c2 * hidden + 10.0 * hidden)
-    }
-
-    /// Logits `[batch, 10]` for images `[batch, 1, 28, 28]`. Smaller images (progressive
-    /// resizing, ColOut) are accepted: their feature maps are average-pooled to the 7x7 the
-    /// classifier expects; at full size that step is skipped, so the baseline is unchanged.
-    pub fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
-        let x = self
-            .pool
-            .forward(self.relu.forward(self.conv1.forward(images)));
-        let x = self.pool.forward(self.relu.forward(self.conv2.forward(x)));
-        let [_, _, h, w] = x.dims();
-        let x = if (h, w) == (7, 7) {
-            x
-        } else {
-            adaptive_avg_pool2d(x, [7, 7])
-        };
-        let x: Tensor<B, 2> = x.flatten(1, 3);
-        self.fc2.forward(self.relu.forward(self.fc1.forward(x)))
-    }
-}
-
-impl<B: AutodiffBackend> TrainModel<B> for MnistCnn<B> {
-    type Batch = ClassificationBatch<B, 4>;
-    type Output = Tensor<B, 2>;
-
-    fn forward(&self, batch: &Self::Batch) -> Tensor<B, 2> {
-        self.logits(batch.inputs.clone())
-    }
-
-    fn loss(&self, logits: &Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
-        // Soft targets (label smoothing, MixUp, CutMix) when an algorithm set them.
-        classification_loss(logits.clone(), batch)
-    }
-
-    /// Forward plus backward: about three forward passes (the backward pass computes
-    /// gradients for both the inputs and the weights of each layer).
-    fn flops_per_sample(&self) -> Option<f64> {
-        Some(3.0 * self.forward_flops())
-    }
-}
-
-impl<B: Backend> EvalModel<B> for MnistCnn<B> {
-    type Batch = ClassificationBatch<B, 4>;
-    type Output = ClassificationOutput<B>;
-
-    fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
-        let logits = self.logits(batch.inputs.clone());
-        let loss = cross_entropy(logits.clone(), batch.targets.clone());
-        ClassificationOutput {
-            loss,
-            logits,
-            targets: batch.targets.clone(),
-        }
-    }
-}
+pub use flashover::models::MnistCnn;
 
 /// Training loader type for MNIST on backend `B`.
 pub type MnistLoader<B> = DataLoader<B, MnistItem, ClassificationBatch<B, 4>>;
@@ -272,7 +164,7 @@ impl MnistData {
 }
 
 /// A shuffled training loader on `B` and a sequential test loader on `B::InnerBackend`.
-pub fn mnist_loaders<B: AutodiffBackend>(
+pub fn mnist_loaders<B: TrainBackend>(
     opts: &MnistData,
     device: &B::Device,
 ) -> Result<(MnistLoader<B>, MnistLoader<B::InnerBackend>)> {
@@ -391,6 +283,9 @@ pub struct MnistRun {
     pub skip_nonfinite_loss: bool,
     /// Speed-up algorithms, in the order they are added to the trainer.
     pub algorithms: Vec<AlgorithmSpec>,
+    /// The CNN's memory format (`Auto`: channels-last on the fast CPU path, channels-first on
+    /// GPU backends).
+    pub memory_format: MemoryFormat,
 }
 
 /// Defaults of the MNIST example, as strings where the CLI parses them.
@@ -429,6 +324,7 @@ impl Default for MnistRun {
             eval_interval: Time::Epoch(1),
             skip_nonfinite_loss: false,
             algorithms: Vec::new(),
+            memory_format: MemoryFormat::Auto,
         }
     }
 }
@@ -454,7 +350,7 @@ impl MnistRun {
     }
 
     /// The default AdamW optimizer of the example.
-    pub fn adamw<B: AutodiffBackend>(
+    pub fn adamw<B: TrainBackend>(
     ) -> burn::optim::adaptor::OptimizerAdaptor<burn::optim::AdamW, MnistCnn<B>, B> {
         burn::optim::AdamWConfig::new()
             .with_weight_decay(defaults::WEIGHT_DECAY)
@@ -463,12 +359,12 @@ impl MnistRun {
 
     /// A trainer builder for this recipe with a test evaluator (loss, accuracy, top-2
     /// accuracy); add callbacks and loggers, then `build`.
-    pub fn builder<B: AutodiffBackend, O: Optimizer<MnistCnn<B>, B>>(
+    pub fn builder<B: TrainBackend, O: Optimizer<MnistCnn<B>, B>>(
         &self,
         optimizer: O,
         device: &B::Device,
     ) -> Result<TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>> {
-        let model = MnistCnn::<B>::new(device, self.seed);
+        let model = MnistCnn::<B>::new(device, self.seed).with_memory_format(self.memory_format);
         let mut data = self.data.clone();
         data.seed = self.seed;
         let (train, test) = mnist_loaders::<B>(&data, device)?;

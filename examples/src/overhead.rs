@@ -5,13 +5,13 @@
 use std::time::Instant;
 
 use burn::optim::{GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
 use flashover::callbacks::{ConsoleLogger, JsonlLogger, ProgressBar};
 use flashover::core::data::BatchSource;
 use flashover::core::params::params_sha256;
 use flashover::core::time::Time;
 use flashover::core::trainer::Trainer;
 use flashover::core::Result;
+use flashover::models::TrainBackend;
 
 use crate::{defaults, mnist_loaders, MnistCnn, MnistData, MnistRun};
 
@@ -25,7 +25,7 @@ pub fn data(batch_size: usize) -> MnistData {
 
 /// The loop a Burn user writes by hand: forward, loss, backward, step; no loss read-back.
 /// Returns the seconds of the loop and the final weights' digest.
-pub fn handwritten<B: AutodiffBackend>(
+pub fn handwritten<B: TrainBackend>(
     steps: u64,
     batch_size: usize,
     device: &B::Device,
@@ -58,7 +58,7 @@ pub fn handwritten<B: AutodiffBackend>(
 /// logged value (in the system's temporary folder, removed afterwards) and the progress bar
 /// (kept up to date but drawn nowhere, so that its cost counts without a terminal). Returns
 /// the seconds of `fit` and the final weights' digest.
-pub fn flashover<B: AutodiffBackend>(
+pub fn flashover<B: TrainBackend>(
     steps: u64,
     batch_size: usize,
     observed: bool,

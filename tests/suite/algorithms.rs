@@ -32,6 +32,7 @@ pub const ACTIVE: &[&str] = &[
     "swa:swa_start=0.3:update_interval=4ba:schedule_swa_lr=true:swa_lr=0.001",
     "sam:interval=2",
     "layer_freezing:freeze_start=0",
+    "channels_last",
 ];
 
 /// 128 digits in batches of 32, three epochs (12 batches), 100 test digits.
@@ -69,8 +70,29 @@ fn every_algorithm_trains_and_changes_the_run() {
     );
     let (base_digest, base_loss, base_samples) = outcome_of(&tiny(""));
     assert_eq!(base_samples, 3 * 128);
+    let fast_by_default = <TB as flashover::models::ChannelsLastBackend>::CHANNELS_LAST_IS_FAST;
+    if fast_by_default {
+        // The default run on the CPU is the channels-last fast path: Burn's kernels
+        // (channels-first) sum in another order and end elsewhere.
+        let mut burn = tiny("");
+        burn.memory_format = flashover::core::model::MemoryFormat::ChannelsFirst;
+        assert_ne!(
+            outcome_of(&burn).0,
+            base_digest,
+            "the CPU default is the fast path"
+        );
+    }
     for spec in ACTIVE {
         let (digest, loss, samples) = outcome_of(&tiny(spec));
+        if *spec == "channels_last" {
+            // It states the format explicitly: where channels-last is already the default it
+            // must change nothing; on GPU backends it changes which kernels run.
+            if fast_by_default {
+                assert_eq!((digest, loss), (base_digest.clone(), base_loss), "{spec}");
+            }
+            assert_eq!(samples, base_samples, "{spec}");
+            continue;
+        }
         // EMA leaves the training weights alone and changes what evaluation sees; every other
         // method changes the weights.
         assert!(
@@ -276,6 +298,11 @@ mod resume_each {
     #[test]
     fn layer_freezing() {
         check(13)
+    }
+
+    #[test]
+    fn channels_last() {
+        check(14)
     }
 }
 

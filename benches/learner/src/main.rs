@@ -22,7 +22,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use burn::module::Module;
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::Backend;
+use flashover::models::{ChannelsLastBackend, TrainBackend};
 use burn_train::metric::MetricDefinition;
 use burn_train::renderer::{
     EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation,
@@ -76,7 +77,7 @@ struct LearnerCnn<B: Backend> {
     cnn: MnistCnn<B>,
 }
 
-fn output<B: Backend>(
+fn output<B: ChannelsLastBackend>(
     cnn: &MnistCnn<B>,
     batch: ClassificationBatch<B, 4>,
 ) -> ClassificationOutput<B> {
@@ -88,7 +89,7 @@ fn output<B: Backend>(
     }
 }
 
-impl<B: AutodiffBackend> TrainStep for LearnerCnn<B> {
+impl<B: TrainBackend> TrainStep for LearnerCnn<B> {
     type Input = ClassificationBatch<B, 4>;
     type Output = ClassificationOutput<B>;
 
@@ -99,7 +100,7 @@ impl<B: AutodiffBackend> TrainStep for LearnerCnn<B> {
     }
 }
 
-impl<B: Backend> InferenceStep for LearnerCnn<B> {
+impl<B: ChannelsLastBackend> InferenceStep for LearnerCnn<B> {
     type Input = ClassificationBatch<B, 4>;
     type Output = ClassificationOutput<B>;
 
@@ -129,7 +130,7 @@ impl MetricsRenderer for Quiet {
 }
 
 /// burn-train's Learner for one epoch of exactly `steps` batches; returns its seconds.
-fn learner<B: AutodiffBackend>(args: &Args, device: &B::Device) -> anyhow::Result<f64> {
+fn learner<B: TrainBackend>(args: &Args, device: &B::Device) -> anyhow::Result<f64> {
     let d = data(args.batch_size);
     let mut train = MnistDataset::from_dir(&d.dir, MnistSplit::Train)?;
     let n = args.steps as usize * args.batch_size;
@@ -170,7 +171,7 @@ fn learner<B: AutodiffBackend>(args: &Args, device: &B::Device) -> anyhow::Resul
     Ok(start.elapsed().as_secs_f64())
 }
 
-fn measure<B: AutodiffBackend>(args: &Args) -> anyhow::Result<()> {
+fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let device = B::Device::default();
     let (steps, bs) = (args.steps, args.batch_size);
     handwritten::<B>(steps, bs, &device).context("warm-up")?;

@@ -58,6 +58,7 @@
 
 pub mod augment;
 pub mod augmix;
+pub mod channels_last;
 pub mod colout;
 pub mod cutmix;
 pub mod cutout;

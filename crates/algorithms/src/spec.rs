@@ -4,12 +4,13 @@
 //! image-classification model. An unknown name or parameter is an error listing the valid ones.
 
 use flashover_core::callback::Algorithm;
-use flashover_core::model::Logits;
+use flashover_core::model::{HasMemoryFormat, Logits};
 use flashover_core::setup::{BatchOf, OutputOf, Setup};
 use flashover_core::time::Time;
 
 use crate::augment::{AugmentationSet, Normalization};
 use crate::augmix::{AugMix, AugMixConfig};
+use crate::channels_last::ChannelsLast;
 use crate::colout::ColOut;
 use crate::cutmix::CutMix;
 use crate::cutout::CutOut;
@@ -88,6 +89,7 @@ pub const ALGORITHMS: &[(&str, &[&str])] = &[
     ),
     ("sam", &["rho", "epsilon", "interval"]),
     ("layer_freezing", &["freeze_start", "freeze_level"]),
+    ("channels_last", &[]),
 ];
 
 fn valid_names() -> String {
@@ -196,6 +198,7 @@ pub fn build_image_classification<S: Setup>(
 where
     BatchOf<S>: ImageClassBatch<S::Backend>,
     OutputOf<S>: Logits<S::Backend>,
+    S::Model: HasMemoryFormat,
 {
     let p = Params { spec };
     Ok(match spec.name.as_str() {
@@ -304,6 +307,7 @@ where
             p.f64("freeze_start", 0.5)?,
             p.f64("freeze_level", 1.0)?,
         )?),
+        "channels_last" => Box::new(ChannelsLast),
         other => {
             return Err(AlgorithmError::UnknownAlgorithm {
                 name: other.to_string(),

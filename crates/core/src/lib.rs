@@ -41,8 +41,8 @@ pub mod prelude {
     pub use crate::logger::{Logger, LoggerDestination};
     pub use crate::metric::{Accuracy, LossMetric, Metric, TopKAccuracy};
     pub use crate::model::{
-        Batch, ClassTargets, ClassificationBatch, ClassificationOutput, EvalModel, ImageBatch,
-        Logits, SelectSamples, SequenceBatch, TokenBatch, TrainModel,
+        Batch, ClassTargets, ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat,
+        ImageBatch, Logits, MemoryFormat, SelectSamples, SequenceBatch, TokenBatch, TrainModel,
     };
     pub use crate::params::{init_model, params_sha256};
     pub use crate::restore::Restore;

@@ -292,3 +292,43 @@ pub struct ClassificationOutput<B: Backend> {
     /// Class indices, `[batch]`.
     pub targets: Tensor<B, 1, Int>,
 }
+
+/// How a model lays out its image activations (Composer's "memory format"). Weights are the
+/// same in every format; only activations, and which kernels run, differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum MemoryFormat {
+    /// The backend's fast format: channels-last where the backend has fast channels-last
+    /// kernels (the CPU backend flex), channels-first elsewhere.
+    #[default]
+    Auto,
+    /// `[batch, channels, height, width]`, Burn's layout and Burn's own kernels.
+    ChannelsFirst,
+    /// `[batch, height, width, channels]`, through `flashover-models`' channels-last kernels.
+    ChannelsLast,
+}
+
+impl std::str::FromStr for MemoryFormat {
+    type Err = crate::CoreError;
+
+    fn from_str(s: &str) -> crate::Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "channels-first" | "channels_first" => Ok(Self::ChannelsFirst),
+            "channels-last" | "channels_last" => Ok(Self::ChannelsLast),
+            other => Err(crate::CoreError::config(
+                "memory_format",
+                format!("{other:?}"),
+                "auto, channels-first or channels-last",
+            )),
+        }
+    }
+}
+
+/// A model whose convolution and pooling layers can run in either [`MemoryFormat`]; the
+/// `ChannelsLast` algorithm needs it.
+pub trait HasMemoryFormat {
+    /// The format the model was built with or last set to.
+    fn memory_format(&self) -> MemoryFormat;
+    /// The same model (same parameters) running in `format`.
+    fn with_memory_format(self, format: MemoryFormat) -> Self;
+}

@@ -12,6 +12,7 @@ pub use flashover_callbacks as callbacks;
 pub use flashover_checkpoint as checkpoint;
 pub use flashover_core as core;
 pub use flashover_distributed as distributed;
+pub use flashover_models as models;
 
 /// Backends compiled into this build, each with its autodiff form.
 pub mod backend {

@@ -20,7 +20,7 @@ mod norms;
 mod speed;
 
 pub use lr::LrMonitor;
-pub use memory::{DeviceMemory, MemoryMonitor};
+pub use memory::{process_memory, DeviceMemory, MemoryMonitor};
 pub use nan::NanMonitor;
 pub use norms::{norms_by_layer, NormMonitor};
 pub use speed::{RuntimeEstimator, SpeedMonitor};

@@ -1,0 +1,804 @@
+//! Channels-last (NHWC) convolution and pooling on `f32` slices: the CPU fast path behind
+//! [`ChannelsLastBackend`](crate::ops::ChannelsLastBackend). Written by hand because the
+//! layout, the fusions and the determinism contract are ours; the matrix products go to the
+//! `gemm` crate through [`crate::gemm`].
+//!
+//! - Convolution is im2col + GEMM: the patches of a few images at once (a *chunk*) become
+//!   the rows of a matrix whose columns run over (kernel row, kernel column, channel), so
+//!   that a patch row copies `channels` contiguous values per kernel tap; the packed weights
+//!   are `[kernel taps x channels, out channels]` per group. The output rows of a chunk are
+//!   the NHWC output itself, so no layout conversion happens anywhere. Bias and ReLU are
+//!   applied in the same pass over the chunk's output, while it is in cache. 1x1 convolutions
+//!   with stride 1 and no padding skip im2col.
+//! - The input gradient is the product of the output gradient and the transposed weights,
+//!   scattered back (col2im) image by image; the weight and bias gradients are summed per
+//!   chunk, then the chunks' partial sums are added in chunk order.
+//! - Pooling loops over windows with the channel as the innermost, contiguous index.
+//!
+//! **Determinism.** Chunks are sized from the shapes alone (about 2048 output positions per
+//! chunk) and every reduction that crosses chunks runs in chunk order after the parallel part,
+//! so the results are bit-identical for any number of threads. Work runs on rayon's pool
+//! when it has more than one thread (`RAYON_NUM_THREADS`), on the calling thread otherwise.
+//!
+//! **Memory.** The im2col buffers are per-thread scratch space that grows to the largest
+//! chunk seen and is then reused, step after step; only outputs are allocated per call.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use crate::gemm::{matmul, MatMut, MatRef};
+
+/// Output positions a chunk aims for: enough rows for an efficient matrix product, few
+/// enough that a batch splits into several chunks for threads and the scratch stays in cache.
+const CHUNK_POSITIONS: usize = 2048;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on this thread's scratch buffer, at least `len` long (grown if needed, then kept).
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    SCRATCH.with(|cell| {
+        let mut buf = cell.borrow_mut();
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
+        f(&mut buf[..len])
+    })
+}
+
+/// Whether to hand work to rayon: only when its pool has more than one thread.
+fn parallel() -> bool {
+    rayon::current_num_threads() > 1
+}
+
+/// Calls `f(chunk_index, chunk)` for consecutive `chunk_len`-sized pieces of `data`, in
+/// parallel when there are threads for it.
+fn for_each_chunk<T: Send, F>(data: &mut [T], chunk_len: usize, f: F)
+where
+    F: Fn(usize, &mut [T]) + Sync + Send,
+{
+    let chunk_len = chunk_len.max(1);
+    if parallel() && data.len() > chunk_len {
+        data.par_chunks_mut(chunk_len)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    } else {
+        data.chunks_mut(chunk_len)
+            .enumerate()
+            .for_each(|(i, c)| f(i, c));
+    }
+}
+
+/// Like [`for_each_chunk`] over two buffers cut at the same chunk indices.
+fn for_each_chunk2<T: Send, U: Send, F>(a: &mut [T], a_len: usize, b: &mut [U], b_len: usize, f: F)
+where
+    F: Fn(usize, &mut [T], &mut [U]) + Sync + Send,
+{
+    let (a_len, b_len) = (a_len.max(1), b_len.max(1));
+    if parallel() && a.len() > a_len {
+        a.par_chunks_mut(a_len)
+            .zip(b.par_chunks_mut(b_len))
+            .enumerate()
+            .for_each(|(i, (x, y))| f(i, x, y));
+    } else {
+        a.chunks_mut(a_len)
+            .zip(b.chunks_mut(b_len))
+            .enumerate()
+            .for_each(|(i, (x, y))| f(i, x, y));
+    }
+}
+
+/// Images per chunk for feature maps of `positions` output positions.
+fn images_per_chunk(positions: usize) -> usize {
+    (CHUNK_POSITIONS / positions.max(1)).clamp(1, 64)
+}
+
+/// Output length of a convolution or pooling along one axis, if the window fits.
+pub fn output_size(
+    input: usize,
+    kernel: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+) -> Option<usize> {
+    let span = dilation * (kernel - 1) + 1;
+    let padded = input + 2 * padding;
+    (stride > 0 && kernel > 0 && padded >= span).then(|| (padded - span) / stride + 1)
+}
+
+/// The shapes of one 2-D convolution over NHWC input `[batch, in_h, in_w, in_c]` with weights
+/// in Burn's layout `[out_c, in_c / groups, kernel_h, kernel_w]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conv2dShape {
+    /// Images.
+    pub batch: usize,
+    /// Input rows.
+    pub in_h: usize,
+    /// Input columns.
+    pub in_w: usize,
+    /// Input channels.
+    pub in_c: usize,
+    /// Output channels.
+    pub out_c: usize,
+    /// Kernel rows and columns.
+    pub kernel: [usize; 2],
+    /// Stride along rows and columns.
+    pub stride: [usize; 2],
+    /// Zero padding on each side, rows and columns.
+    pub padding: [usize; 2],
+    /// Spacing between kernel taps, rows and columns.
+    pub dilation: [usize; 2],
+    /// Channel groups.
+    pub groups: usize,
+    /// Output rows.
+    pub out_h: usize,
+    /// Output columns.
+    pub out_w: usize,
+}
+
+impl Conv2dShape {
+    /// The convolution of `x` (NHWC dims) by `weight` (Burn's dims). Panics, naming the
+    /// values, if they do not fit together (as Burn's own convolution does).
+    pub fn new(
+        x: [usize; 4],
+        weight: [usize; 4],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+        groups: usize,
+    ) -> Self {
+        let [batch, in_h, in_w, in_c] = x;
+        let [out_c, cg, kh, kw] = weight;
+        assert!(
+            groups > 0 && in_c % groups == 0 && out_c % groups == 0 && cg * groups == in_c,
+            "convolution of input channels {in_c} by weights {weight:?} in {groups} groups: \
+             the weights' second dimension must be input channels / groups and both channel \
+             counts divisible by groups"
+        );
+        let out_h = output_size(in_h, kh, stride[0], padding[0], dilation[0]);
+        let out_w = output_size(in_w, kw, stride[1], padding[1], dilation[1]);
+        let (Some(out_h), Some(out_w)) = (out_h, out_w) else {
+            panic!(
+                "convolution of a {in_h}x{in_w} input by a {kh}x{kw} kernel (stride {stride:?}, \
+                 padding {padding:?}, dilation {dilation:?}): the kernel does not fit"
+            )
+        };
+        Self {
+            batch,
+            in_h,
+            in_w,
+            in_c,
+            out_c,
+            kernel: [kh, kw],
+            stride,
+            padding,
+            dilation,
+            groups,
+            out_h,
+            out_w,
+        }
+    }
+
+    fn cg(&self) -> usize {
+        self.in_c / self.groups
+    }
+    fn og(&self) -> usize {
+        self.out_c / self.groups
+    }
+    /// Columns of a patch row: kernel taps times the group's channels.
+    fn kg(&self) -> usize {
+        self.kernel[0] * self.kernel[1] * self.cg()
+    }
+    fn positions(&self) -> usize {
+        self.out_h * self.out_w
+    }
+    fn image_len(&self) -> usize {
+        self.in_h * self.in_w * self.in_c
+    }
+    fn pointwise(&self) -> bool {
+        self.kernel == [1, 1] && self.stride == [1, 1] && self.padding == [0, 0] && self.groups == 1
+    }
+    /// Elements of the NHWC output.
+    pub fn output_len(&self) -> usize {
+        self.batch * self.positions() * self.out_c
+    }
+}
+
+/// Weights from Burn's `[out, in/groups, kh, kw]` to `[group][(tap, channel)][out in group]`.
+fn pack_weight(s: &Conv2dShape, weight: &[f32]) -> Vec<f32> {
+    let (cg, og, kg) = (s.cg(), s.og(), s.kg());
+    let taps = s.kernel[0] * s.kernel[1];
+    assert_eq!(weight.len(), s.out_c * cg * taps, "weights of {s:?}");
+    let mut packed = vec![0.0f32; s.groups * kg * og];
+    for g in 0..s.groups {
+        for oo in 0..og {
+            let src = &weight[(g * og + oo) * cg * taps..][..cg * taps];
+            for c in 0..cg {
+                for t in 0..taps {
+                    packed[(g * kg + t * cg + c) * og + oo] = src[c * taps + t];
+                }
+            }
+        }
+    }
+    packed
+}
+
+/// The inverse of [`pack_weight`].
+fn unpack_weight(s: &Conv2dShape, packed: &[f32]) -> Vec<f32> {
+    let (cg, og, kg) = (s.cg(), s.og(), s.kg());
+    let taps = s.kernel[0] * s.kernel[1];
+    let mut weight = vec![0.0f32; s.out_c * cg * taps];
+    for g in 0..s.groups {
+        for oo in 0..og {
+            let dst = &mut weight[(g * og + oo) * cg * taps..][..cg * taps];
+            for c in 0..cg {
+                for t in 0..taps {
+                    dst[c * taps + t] = packed[(g * kg + t * cg + c) * og + oo];
+                }
+            }
+        }
+    }
+    weight
+}
+
+/// Input row and column of tap `(i, j)` for output position `(oh, ow)`, if inside the image.
+#[inline]
+fn tap(s: &Conv2dShape, oh: usize, ow: usize, i: usize, j: usize) -> Option<(usize, usize)> {
+    let ih = (oh * s.stride[0] + i * s.dilation[0]).checked_sub(s.padding[0])?;
+    let iw = (ow * s.stride[1] + j * s.dilation[1]).checked_sub(s.padding[1])?;
+    (ih < s.in_h && iw < s.in_w).then_some((ih, iw))
+}
+
+/// Patch rows of `images` (consecutive NHWC images) for channel group `g` into `col`.
+fn im2col(s: &Conv2dShape, images: &[f32], g: usize, col: &mut [f32]) {
+    let (cg, kg) = (s.cg(), s.kg());
+    let [kh, kw] = s.kernel;
+    let mut rows = col.chunks_exact_mut(kg);
+    for image in images.chunks_exact(s.image_len()) {
+        for oh in 0..s.out_h {
+            for ow in 0..s.out_w {
+                let Some(row) = rows.next() else { return };
+                for i in 0..kh {
+                    for j in 0..kw {
+                        let dst = &mut row[(i * kw + j) * cg..][..cg];
+                        match tap(s, oh, ow, i, j) {
+                            Some((ih, iw)) => dst.copy_from_slice(
+                                &image[(ih * s.in_w + iw) * s.in_c + g * cg..][..cg],
+                            ),
+                            None => dst.fill(0.0),
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Adds patch-row gradients `dcol` of group `g` back into the NHWC image gradients `dx`.
+fn col2im(s: &Conv2dShape, dcol: &[f32], g: usize, dx: &mut [f32]) {
+    let (cg, kg) = (s.cg(), s.kg());
+    let [kh, kw] = s.kernel;
+    let mut rows = dcol.chunks_exact(kg);
+    for image in dx.chunks_exact_mut(s.image_len()) {
+        for oh in 0..s.out_h {
+            for ow in 0..s.out_w {
+                let Some(row) = rows.next() else { return };
+                for i in 0..kh {
+                    for j in 0..kw {
+                        if let Some((ih, iw)) = tap(s, oh, ow, i, j) {
+                            let dst = &mut image[(ih * s.in_w + iw) * s.in_c + g * cg..][..cg];
+                            let src = &row[(i * kw + j) * cg..][..cg];
+                            for (d, v) in dst.iter_mut().zip(src) {
+                                *d += v;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// NHWC convolution `[batch, out_h, out_w, out_c]`, plus `bias`, then ReLU if `relu`.
+pub fn conv2d_forward(
+    s: &Conv2dShape,
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    relu: bool,
+) -> Vec<f32> {
+    assert_eq!(x.len(), s.batch * s.image_len(), "input of {s:?}");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), s.out_c, "bias of {s:?}");
+    }
+    let packed = pack_weight(s, weight);
+    let (p, o, og, kg) = (s.positions(), s.out_c, s.og(), s.kg());
+    let per = images_per_chunk(p);
+    let mut out = vec![0.0f32; s.output_len()];
+    for_each_chunk(&mut out, per * p * o, |ci, dst| {
+        let rows = dst.len() / o;
+        let images = &x[ci * per * s.image_len()..][..rows / p * s.image_len()];
+        if s.pointwise() {
+            matmul(
+                MatMut::row_major(dst, rows, o),
+                MatRef::row_major(images, rows, s.in_c),
+                MatRef::row_major(&packed, kg, o),
+                false,
+            );
+        } else {
+            with_scratch(rows * kg, |col| {
+                for g in 0..s.groups {
+                    im2col(s, images, g, col);
+                    matmul(
+                        MatMut::new(&mut dst[g * og..], rows, og, o, 1),
+                        MatRef::row_major(col, rows, kg),
+                        MatRef::row_major(&packed[g * kg * og..][..kg * og], kg, og),
+                        false,
+                    );
+                }
+            });
+        }
+        if bias.is_some() || relu {
+            for row in dst.chunks_exact_mut(o) {
+                if let Some(b) = bias {
+                    for (v, b) in row.iter_mut().zip(b) {
+                        *v += b;
+                    }
+                }
+                if relu {
+                    // `v < 0` keeps a NaN a NaN, as Burn's ReLU does.
+                    for v in row.iter_mut() {
+                        if *v < 0.0 {
+                            *v = 0.0;
+                        }
+                    }
+                }
+            }
+        }
+    });
+    out
+}
+
+/// Gradients of a convolution, each computed only when asked for.
+#[derive(Debug, Default)]
+pub struct Conv2dGrads {
+    /// Of the NHWC input.
+    pub x: Option<Vec<f32>>,
+    /// Of the weights, in Burn's layout.
+    pub weight: Option<Vec<f32>>,
+    /// Of the bias.
+    pub bias: Option<Vec<f32>>,
+}
+
+/// Gradients of [`conv2d_forward`] for the output gradient `grad`; `relu_output` is the
+/// forward's output when it applied ReLU (the gradient passes where it is positive).
+/// `needs` says which of input, weight and bias gradients to compute.
+pub fn conv2d_backward(
+    s: &Conv2dShape,
+    x: &[f32],
+    weight: &[f32],
+    relu_output: Option<&[f32]>,
+    grad: &[f32],
+    needs: [bool; 3],
+) -> Conv2dGrads {
+    assert_eq!(grad.len(), s.output_len(), "output gradient of {s:?}");
+    let masked: Vec<f32>;
+    let gout: &[f32] = match relu_output {
+        Some(y) => {
+            assert_eq!(y.len(), grad.len(), "output of {s:?}");
+            masked = grad
+                .iter()
+                .zip(y)
+                .map(|(g, y)| if *y <= 0.0 { 0.0 } else { *g })
+                .collect();
+            &masked
+        }
+        None => grad,
+    };
+    let packed = pack_weight(s, weight);
+    let (p, o, og, kg) = (s.positions(), s.out_c, s.og(), s.kg());
+    let per = images_per_chunk(p);
+    let mut grads = Conv2dGrads::default();
+
+    if needs[0] {
+        let mut dx = vec![0.0f32; s.batch * s.image_len()];
+        for_each_chunk(&mut dx, per * s.image_len(), |ci, dxc| {
+            let rows = dxc.len() / s.image_len() * p;
+            let g_rows = &gout[ci * per * p * o..][..rows * o];
+            if s.pointwise() {
+                matmul(
+                    MatMut::row_major(dxc, rows, s.in_c),
+                    MatRef::row_major(g_rows, rows, o),
+                    MatRef::new(&packed, o, kg, 1, o),
+                    false,
+                );
+                return;
+            }
+            with_scratch(rows * kg, |dcol| {
+                for g in 0..s.groups {
+                    matmul(
+                        MatMut::row_major(dcol, rows, kg),
+                        MatRef::new(&g_rows[g * og..], rows, og, o, 1),
+                        MatRef::new(&packed[g * kg * og..][..kg * og], og, kg, 1, og),
+                        false,
+                    );
+                    col2im(s, dcol, g, dxc);
+                }
+            });
+        });
+        grads.x = Some(dx);
+    }
+
+    if needs[1] || needs[2] {
+        assert_eq!(x.len(), s.batch * s.image_len(), "input of {s:?}");
+        let chunks = s.batch.div_ceil(per);
+        let part_len = s.groups * kg * og + o;
+        let mut parts = vec![0.0f32; chunks * part_len];
+        for_each_chunk(&mut parts, part_len, |ci, part| {
+            let images = per.min(s.batch - ci * per);
+            let rows = images * p;
+            let g_rows = &gout[ci * per * p * o..][..rows * o];
+            let xs = &x[ci * per * s.image_len()..][..images * s.image_len()];
+            let (dw, db) = part.split_at_mut(s.groups * kg * og);
+            if needs[1] {
+                if s.pointwise() {
+                    matmul(
+                        MatMut::row_major(dw, kg, og),
+                        MatRef::new(xs, kg, rows, 1, s.in_c),
+                        MatRef::row_major(g_rows, rows, o),
+                        false,
+                    );
+                } else {
+                    with_scratch(rows * kg, |col| {
+                        for g in 0..s.groups {
+                            im2col(s, xs, g, col);
+                            matmul(
+                                MatMut::row_major(&mut dw[g * kg * og..][..kg * og], kg, og),
+                                MatRef::new(col, kg, rows, 1, kg),
+                                MatRef::new(&g_rows[g * og..], rows, og, o, 1),
+                                false,
+                            );
+                        }
+                    });
+                }
+            }
+            if needs[2] {
+                for row in g_rows.chunks_exact(o) {
+                    for (d, v) in db.iter_mut().zip(row) {
+                        *d += v;
+                    }
+                }
+            }
+        });
+        // The chunks' partial sums, added in chunk order whatever the thread count.
+        let mut total = vec![0.0f32; part_len];
+        for part in parts.chunks_exact(part_len) {
+            for (t, v) in total.iter_mut().zip(part) {
+                *t += v;
+            }
+        }
+        let db = total.split_off(s.groups * kg * og);
+        if needs[1] {
+            grads.weight = Some(unpack_weight(s, &total));
+        }
+        if needs[2] {
+            grads.bias = Some(db);
+        }
+    }
+    grads
+}
+
+/// The shapes of one 2-D pooling over NHWC input `[batch, in_h, in_w, channels]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pool2dShape {
+    /// Images.
+    pub batch: usize,
+    /// Input rows.
+    pub in_h: usize,
+    /// Input columns.
+    pub in_w: usize,
+    /// Channels.
+    pub channels: usize,
+    /// Window rows and columns.
+    pub kernel: [usize; 2],
+    /// Stride along rows and columns.
+    pub stride: [usize; 2],
+    /// Padding on each side (never part of a maximum; counted or not by average pooling).
+    pub padding: [usize; 2],
+    /// Spacing between window taps.
+    pub dilation: [usize; 2],
+    /// Output rows.
+    pub out_h: usize,
+    /// Output columns.
+    pub out_w: usize,
+}
+
+impl Pool2dShape {
+    /// The pooling of `x` (NHWC dims). Panics, naming the values, if the window does not fit
+    /// or the padding is more than half the window (as Burn's pooling requires).
+    pub fn new(
+        x: [usize; 4],
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> Self {
+        let [batch, in_h, in_w, channels] = x;
+        assert!(
+            padding[0] <= kernel[0] / 2 && padding[1] <= kernel[1] / 2,
+            "pooling with a {kernel:?} window and padding {padding:?}: padding must be at most \
+             half the window"
+        );
+        let out_h = output_size(in_h, kernel[0], stride[0], padding[0], dilation[0]);
+        let out_w = output_size(in_w, kernel[1], stride[1], padding[1], dilation[1]);
+        let (Some(out_h), Some(out_w)) = (out_h, out_w) else {
+            panic!(
+                "pooling of a {in_h}x{in_w} input with a {kernel:?} window (stride {stride:?}, \
+                 padding {padding:?}, dilation {dilation:?}): the window does not fit"
+            )
+        };
+        Self {
+            batch,
+            in_h,
+            in_w,
+            channels,
+            kernel,
+            stride,
+            padding,
+            dilation,
+            out_h,
+            out_w,
+        }
+    }
+
+    fn in_image(&self) -> usize {
+        self.in_h * self.in_w * self.channels
+    }
+    fn out_image(&self) -> usize {
+        self.out_h * self.out_w * self.channels
+    }
+    /// Elements of the NHWC output.
+    pub fn output_len(&self) -> usize {
+        self.batch * self.out_image()
+    }
+
+    /// Input positions `(row, column)` of the window at `(oh, ow)` that lie inside the image.
+    fn window(&self, oh: usize, ow: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let [kh, kw] = self.kernel;
+        (0..kh).flat_map(move |i| {
+            (0..kw).filter_map(move |j| {
+                let ih =
+                    (oh * self.stride[0] + i * self.dilation[0]).checked_sub(self.padding[0])?;
+                let iw =
+                    (ow * self.stride[1] + j * self.dilation[1]).checked_sub(self.padding[1])?;
+                (ih < self.in_h && iw < self.in_w).then_some((ih, iw))
+            })
+        })
+    }
+}
+
+/// NHWC max pooling, and for each output the index `row * in_w + column` of its maximum in
+/// its image and channel (PyTorch's and Burn's convention). The first maximum of a window
+/// wins; a NaN is a maximum (it propagates, as in PyTorch).
+pub fn max_pool2d_forward(s: &Pool2dShape, x: &[f32]) -> (Vec<f32>, Vec<i32>) {
+    assert_eq!(x.len(), s.batch * s.in_image(), "input of {s:?}");
+    let c = s.channels;
+    let mut out = vec![0.0f32; s.output_len()];
+    let mut idx = vec![0i32; s.output_len()];
+    let per = images_per_chunk(s.out_h * s.out_w);
+    for_each_chunk2(
+        &mut out,
+        per * s.out_image(),
+        &mut idx,
+        per * s.out_image(),
+        |ci, out, idx| {
+            let out_images = out.chunks_exact_mut(s.out_image());
+            let idx_images = idx.chunks_exact_mut(s.out_image());
+            for (k, (out, idx)) in out_images.zip(idx_images).enumerate() {
+                let image = &x[(ci * per + k) * s.in_image()..][..s.in_image()];
+                for oh in 0..s.out_h {
+                    for ow in 0..s.out_w {
+                        let at = (oh * s.out_w + ow) * c;
+                        let (best, arg) = (&mut out[at..at + c], &mut idx[at..at + c]);
+                        let mut first = true;
+                        for (ih, iw) in s.window(oh, ow) {
+                            let pos = ih * s.in_w + iw;
+                            let row = &image[pos * c..][..c];
+                            if first {
+                                best.copy_from_slice(row);
+                                arg.fill(pos as i32);
+                                first = false;
+                                continue;
+                            }
+                            for ((b, a), v) in best.iter_mut().zip(arg.iter_mut()).zip(row) {
+                                if *v > *b || (v.is_nan() && !b.is_nan()) {
+                                    *b = *v;
+                                    *a = pos as i32;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        },
+    );
+    (out, idx)
+}
+
+/// Gradient of [`max_pool2d_forward`]: each output gradient goes to its maximum's position.
+pub fn max_pool2d_backward(s: &Pool2dShape, indices: &[i32], grad: &[f32]) -> Vec<f32> {
+    assert_eq!(grad.len(), s.output_len(), "output gradient of {s:?}");
+    assert_eq!(indices.len(), s.output_len(), "indices of {s:?}");
+    let c = s.channels;
+    let mut dx = vec![0.0f32; s.batch * s.in_image()];
+    for_each_chunk(&mut dx, s.in_image(), |b, dx| {
+        let g = &grad[b * s.out_image()..][..s.out_image()];
+        let ix = &indices[b * s.out_image()..][..s.out_image()];
+        for (grow, irow) in g.chunks_exact(c).zip(ix.chunks_exact(c)) {
+            for (ch, (gv, iv)) in grow.iter().zip(irow).enumerate() {
+                dx[*iv as usize * c + ch] += gv;
+            }
+        }
+    });
+    dx
+}
+
+/// Divisor of the average at window `(oh, ow)`: the whole window when padding counts
+/// (`count_include_pad`), else the positions inside the image.
+fn avg_divisor(s: &Pool2dShape, oh: usize, ow: usize, count_include_pad: bool) -> f32 {
+    if count_include_pad {
+        (s.kernel[0] * s.kernel[1]) as f32
+    } else {
+        s.window(oh, ow).count().max(1) as f32
+    }
+}
+
+/// NHWC average pooling.
+pub fn avg_pool2d_forward(s: &Pool2dShape, x: &[f32], count_include_pad: bool) -> Vec<f32> {
+    assert_eq!(x.len(), s.batch * s.in_image(), "input of {s:?}");
+    let c = s.channels;
+    let mut out = vec![0.0f32; s.output_len()];
+    for_each_chunk(&mut out, s.out_image(), |b, out| {
+        let image = &x[b * s.in_image()..][..s.in_image()];
+        for oh in 0..s.out_h {
+            for ow in 0..s.out_w {
+                let acc = &mut out[(oh * s.out_w + ow) * c..][..c];
+                for (ih, iw) in s.window(oh, ow) {
+                    for (a, v) in acc.iter_mut().zip(&image[(ih * s.in_w + iw) * c..][..c]) {
+                        *a += v;
+                    }
+                }
+                let d = avg_divisor(s, oh, ow, count_include_pad);
+                for a in acc.iter_mut() {
+                    *a /= d;
+                }
+            }
+        }
+    });
+    out
+}
+
+/// Gradient of [`avg_pool2d_forward`].
+pub fn avg_pool2d_backward(s: &Pool2dShape, grad: &[f32], count_include_pad: bool) -> Vec<f32> {
+    assert_eq!(grad.len(), s.output_len(), "output gradient of {s:?}");
+    let c = s.channels;
+    let mut dx = vec![0.0f32; s.batch * s.in_image()];
+    for_each_chunk(&mut dx, s.in_image(), |b, dx| {
+        let g = &grad[b * s.out_image()..][..s.out_image()];
+        for oh in 0..s.out_h {
+            for ow in 0..s.out_w {
+                let d = avg_divisor(s, oh, ow, count_include_pad);
+                let grow = &g[(oh * s.out_w + ow) * c..][..c];
+                for (ih, iw) in s.window(oh, ow) {
+                    for (dv, gv) in dx[(ih * s.in_w + iw) * c..][..c].iter_mut().zip(grow) {
+                        *dv += gv / d;
+                    }
+                }
+            }
+        }
+    });
+    dx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Direct definition of a convolution, in f64, NHWC.
+    fn naive_conv(s: &Conv2dShape, x: &[f32], w: &[f32], b: Option<&[f32]>) -> Vec<f64> {
+        let (cg, og) = (s.cg(), s.og());
+        let [kh, kw] = s.kernel;
+        let mut out = vec![0.0f64; s.output_len()];
+        for n in 0..s.batch {
+            for oh in 0..s.out_h {
+                for ow in 0..s.out_w {
+                    for o in 0..s.out_c {
+                        let g = o / og;
+                        let mut acc = b.map_or(0.0, |b| b[o] as f64);
+                        for c in 0..cg {
+                            for i in 0..kh {
+                                for j in 0..kw {
+                                    if let Some((ih, iw)) = tap(s, oh, ow, i, j) {
+                                        let xv = x[((n * s.in_h + ih) * s.in_w + iw) * s.in_c
+                                            + g * cg
+                                            + c];
+                                        let wv = w[((o * cg + c) * kh + i) * kw + j];
+                                        acc += xv as f64 * wv as f64;
+                                    }
+                                }
+                            }
+                        }
+                        out[((n * s.out_h + oh) * s.out_w + ow) * s.out_c + o] = acc;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn values(n: usize, seed: f32) -> Vec<f32> {
+        (0..n).map(|i| ((i as f32 + seed) * 0.7311).sin()).collect()
+    }
+
+    #[test]
+    fn convolution_matches_its_definition_with_groups_stride_padding_and_dilation() {
+        let s = Conv2dShape::new([3, 9, 8, 4], [6, 2, 3, 2], [2, 1], [1, 1], [1, 2], 2);
+        let x = values(3 * 9 * 8 * 4, 0.5);
+        let w = values(6 * 2 * 3 * 2, 1.5);
+        let b = values(6, 2.5);
+        let got = conv2d_forward(&s, &x, &w, Some(&b), false);
+        let want = naive_conv(&s, &x, &w, Some(&b));
+        for (g, w) in got.iter().zip(&want) {
+            assert!((*g as f64 - w).abs() < 1e-5, "{g} vs {w}");
+        }
+        let relu = conv2d_forward(&s, &x, &w, Some(&b), true);
+        for (r, w) in relu.iter().zip(&want) {
+            assert!((*r as f64 - w.max(0.0)).abs() < 1e-5);
+        }
+    }
+
+    #[test]
+    fn convolution_matches_its_definition_with_padding_wider_than_the_kernel() {
+        let s = Conv2dShape::new([2, 4, 4, 2], [2, 1, 2, 1], [2, 1], [2, 1], [1, 1], 2);
+        let x = values(2 * 4 * 4 * 2, 0.25);
+        let w = values(2 * 2, 1.25);
+        let b = values(2, 2.25);
+        let got = conv2d_forward(&s, &x, &w, Some(&b), false);
+        let want = naive_conv(&s, &x, &w, Some(&b));
+        for (g, w) in got.iter().zip(&want) {
+            assert!((*g as f64 - w).abs() < 1e-5, "{g} vs {w}");
+        }
+    }
+
+    #[test]
+    fn weight_packing_round_trips() {
+        let s = Conv2dShape::new([1, 5, 5, 6], [4, 3, 3, 2], [1, 1], [0, 0], [1, 1], 2);
+        let w = values(4 * 3 * 3 * 2, 0.0);
+        assert_eq!(unpack_weight(&s, &pack_weight(&s, &w)), w);
+    }
+
+    #[test]
+    fn max_pool_takes_the_first_maximum_and_propagates_nan() {
+        // One 2x2 image, one channel: window of the whole image.
+        let s = Pool2dShape::new([1, 2, 2, 1], [2, 2], [2, 2], [0, 0], [1, 1]);
+        let (out, idx) = max_pool2d_forward(&s, &[1.0, 3.0, 3.0, 2.0]);
+        assert_eq!((out, idx), (vec![3.0], vec![1]));
+        let (out, idx) = max_pool2d_forward(&s, &[1.0, f32::NAN, 3.0, 2.0]);
+        assert!(out[0].is_nan());
+        assert_eq!(idx, vec![1]);
+        let dx = max_pool2d_backward(&s, &[1], &[5.0]);
+        assert_eq!(dx, vec![0.0, 5.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn average_pool_counts_padding_only_when_asked() {
+        // A 2x2 image of ones, 2x2 windows with stride 2 and padding 1: the corner windows
+        // hold one pixel and three padded zeros.
+        let s = Pool2dShape::new([1, 2, 2, 1], [2, 2], [2, 2], [1, 1], [1, 1]);
+        assert_eq!(avg_pool2d_forward(&s, &[1.0; 4], true), vec![0.25; 4]);
+        assert_eq!(avg_pool2d_forward(&s, &[1.0; 4], false), vec![1.0; 4]);
+        assert_eq!(avg_pool2d_backward(&s, &[1.0; 4], true), vec![0.25; 4]);
+    }
+}

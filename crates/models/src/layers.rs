@@ -1,0 +1,307 @@
+//! Layers that run in either memory format: [`Conv2d`], [`MaxPool2d`], [`AvgPool2d`], and
+//! the plain functions under them for hand-written models ([`conv2d_nhwc`],
+//! [`max_pool2d_nhwc`], [`avg_pool2d_nhwc`]).
+//!
+//! Channels-first, a layer does exactly what Burn's own layer does (same calls, same
+//! results bit for bit). Channels-last, it goes through [`ChannelsLastBackend`]. Parameters
+//! are Burn's (same names, shapes, initialisation and record), so a model built from these
+//! layers loads checkpoints of one built from Burn's, and the other way round.
+
+use burn::module::{Module, Param};
+use burn::nn::conv::Conv2dConfig;
+use burn::nn::PaddingConfig2d;
+use burn::tensor::backend::Backend;
+use burn::tensor::module::{avg_pool2d, conv2d, max_pool2d};
+use burn::tensor::ops::{ConvOptions, PadMode, PaddedConvOptions};
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::ops::ChannelsLastBackend;
+
+/// Padding `((top, bottom), (left, right))` of `config` for an `h x w` input (Burn's rule:
+/// `Same` pads to keep `ceil(size / stride)` outputs, the odd pixel at the end).
+pub fn padding_pairs(
+    config: &PaddingConfig2d,
+    h: usize,
+    w: usize,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+) -> ((usize, usize), (usize, usize)) {
+    fn same(kernel: usize, stride: usize, size: usize) -> (usize, usize) {
+        let out = size.div_ceil(stride);
+        let total = if out > 0 {
+            ((out - 1) * stride + kernel).saturating_sub(size)
+        } else {
+            0
+        };
+        (total / 2, total - total / 2)
+    }
+    match config {
+        PaddingConfig2d::Valid => ((0, 0), (0, 0)),
+        PaddingConfig2d::Same => (same(kernel[0], stride[0], h), same(kernel[1], stride[1], w)),
+        PaddingConfig2d::Explicit(top, left, bottom, right) => ((*top, *bottom), (*left, *right)),
+    }
+}
+
+/// Pads NHWC `x` by `((top, bottom), (left, right))` with `value`.
+fn pad_nhwc<B: Backend>(
+    x: Tensor<B, 4>,
+    ((top, bottom), (left, right)): ((usize, usize), (usize, usize)),
+    value: f32,
+) -> Tensor<B, 4> {
+    x.permute([0, 3, 1, 2])
+        .pad((left, right, top, bottom), PadMode::Constant(value))
+        .permute([0, 2, 3, 1])
+}
+
+/// Channels-last convolution of NHWC `x` (see [`ChannelsLastBackend::conv2d_nhwc`]).
+pub fn conv2d_nhwc<B: ChannelsLastBackend>(
+    x: Tensor<B, 4>,
+    weight: Tensor<B, 4>,
+    bias: Option<Tensor<B, 1>>,
+    options: ConvOptions<2>,
+    relu: bool,
+) -> Tensor<B, 4> {
+    let out = B::conv2d_nhwc(
+        x.into_primitive().tensor(),
+        weight.into_primitive().tensor(),
+        bias.map(|b| b.into_primitive().tensor()),
+        options,
+        relu,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// Channels-last max pooling of NHWC `x` (symmetric padding, never part of a maximum).
+pub fn max_pool2d_nhwc<B: ChannelsLastBackend>(
+    x: Tensor<B, 4>,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+) -> Tensor<B, 4> {
+    let out = B::max_pool2d_nhwc(
+        x.into_primitive().tensor(),
+        kernel,
+        stride,
+        padding,
+        dilation,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// Channels-last average pooling of NHWC `x`.
+pub fn avg_pool2d_nhwc<B: ChannelsLastBackend>(
+    x: Tensor<B, 4>,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    count_include_pad: bool,
+) -> Tensor<B, 4> {
+    let out = B::avg_pool2d_nhwc(
+        x.into_primitive().tensor(),
+        kernel,
+        stride,
+        padding,
+        count_include_pad,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// A 2-D convolution with Burn's parameters and initialisation that runs in either layout.
+#[derive(Module, Debug)]
+pub struct Conv2d<B: Backend> {
+    /// `[out_channels, in_channels / groups, kernel_h, kernel_w]`.
+    pub weight: Param<Tensor<B, 4>>,
+    /// `[out_channels]`.
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    /// Stride.
+    pub stride: [usize; 2],
+    /// Kernel size.
+    pub kernel_size: [usize; 2],
+    /// Spacing between kernel taps.
+    pub dilation: [usize; 2],
+    /// Channel groups.
+    pub groups: usize,
+    /// Padding.
+    pub padding: PaddingConfig2d,
+}
+
+impl<B: Backend> Conv2d<B> {
+    /// The layer `config` describes, initialised as Burn initialises its own.
+    pub fn new(config: &Conv2dConfig, device: &B::Device) -> Self {
+        config.init::<B>(device).into()
+    }
+}
+
+/// Burn's layer, parameters (and their ids) included, as this crate's.
+impl<B: Backend> From<burn::nn::conv::Conv2d<B>> for Conv2d<B> {
+    fn from(c: burn::nn::conv::Conv2d<B>) -> Self {
+        Self {
+            weight: c.weight,
+            bias: c.bias,
+            stride: c.stride,
+            kernel_size: c.kernel_size,
+            dilation: c.dilation,
+            groups: c.groups,
+            padding: c.padding,
+        }
+    }
+}
+
+impl<B: ChannelsLastBackend> Conv2d<B> {
+    /// The convolution of `x`, NHWC when `channels_last` (else NCHW), followed by a ReLU when
+    /// `relu` (fused into the kernel on the fast path).
+    pub fn forward(&self, x: Tensor<B, 4>, channels_last: bool, relu: bool) -> Tensor<B, 4> {
+        let bias = self.bias.as_ref().map(|b| b.val());
+        if !channels_last {
+            let [_, _, h, w] = x.dims();
+            let ((top, bottom), (left, right)) =
+                padding_pairs(&self.padding, h, w, self.kernel_size, self.stride);
+            let options = PaddedConvOptions::asymmetric(
+                self.stride,
+                [top, left],
+                [bottom, right],
+                self.dilation,
+                self.groups,
+            );
+            let y = conv2d(x, self.weight.val(), bias, options);
+            return if relu {
+                burn::tensor::activation::relu(y)
+            } else {
+                y
+            };
+        }
+        let [_, h, w, _] = x.dims();
+        let pairs = padding_pairs(&self.padding, h, w, self.kernel_size, self.stride);
+        let ((top, bottom), (left, right)) = pairs;
+        let (x, padding) = if top == bottom && left == right {
+            (x, [top, left])
+        } else {
+            (pad_nhwc(x, pairs, 0.0), [0, 0])
+        };
+        let options = ConvOptions::new(self.stride, padding, self.dilation, self.groups);
+        conv2d_nhwc(x, self.weight.val(), bias, options, relu)
+    }
+}
+
+/// 2-D max pooling (Burn's `MaxPool2d`, without `ceil_mode`) in either layout.
+#[derive(Module, Debug, Clone)]
+pub struct MaxPool2d {
+    /// Window size.
+    pub kernel_size: [usize; 2],
+    /// Stride.
+    pub stride: [usize; 2],
+    /// Padding (never part of a maximum).
+    pub padding: PaddingConfig2d,
+    /// Spacing between window taps.
+    pub dilation: [usize; 2],
+}
+
+impl MaxPool2d {
+    /// A `kernel` window moving by `stride`, without padding or dilation.
+    pub fn new(kernel: [usize; 2], stride: [usize; 2]) -> Self {
+        Self {
+            kernel_size: kernel,
+            stride,
+            padding: PaddingConfig2d::Valid,
+            dilation: [1, 1],
+        }
+    }
+
+    /// The pooling of `x`, NHWC when `channels_last` (else NCHW).
+    pub fn forward<B: ChannelsLastBackend>(
+        &self,
+        x: Tensor<B, 4>,
+        channels_last: bool,
+    ) -> Tensor<B, 4> {
+        let (h, w) = if channels_last {
+            let [_, h, w, _] = x.dims();
+            (h, w)
+        } else {
+            let [_, _, h, w] = x.dims();
+            (h, w)
+        };
+        let pairs = padding_pairs(&self.padding, h, w, self.kernel_size, self.stride);
+        let ((top, bottom), (left, right)) = pairs;
+        let symmetric = top == bottom && left == right;
+        if !channels_last {
+            // As Burn's layer: asymmetric padding is applied first, with -inf.
+            let (x, padding) = if symmetric {
+                (x, [top, left])
+            } else {
+                (
+                    x.pad(
+                        (left, right, top, bottom),
+                        PadMode::Constant(f32::NEG_INFINITY),
+                    ),
+                    [0, 0],
+                )
+            };
+            return max_pool2d(
+                x,
+                self.kernel_size,
+                self.stride,
+                padding,
+                self.dilation,
+                false,
+            );
+        }
+        let (x, padding) = if symmetric {
+            (x, [top, left])
+        } else {
+            (pad_nhwc(x, pairs, f32::NEG_INFINITY), [0, 0])
+        };
+        max_pool2d_nhwc(x, self.kernel_size, self.stride, padding, self.dilation)
+    }
+}
+
+/// 2-D average pooling (Burn's `AvgPool2d`, without `ceil_mode`) in either layout.
+#[derive(Module, Debug, Clone)]
+pub struct AvgPool2d {
+    /// Window size.
+    pub kernel_size: [usize; 2],
+    /// Stride.
+    pub stride: [usize; 2],
+    /// Symmetric padding (rows, columns).
+    pub padding: [usize; 2],
+    /// Whether padded positions count in the divisor.
+    pub count_include_pad: bool,
+}
+
+impl AvgPool2d {
+    /// A `kernel` window moving by `stride`, without padding.
+    pub fn new(kernel: [usize; 2], stride: [usize; 2]) -> Self {
+        Self {
+            kernel_size: kernel,
+            stride,
+            padding: [0, 0],
+            count_include_pad: true,
+        }
+    }
+
+    /// The pooling of `x`, NHWC when `channels_last` (else NCHW).
+    pub fn forward<B: ChannelsLastBackend>(
+        &self,
+        x: Tensor<B, 4>,
+        channels_last: bool,
+    ) -> Tensor<B, 4> {
+        if channels_last {
+            avg_pool2d_nhwc(
+                x,
+                self.kernel_size,
+                self.stride,
+                self.padding,
+                self.count_include_pad,
+            )
+        } else {
+            avg_pool2d(
+                x,
+                self.kernel_size,
+                self.stride,
+                self.padding,
+                self.count_include_pad,
+                false,
+            )
+        }
+    }
+}

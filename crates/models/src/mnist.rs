@@ -1,0 +1,149 @@
+//! The MNIST CNN of the main job, built from this crate's layers: it runs channels-first on
+//! Burn's kernels or channels-last on the fast path, with the same parameters either way.
+
+use burn::module::Module;
+use burn::nn::conv::Conv2dConfig;
+use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
+use burn::tensor::activation::relu;
+use burn::tensor::backend::Backend;
+use burn::tensor::module::adaptive_avg_pool2d;
+use burn::tensor::Tensor;
+use flashover_core::loss::{classification_loss, cross_entropy};
+use flashover_core::model::{
+    ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
+};
+use flashover_core::params::init_model;
+
+use crate::layers::{Conv2d, MaxPool2d};
+use crate::ops::ChannelsLastBackend;
+use crate::{channels_last, TrainBackend};
+
+/// A small CNN for 28x28 digits: two 3x3 convolutions (16 and 32 channels, each followed by
+/// ReLU and 2x2 max-pooling), then 1568 -> 128 -> 10 fully connected. About 220k parameters.
+///
+/// Parameter names, shapes, initialisation and the flattening order before `fc1` are those of
+/// the model built from Burn's layers, whatever the memory format.
+#[derive(Module, Debug)]
+pub struct MnistCnn<B: Backend> {
+    conv1: Conv2d<B>,
+    conv2: Conv2d<B>,
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+    pool: MaxPool2d,
+    format: MemoryFormat,
+}
+
+impl<B: Backend> MnistCnn<B> {
+    /// Rows and columns of the digits the model is built for.
+    pub const INPUT_SIZE: (usize, usize) = (28, 28);
+
+    /// A CNN whose parameters are drawn, in field order, from a generator seeded by `seed`;
+    /// it runs in the backend's fast memory format ([`MemoryFormat::Auto`]).
+    pub fn new(device: &B::Device, seed: u64) -> Self {
+        Self::with_widths(device, seed, 16, 32, 128)
+    }
+
+    /// The same architecture with `c1` and `c2` convolution channels and `hidden` units (the
+    /// larger model of the scaling benchmark).
+    pub fn with_widths(device: &B::Device, seed: u64, c1: usize, c2: usize, hidden: usize) -> Self {
+        init_model::<B, _>(device, seed, |d| MnistCnn {
+            conv1: Conv2d::new(
+                &Conv2dConfig::new([1, c1], [3, 3]).with_padding(PaddingConfig2d::Same),
+                d,
+            ),
+            conv2: Conv2d::new(
+                &Conv2dConfig::new([c1, c2], [3, 3]).with_padding(PaddingConfig2d::Same),
+                d,
+            ),
+            fc1: LinearConfig::new(c2 * 7 * 7, hidden).init(d),
+            fc2: LinearConfig::new(hidden, 10).init(d),
+            pool: MaxPool2d::new([2, 2], [2, 2]),
+            format: MemoryFormat::Auto,
+        })
+    }
+
+    /// Floating-point operations of one forward pass on one 28x28 digit, counting a
+    /// multiply-add as two (biases, activations and pooling, under 1% here, left out):
+    /// `2 * (9 * c1 * 28^2 + 9 * c1 * c2 * 14^2 + 49 * c2 * hidden + 10 * hidden)`.
+    pub fn forward_flops(&self) -> f64 {
+        let [c1, _, _, _] = self.conv1.weight.dims();
+        let [c2, _, _, _] = self.conv2.weight.dims();
+        let [_, hidden] = self.fc1.weight.dims();
+        let (c1, c2, hidden) = (c1 as f64, c2 as f64, hidden as f64);
+        2.0 * (9.0 * c1 * 784.0 + 9.0 * c1 * c2 * 196.0 + 49.0 * c2 * hidden + 10.0 * hidden)
+    }
+}
+
+impl<B: ChannelsLastBackend> MnistCnn<B> {
+    /// Logits `[batch, 10]` for images `[batch, 1, 28, 28]`. Smaller images (progressive
+    /// resizing, ColOut) are accepted: their feature maps are average-pooled to the 7x7 the
+    /// classifier expects; at full size that step is skipped, so the baseline is unchanged.
+    pub fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
+        let nhwc = channels_last::<B>(self.format);
+        // Images come channels-first; with one channel the permutation moves no data.
+        let x = if nhwc {
+            images.permute([0, 2, 3, 1])
+        } else {
+            images
+        };
+        let x = self.pool.forward(self.conv1.forward(x, nhwc, true), nhwc);
+        let x = self.pool.forward(self.conv2.forward(x, nhwc, true), nhwc);
+        // Back to channels-first for the classifier, so that `fc1` sees the features in the
+        // same order in either format (its weights mean the same thing).
+        let x = if nhwc { x.permute([0, 3, 1, 2]) } else { x };
+        let [_, _, h, w] = x.dims();
+        let x = if (h, w) == (7, 7) {
+            x
+        } else {
+            adaptive_avg_pool2d(x, [7, 7])
+        };
+        let x: Tensor<B, 2> = x.flatten(1, 3);
+        self.fc2.forward(relu(self.fc1.forward(x)))
+    }
+}
+
+impl<B: Backend> HasMemoryFormat for MnistCnn<B> {
+    fn memory_format(&self) -> MemoryFormat {
+        self.format
+    }
+
+    fn with_memory_format(mut self, format: MemoryFormat) -> Self {
+        self.format = format;
+        self
+    }
+}
+
+impl<B: TrainBackend> TrainModel<B> for MnistCnn<B> {
+    type Batch = ClassificationBatch<B, 4>;
+    type Output = Tensor<B, 2>;
+
+    fn forward(&self, batch: &Self::Batch) -> Tensor<B, 2> {
+        self.logits(batch.inputs.clone())
+    }
+
+    fn loss(&self, logits: &Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
+        // Soft targets (label smoothing, MixUp, CutMix) when an algorithm set them.
+        classification_loss(logits.clone(), batch)
+    }
+
+    /// Forward plus backward: about three forward passes (the backward pass computes
+    /// gradients for both the inputs and the weights of each layer).
+    fn flops_per_sample(&self) -> Option<f64> {
+        Some(3.0 * self.forward_flops())
+    }
+}
+
+impl<B: ChannelsLastBackend> EvalModel<B> for MnistCnn<B> {
+    type Batch = ClassificationBatch<B, 4>;
+    type Output = ClassificationOutput<B>;
+
+    fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
+        let logits = self.logits(batch.inputs.clone());
+        let loss = cross_entropy(logits.clone(), batch.targets.clone());
+        ClassificationOutput {
+            loss,
+            logits,
+            targets: batch.targets.clone(),
+        }
+    }
+}

@@ -1,0 +1,777 @@
+//! The backend extension: [`ChannelsLastBackend`], convolution and pooling on channels-last
+//! (NHWC) activations, following Burn's "backend extension" pattern (a trait on the backend
+//! with the forward passes per backend, and an implementation for `Autodiff<B>` that records
+//! the backward passes).
+//!
+//! Weights keep Burn's layout (`[out, in / groups, kh, kw]`), so a model's parameters,
+//! checkpoints and optimizer state are the same in either layout; only activations change.
+//!
+//! - **Default methods** (wgpu, CUDA, ndarray): Burn's own kernels, with the activations
+//!   permuted to channels-first and back around each call. GPU backends keep Burn's kernels
+//!   this way; a model only takes this path when asked to run channels-last there.
+//! - **Flex** (feature `flex`): the hand-written kernels of [`crate::kernels`] on `f32`
+//!   (other float types take the default methods). Bit-identical for any thread count.
+//! - **`Autodiff<B>`**: forward through `B`, backward through `B`'s backward methods; the
+//!   max-pool indices and the ReLU output needed by the backward pass are kept in the node.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
+use burn::tensor::{Tensor, TensorPrimitive};
+
+/// Gradients of a channels-last convolution, each present when it was asked for.
+#[derive(Debug)]
+pub struct Conv2dNhwcGrads<B: Backend> {
+    /// Of the NHWC input.
+    pub x: Option<FloatTensor<B>>,
+    /// Of the weights (Burn's layout).
+    pub weight: Option<FloatTensor<B>>,
+    /// Of the bias.
+    pub bias: Option<FloatTensor<B>>,
+}
+
+/// Convolution and pooling on channels-last activations `[batch, height, width, channels]`.
+///
+/// Implemented for every backend the workspace compiles and their `Autodiff` wrappers; the
+/// CPU backend `Flex` has fast kernels, the others run Burn's own kernels (see the module
+/// docs). Padding is symmetric, as in Burn's `ConvOptions`; the layers pad asymmetric cases
+/// explicitly.
+pub trait ChannelsLastBackend: Backend {
+    /// Whether this backend's channels-last path is its fast one, so that models built for
+    /// it run channels-last unless told otherwise ([`MemoryFormat::Auto`]).
+    ///
+    /// [`MemoryFormat::Auto`]: crate::MemoryFormat::Auto
+    const CHANNELS_LAST_IS_FAST: bool = false;
+
+    /// 2-D convolution of NHWC `x` by `weight` (`[out, in / groups, kh, kw]`), plus `bias`,
+    /// then ReLU when `relu` (the fused activation); NHWC output.
+    fn conv2d_nhwc(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+        relu: bool,
+    ) -> FloatTensor<Self> {
+        burn_conv2d_nhwc::<Self>(x, weight, bias, options, relu)
+    }
+
+    /// Gradients of [`conv2d_nhwc`](Self::conv2d_nhwc) for the output gradient `grad`.
+    /// `output` is the forward's output, needed (and given) when `relu` was fused. `needs`
+    /// says which of the input, weight and bias gradients to compute.
+    #[allow(clippy::too_many_arguments)]
+    fn conv2d_nhwc_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        output: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        options: ConvOptions<2>,
+        needs: [bool; 3],
+    ) -> Conv2dNhwcGrads<Self> {
+        burn_conv2d_nhwc_backward::<Self>(x, weight, bias, output, grad, options, needs)
+    }
+
+    /// 2-D max pooling of NHWC `x`.
+    fn max_pool2d_nhwc(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> FloatTensor<Self> {
+        Self::max_pool2d_nhwc_with_indices(x, kernel, stride, padding, dilation).0
+    }
+
+    /// 2-D max pooling of NHWC `x`, with the indices its backward pass needs (their layout
+    /// is the backend's own: only [`max_pool2d_nhwc_backward`] reads them).
+    ///
+    /// [`max_pool2d_nhwc_backward`]: Self::max_pool2d_nhwc_backward
+    fn max_pool2d_nhwc_with_indices(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        let x = Self::float_permute(x, &TO_NCHW);
+        let out = Self::max_pool2d_with_indices(x, kernel, stride, padding, dilation, false);
+        (Self::float_permute(out.output, &TO_NHWC), out.indices)
+    }
+
+    /// Gradient of max pooling for the NHWC output gradient `grad`.
+    #[allow(clippy::too_many_arguments)]
+    fn max_pool2d_nhwc_backward(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+        indices: IntTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let x = Self::float_permute(x, &TO_NCHW);
+        let grad = Self::float_permute(grad, &TO_NCHW);
+        let dx = Self::max_pool2d_with_indices_backward(
+            x, kernel, stride, padding, dilation, false, grad, indices,
+        );
+        Self::float_permute(dx.x_grad, &TO_NHWC)
+    }
+
+    /// 2-D average pooling of NHWC `x`; padding counts in the divisor when
+    /// `count_include_pad`.
+    fn avg_pool2d_nhwc(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        count_include_pad: bool,
+    ) -> FloatTensor<Self> {
+        let x = Self::float_permute(x, &TO_NCHW);
+        let out = Self::avg_pool2d(x, kernel, stride, padding, count_include_pad, false);
+        Self::float_permute(out, &TO_NHWC)
+    }
+
+    /// Gradient of average pooling for the NHWC output gradient `grad`.
+    fn avg_pool2d_nhwc_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        count_include_pad: bool,
+    ) -> FloatTensor<Self> {
+        let x = Self::float_permute(x, &TO_NCHW);
+        let grad = Self::float_permute(grad, &TO_NCHW);
+        let dx =
+            Self::avg_pool2d_backward(x, grad, kernel, stride, padding, count_include_pad, false);
+        Self::float_permute(dx, &TO_NHWC)
+    }
+}
+
+/// NHWC to NCHW.
+pub(crate) const TO_NCHW: [usize; 4] = [0, 3, 1, 2];
+/// NCHW to NHWC.
+pub(crate) const TO_NHWC: [usize; 4] = [0, 2, 3, 1];
+
+fn tensor<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+fn primitive<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+/// [`ChannelsLastBackend::conv2d_nhwc`] through Burn's own convolution.
+pub fn burn_conv2d_nhwc<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    options: ConvOptions<2>,
+    relu: bool,
+) -> FloatTensor<B> {
+    let x = B::float_permute(x, &TO_NCHW);
+    let y = tensor::<B, 4>(B::conv2d(x, weight, bias, options));
+    let y = if relu {
+        burn::tensor::activation::relu(y)
+    } else {
+        y
+    };
+    B::float_permute(primitive(y), &TO_NHWC)
+}
+
+/// [`ChannelsLastBackend::conv2d_nhwc_backward`] through Burn's own backward kernels.
+pub fn burn_conv2d_nhwc_backward<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    output: Option<FloatTensor<B>>,
+    grad: FloatTensor<B>,
+    options: ConvOptions<2>,
+    needs: [bool; 3],
+) -> Conv2dNhwcGrads<B> {
+    let grad = match output {
+        // ReLU's gradient passes where its output is positive (Burn's rule).
+        Some(y) => {
+            let y = tensor::<B, 4>(y);
+            primitive(tensor::<B, 4>(grad).mask_fill(y.lower_equal_elem(0.0), 0.0))
+        }
+        None => grad,
+    };
+    let x = B::float_permute(x, &TO_NCHW);
+    let grad = B::float_permute(grad, &TO_NCHW);
+    let dx = needs[0].then(|| {
+        let dx = B::conv2d_x_backward(x.clone(), weight.clone(), grad.clone(), options.clone());
+        B::float_permute(dx, &TO_NHWC)
+    });
+    let dw = needs[1]
+        .then(|| B::conv2d_weight_backward(x.clone(), weight, grad.clone(), options.clone()));
+    let db = match bias {
+        Some(b) if needs[2] => Some(B::conv2d_bias_backward(x, b, grad)),
+        _ => None,
+    };
+    Conv2dNhwcGrads {
+        x: dx,
+        weight: dw,
+        bias: db,
+    }
+}
+
+#[cfg(feature = "flex")]
+mod flex {
+    //! The fast path: flex's `f32` tensors handed to [`crate::kernels`] without copies
+    //! (unless a tensor is a strided view, which is made contiguous first).
+    use burn::backend::Flex;
+    use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, IntTensor, ModuleOps};
+    use burn::tensor::{DType, TensorData, TensorMetadata};
+    use burn_flex::FlexTensor;
+
+    use super::{
+        burn_conv2d_nhwc, burn_conv2d_nhwc_backward, ChannelsLastBackend, Conv2dNhwcGrads,
+    };
+    use crate::kernels::{self, Conv2dShape, Pool2dShape};
+
+    fn is_f32(t: &FlexTensor) -> bool {
+        t.dtype() == DType::F32
+    }
+
+    /// `t` with its elements in order, starting at its buffer's first element.
+    fn contiguous(t: FlexTensor) -> FlexTensor {
+        if t.as_slice::<f32>().is_some() || t.as_slice::<i32>().is_some() {
+            t
+        } else {
+            t.to_contiguous()
+        }
+    }
+
+    fn f32s(t: &FlexTensor) -> &[f32] {
+        // Invariant: callers checked the dtype (`is_f32`) and made `t` contiguous.
+        t.as_slice::<f32>()
+            .expect("a contiguous f32 tensor (checked by the caller)")
+    }
+
+    fn dims4(t: &FlexTensor) -> [usize; 4] {
+        let shape = t.shape();
+        assert_eq!(shape.num_dims(), 4, "a 4-D tensor, got shape {shape:?}");
+        shape.dims::<4>()
+    }
+
+    fn float(values: Vec<f32>, shape: [usize; 4]) -> FlexTensor {
+        FlexTensor::from_data(TensorData::new(values, shape))
+    }
+
+    fn vector(values: Vec<f32>) -> FlexTensor {
+        let n = values.len();
+        FlexTensor::from_data(TensorData::new(values, [n]))
+    }
+
+    fn pool_shape(
+        x: &FlexTensor,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> Pool2dShape {
+        Pool2dShape::new(dims4(x), kernel, stride, padding, dilation)
+    }
+
+    impl ChannelsLastBackend for Flex {
+        const CHANNELS_LAST_IS_FAST: bool = true;
+
+        fn conv2d_nhwc(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            bias: Option<FloatTensor<Self>>,
+            options: ConvOptions<2>,
+            relu: bool,
+        ) -> FloatTensor<Self> {
+            if !is_f32(&x) || !is_f32(&weight) || bias.as_ref().is_some_and(|b| !is_f32(b)) {
+                return burn_conv2d_nhwc::<Self>(x, weight, bias, options, relu);
+            }
+            let (x, weight) = (contiguous(x), contiguous(weight));
+            let bias = bias.map(contiguous);
+            let s = Conv2dShape::new(
+                dims4(&x),
+                dims4(&weight),
+                options.stride,
+                options.padding,
+                options.dilation,
+                options.groups,
+            );
+            let out =
+                kernels::conv2d_forward(&s, f32s(&x), f32s(&weight), bias.as_ref().map(f32s), relu);
+            float(out, [s.batch, s.out_h, s.out_w, s.out_c])
+        }
+
+        fn conv2d_nhwc_backward(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            bias: Option<FloatTensor<Self>>,
+            output: Option<FloatTensor<Self>>,
+            grad: FloatTensor<Self>,
+            options: ConvOptions<2>,
+            needs: [bool; 3],
+        ) -> Conv2dNhwcGrads<Self> {
+            let all_f32 = is_f32(&x)
+                && is_f32(&weight)
+                && is_f32(&grad)
+                && output.as_ref().is_none_or(is_f32);
+            if !all_f32 {
+                return burn_conv2d_nhwc_backward::<Self>(
+                    x, weight, bias, output, grad, options, needs,
+                );
+            }
+            let (x, weight, grad) = (contiguous(x), contiguous(weight), contiguous(grad));
+            let output = output.map(contiguous);
+            let s = Conv2dShape::new(
+                dims4(&x),
+                dims4(&weight),
+                options.stride,
+                options.padding,
+                options.dilation,
+                options.groups,
+            );
+            let needs = [needs[0], needs[1], needs[2] && bias.is_some()];
+            let g = kernels::conv2d_backward(
+                &s,
+                f32s(&x),
+                f32s(&weight),
+                output.as_ref().map(f32s),
+                f32s(&grad),
+                needs,
+            );
+            Conv2dNhwcGrads {
+                x: g.x.map(|v| float(v, [s.batch, s.in_h, s.in_w, s.in_c])),
+                weight: g.weight.map(|v| float(v, dims4(&weight))),
+                bias: g.bias.map(vector),
+            }
+        }
+
+        fn max_pool2d_nhwc(
+            x: FloatTensor<Self>,
+            kernel: [usize; 2],
+            stride: [usize; 2],
+            padding: [usize; 2],
+            dilation: [usize; 2],
+        ) -> FloatTensor<Self> {
+            Self::max_pool2d_nhwc_with_indices(x, kernel, stride, padding, dilation).0
+        }
+
+        fn max_pool2d_nhwc_with_indices(
+            x: FloatTensor<Self>,
+            kernel: [usize; 2],
+            stride: [usize; 2],
+            padding: [usize; 2],
+            dilation: [usize; 2],
+        ) -> (FloatTensor<Self>, IntTensor<Self>) {
+            if !is_f32(&x) {
+                let x = Self::float_permute(x, &super::TO_NCHW);
+                let out =
+                    Self::max_pool2d_with_indices(x, kernel, stride, padding, dilation, false);
+                return (
+                    Self::float_permute(out.output, &super::TO_NHWC),
+                    out.indices,
+                );
+            }
+            let x = contiguous(x);
+            let s = pool_shape(&x, kernel, stride, padding, dilation);
+            let (out, idx) = kernels::max_pool2d_forward(&s, f32s(&x));
+            let shape = [s.batch, s.out_h, s.out_w, s.channels];
+            (
+                float(out, shape),
+                FlexTensor::from_data(TensorData::new(idx, shape)),
+            )
+        }
+
+        fn max_pool2d_nhwc_backward(
+            x: FloatTensor<Self>,
+            kernel: [usize; 2],
+            stride: [usize; 2],
+            padding: [usize; 2],
+            dilation: [usize; 2],
+            indices: IntTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            if !is_f32(&grad) || indices.dtype() != DType::I32 {
+                let x = Self::float_permute(x, &super::TO_NCHW);
+                let grad = Self::float_permute(grad, &super::TO_NCHW);
+                let dx = Self::max_pool2d_with_indices_backward(
+                    x, kernel, stride, padding, dilation, false, grad, indices,
+                );
+                return Self::float_permute(dx.x_grad, &super::TO_NHWC);
+            }
+            let (grad, indices) = (contiguous(grad), contiguous(indices));
+            let s = pool_shape(&x, kernel, stride, padding, dilation);
+            let idx = indices
+                .as_slice::<i32>()
+                // Invariant: the dtype was checked above and `contiguous` made it so.
+                .expect("contiguous i32 indices (checked above)");
+            let dx = kernels::max_pool2d_backward(&s, idx, f32s(&grad));
+            float(dx, [s.batch, s.in_h, s.in_w, s.channels])
+        }
+
+        fn avg_pool2d_nhwc(
+            x: FloatTensor<Self>,
+            kernel: [usize; 2],
+            stride: [usize; 2],
+            padding: [usize; 2],
+            count_include_pad: bool,
+        ) -> FloatTensor<Self> {
+            if !is_f32(&x) {
+                let x = Self::float_permute(x, &super::TO_NCHW);
+                let out = Self::avg_pool2d(x, kernel, stride, padding, count_include_pad, false);
+                return Self::float_permute(out, &super::TO_NHWC);
+            }
+            let x = contiguous(x);
+            let s = pool_shape(&x, kernel, stride, padding, [1, 1]);
+            let out = kernels::avg_pool2d_forward(&s, f32s(&x), count_include_pad);
+            float(out, [s.batch, s.out_h, s.out_w, s.channels])
+        }
+
+        fn avg_pool2d_nhwc_backward(
+            x: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            kernel: [usize; 2],
+            stride: [usize; 2],
+            padding: [usize; 2],
+            count_include_pad: bool,
+        ) -> FloatTensor<Self> {
+            if !is_f32(&grad) {
+                let x = Self::float_permute(x, &super::TO_NCHW);
+                let grad = Self::float_permute(grad, &super::TO_NCHW);
+                let dx = Self::avg_pool2d_backward(
+                    x,
+                    grad,
+                    kernel,
+                    stride,
+                    padding,
+                    count_include_pad,
+                    false,
+                );
+                return Self::float_permute(dx, &super::TO_NHWC);
+            }
+            let grad = contiguous(grad);
+            let s = pool_shape(&x, kernel, stride, padding, [1, 1]);
+            let dx = kernels::avg_pool2d_backward(&s, f32s(&grad), count_include_pad);
+            float(dx, [s.batch, s.in_h, s.in_w, s.channels])
+        }
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl ChannelsLastBackend for burn::backend::NdArray {}
+
+#[cfg(feature = "wgpu")]
+impl ChannelsLastBackend for burn::backend::Wgpu {}
+
+#[cfg(feature = "cuda")]
+impl ChannelsLastBackend for burn::backend::Cuda {}
+
+// ---------------------------------------------------------------------------------------
+// Autodiff: the forward through the inner backend, the backward recorded in the graph.
+// ---------------------------------------------------------------------------------------
+
+/// What a convolution's backward pass needs.
+#[derive(Debug, Clone)]
+struct ConvState<B: Backend> {
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    output: Option<FloatTensor<B>>,
+    options: ConvOptions<2>,
+}
+
+#[derive(Debug)]
+struct ConvWithBias;
+#[derive(Debug)]
+struct ConvNoBias;
+
+fn conv_backward<B: ChannelsLastBackend>(
+    state: ConvState<B>,
+    grad: FloatTensor<B>,
+    needs: [bool; 3],
+) -> Conv2dNhwcGrads<B> {
+    B::conv2d_nhwc_backward(
+        state.x,
+        state.weight,
+        state.bias,
+        state.output,
+        grad,
+        state.options,
+        needs,
+    )
+}
+
+impl<B: ChannelsLastBackend> Backward<B, 3> for ConvWithBias {
+    type State = ConvState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w, node_b] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let needs = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
+        let g = conv_backward(ops.state, grad, needs);
+        if let (Some(node), Some(v)) = (node_x, g.x) {
+            grads.register::<B>(node.id, v);
+        }
+        if let (Some(node), Some(v)) = (node_w, g.weight) {
+            grads.register::<B>(node.id, v);
+        }
+        if let (Some(node), Some(v)) = (node_b, g.bias) {
+            grads.register::<B>(node.id, v);
+        }
+    }
+}
+
+impl<B: ChannelsLastBackend> Backward<B, 2> for ConvNoBias {
+    type State = ConvState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let needs = [node_x.is_some(), node_w.is_some(), false];
+        let g = conv_backward(ops.state, grad, needs);
+        if let (Some(node), Some(v)) = (node_x, g.x) {
+            grads.register::<B>(node.id, v);
+        }
+        if let (Some(node), Some(v)) = (node_w, g.weight) {
+            grads.register::<B>(node.id, v);
+        }
+    }
+}
+
+/// What a max pool's backward pass needs.
+#[derive(Debug, Clone)]
+struct MaxPoolState<B: Backend> {
+    x: FloatTensor<B>,
+    indices: IntTensor<B>,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+}
+
+#[derive(Debug)]
+struct MaxPoolNhwc;
+
+impl<B: ChannelsLastBackend> Backward<B, 1> for MaxPoolNhwc {
+    type State = MaxPoolState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node {
+            let s = ops.state;
+            let dx = B::max_pool2d_nhwc_backward(
+                s.x, s.kernel, s.stride, s.padding, s.dilation, s.indices, grad,
+            );
+            grads.register::<B>(node.id, dx);
+        }
+    }
+}
+
+/// What an average pool's backward pass needs.
+#[derive(Debug, Clone)]
+struct AvgPoolState<B: Backend> {
+    x: FloatTensor<B>,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    count_include_pad: bool,
+}
+
+#[derive(Debug)]
+struct AvgPoolNhwc;
+
+impl<B: ChannelsLastBackend> Backward<B, 1> for AvgPoolNhwc {
+    type State = AvgPoolState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node {
+            let s = ops.state;
+            let dx = B::avg_pool2d_nhwc_backward(
+                s.x,
+                grad,
+                s.kernel,
+                s.stride,
+                s.padding,
+                s.count_include_pad,
+            );
+            grads.register::<B>(node.id, dx);
+        }
+    }
+}
+
+impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Autodiff<B, C> {
+    const CHANNELS_LAST_IS_FAST: bool = B::CHANNELS_LAST_IS_FAST;
+
+    fn conv2d_nhwc(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        options: ConvOptions<2>,
+        relu: bool,
+    ) -> FloatTensor<Self> {
+        let forward = |bias: Option<FloatTensor<B>>| {
+            B::conv2d_nhwc(
+                x.primitive.clone(),
+                weight.primitive.clone(),
+                bias,
+                options.clone(),
+                relu,
+            )
+        };
+        let state = |output: &FloatTensor<B>, bias: Option<FloatTensor<B>>| ConvState::<B> {
+            x: x.primitive.clone(),
+            weight: weight.primitive.clone(),
+            bias,
+            output: relu.then(|| output.clone()),
+            options: options.clone(),
+        };
+        match &bias {
+            Some(b) => {
+                let nodes = [x.node.clone(), weight.node.clone(), b.node.clone()];
+                match ConvWithBias.prepare::<C>(nodes).compute_bound().stateful() {
+                    OpsKind::Tracked(prep) => {
+                        let out = forward(Some(b.primitive.clone()));
+                        let st = state(&out, Some(b.primitive.clone()));
+                        prep.finish(st, out)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(forward(Some(b.primitive.clone()))),
+                }
+            }
+            None => {
+                let nodes = [x.node.clone(), weight.node.clone()];
+                match ConvNoBias.prepare::<C>(nodes).compute_bound().stateful() {
+                    OpsKind::Tracked(prep) => {
+                        let out = forward(None);
+                        let st = state(&out, None);
+                        prep.finish(st, out)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(forward(None)),
+                }
+            }
+        }
+    }
+
+    fn max_pool2d_nhwc(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> FloatTensor<Self> {
+        match MaxPoolNhwc
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (out, indices) = B::max_pool2d_nhwc_with_indices(
+                    x.primitive.clone(),
+                    kernel,
+                    stride,
+                    padding,
+                    dilation,
+                );
+                let state = MaxPoolState::<B> {
+                    x: x.primitive,
+                    indices,
+                    kernel,
+                    stride,
+                    padding,
+                    dilation,
+                };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::max_pool2d_nhwc(
+                x.primitive,
+                kernel,
+                stride,
+                padding,
+                dilation,
+            )),
+        }
+    }
+
+    fn max_pool2d_nhwc_with_indices(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+    ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        match MaxPoolNhwc
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (out, indices) = B::max_pool2d_nhwc_with_indices(
+                    x.primitive.clone(),
+                    kernel,
+                    stride,
+                    padding,
+                    dilation,
+                );
+                let state = MaxPoolState::<B> {
+                    x: x.primitive,
+                    indices: indices.clone(),
+                    kernel,
+                    stride,
+                    padding,
+                    dilation,
+                };
+                (prep.finish(state, out), indices)
+            }
+            OpsKind::UnTracked(prep) => {
+                let (out, indices) =
+                    B::max_pool2d_nhwc_with_indices(x.primitive, kernel, stride, padding, dilation);
+                (prep.finish(out), indices)
+            }
+        }
+    }
+
+    fn avg_pool2d_nhwc(
+        x: FloatTensor<Self>,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        count_include_pad: bool,
+    ) -> FloatTensor<Self> {
+        match AvgPoolNhwc
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::avg_pool2d_nhwc(
+                    x.primitive.clone(),
+                    kernel,
+                    stride,
+                    padding,
+                    count_include_pad,
+                );
+                let state = AvgPoolState::<B> {
+                    x: x.primitive,
+                    kernel,
+                    stride,
+                    padding,
+                    count_include_pad,
+                };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::avg_pool2d_nhwc(
+                x.primitive,
+                kernel,
+                stride,
+                padding,
+                count_include_pad,
+            )),
+        }
+    }
+}
