@@ -37,6 +37,16 @@ fn extent(rows: usize, cols: usize, row_stride: usize, col_stride: usize) -> usi
     }
 }
 
+/// Panics, naming the view, if it reaches past a slice of `len` elements.
+fn check_extent(len: usize, rows: usize, cols: usize, row_stride: usize, col_stride: usize) {
+    let need = extent(rows, cols, row_stride, col_stride);
+    assert!(
+        need <= len,
+        "a {rows}x{cols} view with strides ({row_stride}, {col_stride}) needs {need} \
+         elements; the slice has {len}"
+    );
+}
+
 impl<'a> MatRef<'a> {
     /// A view of `data`; panics if an element of the view lies outside it.
     pub fn new(
@@ -46,13 +56,7 @@ impl<'a> MatRef<'a> {
         row_stride: usize,
         col_stride: usize,
     ) -> Self {
-        let need = extent(rows, cols, row_stride, col_stride);
-        assert!(
-            need <= data.len(),
-            "a {rows}x{cols} view with strides ({row_stride}, {col_stride}) needs {need} \
-             elements; the slice has {}",
-            data.len()
-        );
+        check_extent(data.len(), rows, cols, row_stride, col_stride);
         Self {
             data,
             rows,
@@ -78,18 +82,17 @@ impl<'a> MatMut<'a> {
         row_stride: usize,
         col_stride: usize,
     ) -> Self {
-        let need = extent(rows, cols, row_stride, col_stride);
-        assert!(
-            need <= data.len(),
-            "a {rows}x{cols} view with strides ({row_stride}, {col_stride}) needs {need} \
-             elements; the slice has {}",
-            data.len()
-        );
-        let distinct = rows <= 1 && cols <= 1
-            || rows <= 1 && col_stride >= 1
-            || cols <= 1 && row_stride >= 1
-            || (row_stride >= 1 && col_stride >= 1)
-                && (row_stride >= cols * col_stride || col_stride >= rows * row_stride);
+        check_extent(data.len(), rows, cols, row_stride, col_stride);
+        let distinct = match (rows <= 1, cols <= 1) {
+            (true, true) => true,
+            (true, false) => col_stride >= 1,
+            (false, true) => row_stride >= 1,
+            (false, false) => {
+                row_stride >= 1
+                    && col_stride >= 1
+                    && (row_stride >= cols * col_stride || col_stride >= rows * row_stride)
+            }
+        };
         assert!(
             distinct,
             "a writable {rows}x{cols} view with strides ({row_stride}, {col_stride}) maps two \

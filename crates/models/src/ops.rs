@@ -97,9 +97,7 @@ pub trait ChannelsLastBackend: Backend {
         padding: [usize; 2],
         dilation: [usize; 2],
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
-        let x = Self::float_permute(x, &TO_NCHW);
-        let out = Self::max_pool2d_with_indices(x, kernel, stride, padding, dilation, false);
-        (Self::float_permute(out.output, &TO_NHWC), out.indices)
+        burn_max_pool2d_nhwc_with_indices::<Self>(x, kernel, stride, padding, dilation)
     }
 
     /// Gradient of max pooling for the NHWC output gradient `grad`.
@@ -113,12 +111,7 @@ pub trait ChannelsLastBackend: Backend {
         indices: IntTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let x = Self::float_permute(x, &TO_NCHW);
-        let grad = Self::float_permute(grad, &TO_NCHW);
-        let dx = Self::max_pool2d_with_indices_backward(
-            x, kernel, stride, padding, dilation, false, grad, indices,
-        );
-        Self::float_permute(dx.x_grad, &TO_NHWC)
+        burn_max_pool2d_nhwc_backward::<Self>(x, kernel, stride, padding, dilation, indices, grad)
     }
 
     /// 2-D average pooling of NHWC `x`; padding counts in the divisor when
@@ -130,9 +123,7 @@ pub trait ChannelsLastBackend: Backend {
         padding: [usize; 2],
         count_include_pad: bool,
     ) -> FloatTensor<Self> {
-        let x = Self::float_permute(x, &TO_NCHW);
-        let out = Self::avg_pool2d(x, kernel, stride, padding, count_include_pad, false);
-        Self::float_permute(out, &TO_NHWC)
+        burn_avg_pool2d_nhwc::<Self>(x, kernel, stride, padding, count_include_pad)
     }
 
     /// Gradient of average pooling for the NHWC output gradient `grad`.
@@ -144,11 +135,7 @@ pub trait ChannelsLastBackend: Backend {
         padding: [usize; 2],
         count_include_pad: bool,
     ) -> FloatTensor<Self> {
-        let x = Self::float_permute(x, &TO_NCHW);
-        let grad = Self::float_permute(grad, &TO_NCHW);
-        let dx =
-            Self::avg_pool2d_backward(x, grad, kernel, stride, padding, count_include_pad, false);
-        Self::float_permute(dx, &TO_NHWC)
+        burn_avg_pool2d_nhwc_backward::<Self>(x, grad, kernel, stride, padding, count_include_pad)
     }
 }
 
@@ -220,17 +207,78 @@ pub fn burn_conv2d_nhwc_backward<B: Backend>(
     }
 }
 
+/// [`ChannelsLastBackend::max_pool2d_nhwc_with_indices`] through Burn's own kernel.
+pub fn burn_max_pool2d_nhwc_with_indices<B: Backend>(
+    x: FloatTensor<B>,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+) -> (FloatTensor<B>, IntTensor<B>) {
+    let x = B::float_permute(x, &TO_NCHW);
+    let out = B::max_pool2d_with_indices(x, kernel, stride, padding, dilation, false);
+    (B::float_permute(out.output, &TO_NHWC), out.indices)
+}
+
+/// [`ChannelsLastBackend::max_pool2d_nhwc_backward`] through Burn's own kernel.
+pub fn burn_max_pool2d_nhwc_backward<B: Backend>(
+    x: FloatTensor<B>,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    indices: IntTensor<B>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let x = B::float_permute(x, &TO_NCHW);
+    let grad = B::float_permute(grad, &TO_NCHW);
+    let dx = B::max_pool2d_with_indices_backward(
+        x, kernel, stride, padding, dilation, false, grad, indices,
+    );
+    B::float_permute(dx.x_grad, &TO_NHWC)
+}
+
+/// [`ChannelsLastBackend::avg_pool2d_nhwc`] through Burn's own kernel.
+pub fn burn_avg_pool2d_nhwc<B: Backend>(
+    x: FloatTensor<B>,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    count_include_pad: bool,
+) -> FloatTensor<B> {
+    let x = B::float_permute(x, &TO_NCHW);
+    let out = B::avg_pool2d(x, kernel, stride, padding, count_include_pad, false);
+    B::float_permute(out, &TO_NHWC)
+}
+
+/// [`ChannelsLastBackend::avg_pool2d_nhwc_backward`] through Burn's own kernel.
+pub fn burn_avg_pool2d_nhwc_backward<B: Backend>(
+    x: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    count_include_pad: bool,
+) -> FloatTensor<B> {
+    let x = B::float_permute(x, &TO_NCHW);
+    let grad = B::float_permute(grad, &TO_NCHW);
+    let dx = B::avg_pool2d_backward(x, grad, kernel, stride, padding, count_include_pad, false);
+    B::float_permute(dx, &TO_NHWC)
+}
+
 #[cfg(feature = "flex")]
 mod flex {
     //! The fast path: flex's `f32` tensors handed to [`crate::kernels`] without copies
     //! (unless a tensor is a strided view, which is made contiguous first).
     use burn::backend::Flex;
-    use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, IntTensor, ModuleOps};
+    use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
     use burn::tensor::{DType, TensorData, TensorMetadata};
     use burn_flex::FlexTensor;
 
     use super::{
-        burn_conv2d_nhwc, burn_conv2d_nhwc_backward, ChannelsLastBackend, Conv2dNhwcGrads,
+        burn_avg_pool2d_nhwc, burn_avg_pool2d_nhwc_backward, burn_conv2d_nhwc,
+        burn_conv2d_nhwc_backward, burn_max_pool2d_nhwc_backward,
+        burn_max_pool2d_nhwc_with_indices, ChannelsLastBackend, Conv2dNhwcGrads,
     };
     use crate::kernels::{self, Conv2dShape, Pool2dShape};
 
@@ -350,16 +398,6 @@ mod flex {
             }
         }
 
-        fn max_pool2d_nhwc(
-            x: FloatTensor<Self>,
-            kernel: [usize; 2],
-            stride: [usize; 2],
-            padding: [usize; 2],
-            dilation: [usize; 2],
-        ) -> FloatTensor<Self> {
-            Self::max_pool2d_nhwc_with_indices(x, kernel, stride, padding, dilation).0
-        }
-
         fn max_pool2d_nhwc_with_indices(
             x: FloatTensor<Self>,
             kernel: [usize; 2],
@@ -368,12 +406,8 @@ mod flex {
             dilation: [usize; 2],
         ) -> (FloatTensor<Self>, IntTensor<Self>) {
             if !is_f32(&x) {
-                let x = Self::float_permute(x, &super::TO_NCHW);
-                let out =
-                    Self::max_pool2d_with_indices(x, kernel, stride, padding, dilation, false);
-                return (
-                    Self::float_permute(out.output, &super::TO_NHWC),
-                    out.indices,
+                return burn_max_pool2d_nhwc_with_indices::<Self>(
+                    x, kernel, stride, padding, dilation,
                 );
             }
             let x = contiguous(x);
@@ -396,12 +430,9 @@ mod flex {
             grad: FloatTensor<Self>,
         ) -> FloatTensor<Self> {
             if !is_f32(&grad) || indices.dtype() != DType::I32 {
-                let x = Self::float_permute(x, &super::TO_NCHW);
-                let grad = Self::float_permute(grad, &super::TO_NCHW);
-                let dx = Self::max_pool2d_with_indices_backward(
-                    x, kernel, stride, padding, dilation, false, grad, indices,
+                return burn_max_pool2d_nhwc_backward::<Self>(
+                    x, kernel, stride, padding, dilation, indices, grad,
                 );
-                return Self::float_permute(dx.x_grad, &super::TO_NHWC);
             }
             let (grad, indices) = (contiguous(grad), contiguous(indices));
             let s = pool_shape(&x, kernel, stride, padding, dilation);
@@ -421,9 +452,7 @@ mod flex {
             count_include_pad: bool,
         ) -> FloatTensor<Self> {
             if !is_f32(&x) {
-                let x = Self::float_permute(x, &super::TO_NCHW);
-                let out = Self::avg_pool2d(x, kernel, stride, padding, count_include_pad, false);
-                return Self::float_permute(out, &super::TO_NHWC);
+                return burn_avg_pool2d_nhwc::<Self>(x, kernel, stride, padding, count_include_pad);
             }
             let x = contiguous(x);
             let s = pool_shape(&x, kernel, stride, padding, [1, 1]);
@@ -440,18 +469,14 @@ mod flex {
             count_include_pad: bool,
         ) -> FloatTensor<Self> {
             if !is_f32(&grad) {
-                let x = Self::float_permute(x, &super::TO_NCHW);
-                let grad = Self::float_permute(grad, &super::TO_NCHW);
-                let dx = Self::avg_pool2d_backward(
+                return burn_avg_pool2d_nhwc_backward::<Self>(
                     x,
                     grad,
                     kernel,
                     stride,
                     padding,
                     count_include_pad,
-                    false,
                 );
-                return Self::float_permute(dx, &super::TO_NHWC);
             }
             let grad = contiguous(grad);
             let s = pool_shape(&x, kernel, stride, padding, [1, 1]);
@@ -655,46 +680,6 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
                     OpsKind::UnTracked(prep) => prep.finish(forward(None)),
                 }
             }
-        }
-    }
-
-    fn max_pool2d_nhwc(
-        x: FloatTensor<Self>,
-        kernel: [usize; 2],
-        stride: [usize; 2],
-        padding: [usize; 2],
-        dilation: [usize; 2],
-    ) -> FloatTensor<Self> {
-        match MaxPoolNhwc
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let (out, indices) = B::max_pool2d_nhwc_with_indices(
-                    x.primitive.clone(),
-                    kernel,
-                    stride,
-                    padding,
-                    dilation,
-                );
-                let state = MaxPoolState::<B> {
-                    x: x.primitive,
-                    indices,
-                    kernel,
-                    stride,
-                    padding,
-                    dilation,
-                };
-                prep.finish(state, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::max_pool2d_nhwc(
-                x.primitive,
-                kernel,
-                stride,
-                padding,
-                dilation,
-            )),
         }
     }
 
