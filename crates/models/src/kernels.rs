@@ -252,22 +252,43 @@ fn tap(s: &Conv2dShape, oh: usize, ow: usize, i: usize, j: usize) -> Option<(usi
 }
 
 /// Patch rows of `images` (consecutive NHWC images) for channel group `g` into `col`.
+///
+/// With one group and no column dilation, the taps of one kernel row are adjacent pixels,
+/// so a kernel row inside the image is one copy of `kernel_w * channels` values (the common
+/// case, and the one that matters for few channels, where per-tap copies would dominate).
 fn im2col(s: &Conv2dShape, images: &[f32], g: usize, col: &mut [f32]) {
     let (cg, kg) = (s.cg(), s.kg());
-    let [kh, kw] = s.kernel;
+    let kw = s.kernel[1];
+    let (w, c) = (s.in_w, s.in_c);
+    let runs = s.groups == 1 && s.dilation[1] == 1;
+    let run = kw * cg;
     let mut rows = col.chunks_exact_mut(kg);
     for image in images.chunks_exact(s.image_len()) {
         for oh in 0..s.out_h {
             for ow in 0..s.out_w {
                 let Some(row) = rows.next() else { return };
-                for i in 0..kh {
-                    for j in 0..kw {
-                        let dst = &mut row[(i * kw + j) * cg..][..cg];
-                        match tap(s, oh, ow, i, j) {
-                            Some((ih, iw)) => dst.copy_from_slice(
-                                &image[(ih * s.in_w + iw) * s.in_c + g * cg..][..cg],
-                            ),
-                            None => dst.fill(0.0),
+                // Left edge of the window, possibly in the padding (negative).
+                let iw0 = (ow * s.stride[1]) as isize - s.padding[1] as isize;
+                let inside = iw0 >= 0 && iw0 as usize + kw <= w;
+                for (i, dst) in row.chunks_exact_mut(run).enumerate() {
+                    let ih = (oh * s.stride[0] + i * s.dilation[0]).checked_sub(s.padding[0]);
+                    let Some(ih) = ih.filter(|&ih| ih < s.in_h) else {
+                        dst.fill(0.0);
+                        continue;
+                    };
+                    let line = &image[ih * w * c..(ih + 1) * w * c];
+                    if runs && inside {
+                        let at = iw0 as usize * c;
+                        dst.copy_from_slice(&line[at..at + run]);
+                        continue;
+                    }
+                    for (j, d) in dst.chunks_exact_mut(cg).enumerate() {
+                        let iw = iw0 + (j * s.dilation[1]) as isize;
+                        if iw >= 0 && (iw as usize) < w {
+                            let at = iw as usize * c + g * cg;
+                            d.copy_from_slice(&line[at..at + cg]);
+                        } else {
+                            d.fill(0.0);
                         }
                     }
                 }
@@ -320,12 +341,19 @@ pub fn conv2d_forward(
     for_each_chunk(&mut out, per * p * o, |ci, dst| {
         let rows = dst.len() / o;
         let images = &x[ci * per * s.image_len()..][..rows / p * s.image_len()];
+        // The bias goes in first and the products are accumulated onto it.
+        if let Some(b) = bias {
+            for row in dst.chunks_exact_mut(o) {
+                row.copy_from_slice(b);
+            }
+        }
+        let accumulate = bias.is_some();
         if s.pointwise() {
             matmul(
                 MatMut::row_major(dst, rows, o),
                 MatRef::row_major(images, rows, s.in_c),
                 MatRef::row_major(&packed, kg, o),
-                false,
+                accumulate,
             );
         } else {
             with_scratch(rows * kg, |col| {
@@ -335,26 +363,15 @@ pub fn conv2d_forward(
                         MatMut::new(&mut dst[g * og..], rows, og, o, 1),
                         MatRef::row_major(col, rows, kg),
                         MatRef::row_major(&packed[g * kg * og..][..kg * og], kg, og),
-                        false,
+                        accumulate,
                     );
                 }
             });
         }
-        if bias.is_some() || relu {
-            for row in dst.chunks_exact_mut(o) {
-                if let Some(b) = bias {
-                    for (v, b) in row.iter_mut().zip(b) {
-                        *v += b;
-                    }
-                }
-                if relu {
-                    // `v < 0` keeps a NaN a NaN, as Burn's ReLU does.
-                    for v in row.iter_mut() {
-                        if *v < 0.0 {
-                            *v = 0.0;
-                        }
-                    }
-                }
+        if relu {
+            // `v < 0` keeps a NaN a NaN, as Burn's ReLU does; branch-free, so it vectorises.
+            for v in dst.iter_mut() {
+                *v = if *v < 0.0 { 0.0 } else { *v };
             }
         }
     });
@@ -603,19 +620,31 @@ pub fn max_pool2d_forward(s: &Pool2dShape, x: &[f32]) -> (Vec<f32>, Vec<i32>) {
                         let at = (oh * s.out_w + ow) * c;
                         let (best, arg) = (&mut out[at..at + c], &mut idx[at..at + c]);
                         let mut first = true;
-                        for (ih, iw) in s.window(oh, ow) {
-                            let pos = ih * s.in_w + iw;
-                            let row = &image[pos * c..][..c];
-                            if first {
-                                best.copy_from_slice(row);
-                                arg.fill(pos as i32);
-                                first = false;
+                        for i in 0..s.kernel[0] {
+                            let ih =
+                                (oh * s.stride[0] + i * s.dilation[0]).checked_sub(s.padding[0]);
+                            let Some(ih) = ih.filter(|&ih| ih < s.in_h) else {
                                 continue;
-                            }
-                            for ((b, a), v) in best.iter_mut().zip(arg.iter_mut()).zip(row) {
-                                if *v > *b || (v.is_nan() && !b.is_nan()) {
-                                    *b = *v;
-                                    *a = pos as i32;
+                            };
+                            for j in 0..s.kernel[1] {
+                                let iw = (ow * s.stride[1] + j * s.dilation[1])
+                                    .checked_sub(s.padding[1]);
+                                let Some(iw) = iw.filter(|&iw| iw < s.in_w) else {
+                                    continue;
+                                };
+                                let pos = ih * s.in_w + iw;
+                                let row = &image[pos * c..pos * c + c];
+                                if first {
+                                    best.copy_from_slice(row);
+                                    arg.fill(pos as i32);
+                                    first = false;
+                                    continue;
+                                }
+                                for ((b, a), v) in best.iter_mut().zip(arg.iter_mut()).zip(row) {
+                                    // Branch-free, so that it vectorises over channels.
+                                    let take = *v > *b || (v.is_nan() & !b.is_nan());
+                                    *b = if take { *v } else { *b };
+                                    *a = if take { pos as i32 } else { *a };
                                 }
                             }
                         }

@@ -80,11 +80,12 @@ impl<B: ChannelsLastBackend> MnistCnn<B> {
     /// classifier expects; at full size that step is skipped, so the baseline is unchanged.
     pub fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
         let nhwc = channels_last::<B>(self.format);
-        // Images come channels-first; with one channel the permutation moves no data.
-        let x = if nhwc {
-            images.permute([0, 2, 3, 1])
-        } else {
-            images
+        // Images come channels-first; with one channel, channels-last is the same memory, and
+        // a reshape (unlike a permutation) keeps the tensor contiguous, so nothing is copied.
+        let x = match (nhwc, images.dims()) {
+            (false, _) => images,
+            (true, [n, 1, h, w]) => images.reshape([n, h, w, 1]),
+            (true, _) => images.permute([0, 2, 3, 1]),
         };
         let x = self.pool.forward(self.conv1.forward(x, nhwc, true), nhwc);
         let x = self.pool.forward(self.conv2.forward(x, nhwc, true), nhwc);
