@@ -41,17 +41,33 @@ impl Backend {
         }
     }
 
-    /// Cargo arguments that select this backend for the example and test packages.
-    fn cargo_args(self) -> Vec<String> {
-        match self {
-            Backend::Flex => vec![],
-            b => vec![
-                "--target-dir".into(),
-                format!("target/backend-{}", b.name()),
-                "--features".into(),
-                format!("flashover-examples/{0},flashover-tests/{0}", b.name()),
-            ],
+    /// Cargo arguments that select what to build for this backend. The CPU backend builds
+    /// `flex_selection` (`--workspace`, or `-p` and a package) in the default target
+    /// directory, with `flex_features` (`package/feature`). A GPU backend always builds the
+    /// example and test packages together, with the same features (the backend's and `mpi`,
+    /// which the multi-process tests and `launch` need), so that its build, test, bench and
+    /// launch share one set of artifacts in its own target directory; and without the
+    /// default features, so the CPU backend is not compiled in beside it (each program would
+    /// otherwise monomorphise the whole trainer for both backends).
+    fn cargo_args(self, flex_selection: &[&str], flex_features: &[&str]) -> Vec<String> {
+        if self == Backend::Flex {
+            let mut args = strings(flex_selection);
+            if !flex_features.is_empty() {
+                args.push("--features".into());
+                args.push(flex_features.join(","));
+            }
+            return args;
         }
+        let mut args = strings(&["-p", "flashover-examples", "-p", "flashover-tests"]);
+        args.push("--target-dir".into());
+        args.push(format!("target/backend-{}", self.name()));
+        args.push("--no-default-features".into());
+        args.push("--features".into());
+        args.push(format!(
+            "flashover-examples/{0},flashover-tests/{0},flashover-tests/mpi",
+            self.name()
+        ));
+        args
     }
 }
 
@@ -116,6 +132,11 @@ enum Cmd {
         /// once built).
         #[arg(long)]
         quick: bool,
+        /// Leave out the comparison with burn-train's Learner, whose own workspace costs a
+        /// cold build of Burn with burn-train's features (CI's smoke run skips it; the
+        /// overhead keys for burn-train are then null).
+        #[arg(long)]
+        no_burn_train: bool,
     },
 }
 
@@ -191,15 +212,8 @@ fn launch(
     if Command::new("mpirun").arg("--version").output().is_err() {
         bail!("mpirun not found: install OpenMPI (Debian: apt-get install -y libopenmpi-dev openmpi-bin libclang-dev) or put its bin directory on PATH");
     }
-    let mut build_args = strings(&[
-        "build",
-        "--release",
-        "--workspace",
-        "--examples",
-        "--features",
-        "flashover-examples/mpi",
-    ]);
-    build_args.extend(backend.cargo_args());
+    let mut build_args = strings(&["build", "--release", "--examples"]);
+    build_args.extend(backend.cargo_args(&["--workspace"], &["flashover-examples/mpi"]));
     cargo(&build_args)?;
     let program = format!("{}/release/examples/{example}", backend.target_dir());
     let mut a = mpirun_args(n, hostfile.as_deref(), &program);
@@ -228,19 +242,8 @@ fn strings(args: &[&str]) -> Vec<String> {
 fn build(backend: Backend, check: bool) -> Result<()> {
     let verb = if check { "check" } else { "build" };
     for b in backend.each() {
-        let mut args = strings(&[verb, "--release", "--workspace", "--all-targets"]);
-        if b != Backend::Flex {
-            args = strings(&[
-                verb,
-                "--release",
-                "-p",
-                "flashover-examples",
-                "-p",
-                "flashover-tests",
-                "--all-targets",
-            ]);
-        }
-        args.extend(b.cargo_args());
+        let mut args = strings(&[verb, "--release", "--all-targets"]);
+        args.extend(b.cargo_args(&["--workspace"], &[]));
         cargo(&args)?;
     }
     Ok(())
@@ -276,24 +279,33 @@ fn test(backend: Backend, all: bool) -> Result<()> {
             cargo(&strings(&["test", "--release", "--workspace"]))?;
             continue;
         }
-        // The same packages as `build`, so a build followed by a test compiles nothing twice.
-        let mut args = strings(&[
-            "test",
-            "--release",
-            "-p",
-            "flashover-examples",
-            "-p",
-            "flashover-tests",
-        ]);
-        args.extend(b.cargo_args());
-        args.push("--".into());
+        // The same packages and features as `build`, so a build followed by a test compiles
+        // nothing twice.
         if all {
+            let mut args = strings(&["test", "--release"]);
+            args.extend(b.cargo_args(&[], &[]));
             // Everything but the long accuracy run and the SIGKILL test, whose kill times
             // are tuned to the CPU backend's speed.
-            args.extend(strings(&["--skip", "accuracy::", "--skip", "crash::"]));
-        } else {
-            args.extend(strings(GPU_SUBSET));
+            args.extend(strings(&[
+                "--",
+                "--skip",
+                "accuracy::",
+                "--skip",
+                "crash::",
+            ]));
+            cargo(&args)?;
+            continue;
         }
+        // The subset needs only the cross-crate test binary and the example it runs; the
+        // other example programs (benchmarks) and the unit tests of the examples would double
+        // the build on a GPU backend, where each program monomorphises the trainer anew.
+        let mut build = strings(&["build", "--release", "--example", "mnist"]);
+        build.extend(b.cargo_args(&[], &[]));
+        cargo(&build)?;
+        let mut args = strings(&["test", "--release", "--test", "tests"]);
+        args.extend(b.cargo_args(&[], &[]));
+        args.push("--".into());
+        args.extend(strings(GPU_SUBSET));
         cargo(&args)?;
     }
     Ok(())
@@ -350,8 +362,13 @@ fn last_json(stdout: &str) -> Result<serde_json::Value> {
 
 /// The overhead section: Flashover against the hand-written loop on the default build, and
 /// burn-train's Learner against the hand-written loop on burn-train's own build.
-fn overhead_json(plain: &str, learner: &str) -> Result<serde_json::Value> {
+fn overhead_json(plain: &str, learner: Option<&str>) -> Result<serde_json::Value> {
     let mut o = last_json(plain)?;
+    let Some(learner) = learner else {
+        o["burn_train_over_handwritten"] = serde_json::Value::Null;
+        o["burn_train_over_flashover"] = serde_json::Value::Null;
+        return Ok(o);
+    };
     let l = last_json(learner)?;
     o["burn_train_over_handwritten"] = l["burn_train_over_handwritten"].clone();
     o["burn_train_over_flashover"] = l["burn_train_over_flashover"].clone();
@@ -392,13 +409,11 @@ fn machine(backend: Backend) -> serde_json::Value {
     })
 }
 
-fn bench(backend: Backend, quick: bool) -> Result<()> {
+fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
     for b in backend.each() {
         let mut args = strings(&[
             "build",
             "--release",
-            "-p",
-            "flashover-examples",
             "--example",
             "overhead",
             "--example",
@@ -408,15 +423,7 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
             "--example",
             "scaling",
         ]);
-        args.extend(
-            b.cargo_args()
-                .into_iter()
-                .filter(|a| !a.contains("flashover-tests")),
-        );
-        if b != Backend::Flex {
-            let n = args.len();
-            args[n - 1] = format!("flashover-examples/{}", b.name());
-        }
+        args.extend(b.cargo_args(&["-p", "flashover-examples"], &[]));
         cargo(&args)?;
         let (steps, reps) = if quick { ("30", "3") } else { ("120", "5") };
         let overhead =
@@ -430,23 +437,27 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
             };
         let checkpoint = run_example(b, "checkpoint_io", &strings(&["--reps", reps]))?;
         // burn-train's Learner, from its own workspace (see benches/learner/Cargo.toml).
-        let mut learner_build = strings(&[
-            "build",
-            "--release",
-            "--manifest-path",
-            "benches/learner/Cargo.toml",
-            "--target-dir",
-            "target/learner",
-        ]);
-        if b != Backend::Flex {
-            learner_build.extend(strings(&["--no-default-features", "--features", b.name()]));
-        }
-        cargo(&learner_build)?;
-        let learner = run_binary(
-            b,
-            "target/learner/release/flashover-learner-bench",
-            &strings(&["--steps", steps, "--reps", reps]),
-        )?;
+        let learner = if no_burn_train {
+            None
+        } else {
+            let mut learner_build = strings(&[
+                "build",
+                "--release",
+                "--manifest-path",
+                "benches/learner/Cargo.toml",
+                "--target-dir",
+                "target/learner",
+            ]);
+            if b != Backend::Flex {
+                learner_build.extend(strings(&["--no-default-features", "--features", b.name()]));
+            }
+            cargo(&learner_build)?;
+            Some(run_binary(
+                b,
+                "target/learner/release/flashover-learner-bench",
+                &strings(&["--steps", steps, "--reps", reps]),
+            )?)
+        };
         // Each repetition trains the baseline and three recipes to the end (about 100 s on
         // two CPU cores), so the quick mode runs one.
         // The quick mode also evaluates half as often (every 50 batches).
@@ -480,7 +491,7 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
         let report = serde_json::json!({
             "machine": machine(b),
             "quick": quick,
-            "overhead": overhead_json(&overhead, &learner)?,
+            "overhead": overhead_json(&overhead, learner.as_deref())?,
             "checkpoint": last_json(&checkpoint)?,
             "recipes": tta_json["recipes"],
             "time_to_accuracy": tta_json,
@@ -495,7 +506,10 @@ fn bench(backend: Backend, quick: bool) -> Result<()> {
             b.name(),
             if quick { "quick" } else { "full" },
             table(&overhead),
-            table(&learner),
+            learner.as_deref().map_or_else(
+                || "burn-train's Learner: not measured (`--no-burn-train`)".to_string(),
+                table
+            ),
             table(&checkpoint),
             tta.lines().find(|l| l.starts_with("Target:")).unwrap_or(""),
             table(&tta),
@@ -526,28 +540,16 @@ fn median_range(v: &mut [f64]) -> (f64, f64, f64) {
     (median, v[0], v[n - 1])
 }
 
-/// Builds the `mnist` example for `b` (with MPI support when `mpi`); returns its path.
+/// Builds the `mnist` example for `b` (with MPI support when `mpi`; a GPU backend's build
+/// always has it); returns its path.
 fn build_mnist(b: Backend, mpi: bool) -> Result<String> {
-    let mut args = strings(&[
-        "build",
-        "--release",
-        "-p",
-        "flashover-examples",
-        "--example",
-        "mnist",
-    ]);
-    if mpi {
-        args.extend(strings(&["--features", "flashover-examples/mpi"]));
-    }
-    args.extend(
-        b.cargo_args()
-            .into_iter()
-            .filter(|a| !a.contains("flashover-tests")),
-    );
-    if b != Backend::Flex {
-        let n = args.len();
-        args[n - 1] = format!("flashover-examples/{}", b.name());
-    }
+    let mut args = strings(&["build", "--release", "--example", "mnist"]);
+    let mpi: &[&str] = if mpi {
+        &["flashover-examples/mpi"]
+    } else {
+        &[]
+    };
+    args.extend(b.cargo_args(&["-p", "flashover-examples"], mpi));
     cargo(&args)?;
     Ok(format!("{}/release/examples/mnist", b.target_dir()))
 }
@@ -768,7 +770,11 @@ fn main() -> Result<()> {
     match cli.command {
         Cmd::Build { backend, check } => build(backend, check),
         Cmd::Test { backend, all } => test(backend, all),
-        Cmd::Bench { backend, quick } => bench(backend, quick),
+        Cmd::Bench {
+            backend,
+            quick,
+            no_burn_train,
+        } => bench(backend, quick, no_burn_train),
         Cmd::Launch {
             n,
             hostfile,
