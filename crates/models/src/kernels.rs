@@ -17,13 +17,18 @@
 //!
 //! **Determinism.** Chunks are sized from the shapes alone (about 2048 output positions per
 //! chunk) and every reduction that crosses chunks runs in chunk order after the parallel part,
-//! so the results are bit-identical for any number of threads. Work runs on rayon's pool
-//! when it has more than one thread (`RAYON_NUM_THREADS`), on the calling thread otherwise.
+//! so the results are bit-identical for any number of threads.
+//!
+//! **Threads.** `RAYON_NUM_THREADS` threads (default: the CPUs) share a call's chunks: the
+//! calling thread and `RAYON_NUM_THREADS - 1` helpers of a pool of this module's, so that a
+//! 2-core machine runs 2 threads, not the trainer's plus 2 (see [`helpers`]). Called inside a
+//! rayon pool, the call uses that pool instead, the caller included.
 //!
 //! **Memory.** The im2col buffers are per-thread scratch space that grows to the largest
 //! chunk seen and is then reused, step after step; only outputs are allocated per call.
 
 use std::cell::RefCell;
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use rayon::prelude::*;
 
@@ -48,9 +53,78 @@ fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     })
 }
 
-/// Whether to hand work to rayon: only when its pool has more than one thread.
-fn parallel() -> bool {
-    rayon::current_num_threads() > 1
+/// Threads that work on one kernel call from outside a rayon pool: `RAYON_NUM_THREADS` when
+/// set to a positive number (rayon's own convention), else the CPUs available.
+fn threads() -> usize {
+    static THREADS: OnceLock<usize> = OnceLock::new();
+    *THREADS.get_or_init(|| {
+        std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    })
+}
+
+/// The helper threads of calls from outside a rayon pool: one fewer than [`threads`], since
+/// the calling thread works too. (Handing all the work to a pool of `threads()` while the
+/// caller waits would put one thread more than the cores asked for on the CPU: idle pool
+/// threads spin while the trainer's thread runs the rest of the step, and took the second
+/// core's gain away.) `None` with one thread, or if the threads could not be started.
+fn helpers() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let n = threads();
+        if n < 2 {
+            return None;
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n - 1)
+            .thread_name(|i| format!("flashover-kernels-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Calls `f` on every item of `items`, spread over the threads there are: inside a rayon
+/// pool (a test's `install`, a user's pool) over that pool's threads, the caller included;
+/// elsewhere over the caller and the [`helpers`], which take items from one shared queue.
+/// Which thread runs an item never changes what it computes, so the results do not depend
+/// on the thread count.
+fn for_each_item<I, F>(items: I, f: F)
+where
+    I: Iterator + Send,
+    I::Item: Send,
+    F: Fn(I::Item) + Sync + Send,
+{
+    if rayon::current_thread_index().is_some() {
+        if rayon::current_num_threads() > 1 {
+            items.par_bridge().for_each(f);
+        } else {
+            items.for_each(f);
+        }
+        return;
+    }
+    let Some(pool) = helpers() else {
+        items.for_each(f);
+        return;
+    };
+    let queue = Mutex::new(items);
+    let work = || loop {
+        // A panic in `f` happens outside the lock; a poisoned queue is still a valid iterator.
+        let next = queue.lock().unwrap_or_else(PoisonError::into_inner).next();
+        match next {
+            Some(item) => f(item),
+            None => break,
+        }
+    };
+    pool.in_place_scope(|scope| {
+        for _ in 0..pool.current_num_threads() {
+            scope.spawn(|_| work());
+        }
+        work();
+    });
 }
 
 /// Calls `f(chunk_index, chunk)` for consecutive `chunk_len`-sized pieces of `data`, in
@@ -60,14 +134,10 @@ where
     F: Fn(usize, &mut [T]) + Sync + Send,
 {
     let chunk_len = chunk_len.max(1);
-    if parallel() && data.len() > chunk_len {
-        data.par_chunks_mut(chunk_len)
-            .enumerate()
-            .for_each(|(i, c)| f(i, c));
-    } else {
-        data.chunks_mut(chunk_len)
-            .enumerate()
-            .for_each(|(i, c)| f(i, c));
+    if data.len() > chunk_len {
+        for_each_item(data.chunks_mut(chunk_len).enumerate(), |(i, c)| f(i, c));
+    } else if !data.is_empty() {
+        f(0, data);
     }
 }
 
@@ -77,17 +147,8 @@ where
     F: Fn(usize, &mut [T], &mut [U]) + Sync + Send,
 {
     let (a_len, b_len) = (a_len.max(1), b_len.max(1));
-    if parallel() && a.len() > a_len {
-        a.par_chunks_mut(a_len)
-            .zip(b.par_chunks_mut(b_len))
-            .enumerate()
-            .for_each(|(i, (x, y))| f(i, x, y));
-    } else {
-        a.chunks_mut(a_len)
-            .zip(b.chunks_mut(b_len))
-            .enumerate()
-            .for_each(|(i, (x, y))| f(i, x, y));
-    }
+    let items = a.chunks_mut(a_len).zip(b.chunks_mut(b_len)).enumerate();
+    for_each_item(items, |(i, (x, y))| f(i, x, y));
 }
 
 /// Images per chunk for feature maps of `positions` output positions.
@@ -279,7 +340,7 @@ fn im2col(s: &Conv2dShape, images: &[f32], g: usize, col: &mut [f32]) {
                     let line = &image[ih * w * c..(ih + 1) * w * c];
                     if runs && inside {
                         let at = iw0 as usize * c;
-                        dst.copy_from_slice(&line[at..at + run]);
+                        copy_run(dst, &line[at..at + run]);
                         continue;
                     }
                     for (j, d) in dst.chunks_exact_mut(cg).enumerate() {
@@ -294,6 +355,37 @@ fn im2col(s: &Conv2dShape, images: &[f32], g: usize, col: &mut [f32]) {
                 }
             }
         }
+    }
+}
+
+/// `dst.copy_from_slice(src)`, with the short runs of few-channel inputs (a 3x3 kernel row of
+/// a one-channel image is three values) copied inline rather than through a call to
+/// `memcpy`, which costs more than the copy at that size.
+#[inline]
+fn copy_run(dst: &mut [f32], src: &[f32]) {
+    fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) -> bool {
+        match (<&mut [f32; N]>::try_from(dst), <&[f32; N]>::try_from(src)) {
+            (Ok(d), Ok(s)) => {
+                *d = *s;
+                true
+            }
+            _ => false,
+        }
+    }
+    let done = match dst.len() {
+        1 => fixed::<1>(dst, src),
+        2 => fixed::<2>(dst, src),
+        3 => fixed::<3>(dst, src),
+        4 => fixed::<4>(dst, src),
+        5 => fixed::<5>(dst, src),
+        6 => fixed::<6>(dst, src),
+        7 => fixed::<7>(dst, src),
+        8 => fixed::<8>(dst, src),
+        9 => fixed::<9>(dst, src),
+        _ => false,
+    };
+    if !done {
+        dst.copy_from_slice(src);
     }
 }
 
@@ -341,19 +433,12 @@ pub fn conv2d_forward(
     for_each_chunk(&mut out, per * p * o, |ci, dst| {
         let rows = dst.len() / o;
         let images = &x[ci * per * s.image_len()..][..rows / p * s.image_len()];
-        // The bias goes in first and the products are accumulated onto it.
-        if let Some(b) = bias {
-            for row in dst.chunks_exact_mut(o) {
-                row.copy_from_slice(b);
-            }
-        }
-        let accumulate = bias.is_some();
         if s.pointwise() {
             matmul(
                 MatMut::row_major(dst, rows, o),
                 MatRef::row_major(images, rows, s.in_c),
                 MatRef::row_major(&packed, kg, o),
-                accumulate,
+                false,
             );
         } else {
             with_scratch(rows * kg, |col| {
@@ -363,19 +448,73 @@ pub fn conv2d_forward(
                         MatMut::new(&mut dst[g * og..], rows, og, o, 1),
                         MatRef::row_major(col, rows, kg),
                         MatRef::row_major(&packed[g * kg * og..][..kg * og], kg, og),
-                        accumulate,
+                        false,
                     );
                 }
             });
         }
-        if relu {
-            // `v < 0` keeps a NaN a NaN, as Burn's ReLU does; branch-free, so it vectorises.
+        // Bias and ReLU in one pass over the chunk while it is in cache.
+        bias_relu(dst, o, bias, relu);
+    });
+    out
+}
+
+/// Adds `bias` to every `width`-long row of `dst`, then applies ReLU when `relu`. `v < 0`
+/// keeps a NaN a NaN, as Burn's ReLU does; branch-free, so that it vectorises.
+fn bias_relu(dst: &mut [f32], width: usize, bias: Option<&[f32]>, relu: bool) {
+    match (bias, relu) {
+        (Some(b), true) => {
+            for row in dst.chunks_exact_mut(width) {
+                for (v, b) in row.iter_mut().zip(b) {
+                    let y = *v + b;
+                    *v = if y < 0.0 { 0.0 } else { y };
+                }
+            }
+        }
+        (Some(b), false) => {
+            for row in dst.chunks_exact_mut(width) {
+                for (v, b) in row.iter_mut().zip(b) {
+                    *v += b;
+                }
+            }
+        }
+        (None, true) => {
             for v in dst.iter_mut() {
                 *v = if *v < 0.0 { 0.0 } else { *v };
             }
         }
-    });
-    out
+        (None, false) => {}
+    }
+}
+
+/// The output gradient with ReLU's gradient applied: zero where the forward's (ReLU) output
+/// is not positive (Burn's rule), or `grad` itself without a fused ReLU.
+fn relu_masked<'a>(
+    grad: &'a [f32],
+    relu_output: Option<&[f32]>,
+    keep: &'a mut Vec<f32>,
+) -> &'a [f32] {
+    // Element-wise, so it is split between the threads in fixed chunks.
+    const CHUNK: usize = 1 << 14;
+    match relu_output {
+        Some(y) => {
+            assert_eq!(y.len(), grad.len(), "ReLU output and its gradient");
+            *keep = vec![0.0; grad.len()];
+            for_each_chunk(keep, CHUNK, |ci, dst| {
+                let g = &grad[ci * CHUNK..][..dst.len()];
+                let y = &y[ci * CHUNK..][..dst.len()];
+                for ((d, g), y) in dst.iter_mut().zip(g).zip(y) {
+                    // `g` unless `y <= 0` (a NaN output passes the gradient, as in Burn), as a
+                    // bit mask: a float select here compiled to an unpredictable branch.
+                    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                    let pass = (!(*y <= 0.0)) as u32;
+                    *d = f32::from_bits(g.to_bits() & pass.wrapping_neg());
+                }
+            });
+            keep
+        }
+        None => grad,
+    }
 }
 
 /// Gradients of a convolution, each computed only when asked for.
@@ -401,19 +540,8 @@ pub fn conv2d_backward(
     needs: [bool; 3],
 ) -> Conv2dGrads {
     assert_eq!(grad.len(), s.output_len(), "output gradient of {s:?}");
-    let masked: Vec<f32>;
-    let gout: &[f32] = match relu_output {
-        Some(y) => {
-            assert_eq!(y.len(), grad.len(), "output of {s:?}");
-            masked = grad
-                .iter()
-                .zip(y)
-                .map(|(g, y)| if *y <= 0.0 { 0.0 } else { *g })
-                .collect();
-            &masked
-        }
-        None => grad,
-    };
+    let mut masked = Vec::new();
+    let gout = relu_masked(grad, relu_output, &mut masked);
     let packed = pack_weight(s, weight);
     let (p, o, og, kg) = (s.positions(), s.out_c, s.og(), s.kg());
     let per = images_per_chunk(p);
@@ -507,6 +635,158 @@ pub fn conv2d_backward(
     grads
 }
 
+/// Each of `images` consecutive `[rows, cols]` matrices of `x` transposed to `[cols, rows]`:
+/// NHWC to NCHW with `rows` the pixels and `cols` the channels, and back with them swapped.
+/// Chunks of whole images, sized from the shapes.
+pub fn transpose_images(x: &[f32], images: usize, rows: usize, cols: usize) -> Vec<f32> {
+    let len = rows * cols;
+    assert_eq!(x.len(), images * len, "{images} images of {rows}x{cols}");
+    let mut out = vec![0.0f32; x.len()];
+    if len == 0 {
+        return out;
+    }
+    let per = (1usize << 14).div_ceil(len).max(1);
+    for_each_chunk(&mut out, per * len, |ci, dst| {
+        let src = &x[ci * per * len..][..dst.len()];
+        for (d, s) in dst.chunks_exact_mut(len).zip(src.chunks_exact(len)) {
+            for (r, row) in s.chunks_exact(cols).enumerate() {
+                for (c, v) in row.iter().enumerate() {
+                    d[c * rows + r] = *v;
+                }
+            }
+        }
+    });
+    out
+}
+
+/// Batch rows per chunk of a dense layer's forward pass and input gradient.
+const DENSE_ROWS: usize = 16;
+/// Input features (weight rows) per chunk of a dense layer's weight gradient.
+const DENSE_FEATURES: usize = 128;
+
+/// The shapes of a dense layer: `x: [rows, d_in]`, `weight: [d_in, d_out]` (Burn's `Linear`
+/// layout), output `[rows, d_out]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DenseShape {
+    /// Rows of the input (the batch, with any leading dimensions folded in).
+    pub rows: usize,
+    /// Input features.
+    pub d_in: usize,
+    /// Output features.
+    pub d_out: usize,
+}
+
+/// A dense layer `x · weight + bias`, then ReLU when `relu`. The batch is cut into chunks of
+/// 16 rows, each one matrix product against the whole weight; so results do not depend on
+/// the thread count.
+pub fn dense_forward(
+    s: &DenseShape,
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    relu: bool,
+) -> Vec<f32> {
+    let (d_in, d_out) = (s.d_in, s.d_out);
+    assert_eq!(x.len(), s.rows * d_in, "input of {s:?}");
+    assert_eq!(weight.len(), d_in * d_out, "weight of {s:?}");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), d_out, "bias of {s:?}");
+    }
+    let mut out = vec![0.0f32; s.rows * d_out];
+    if d_out == 0 {
+        return out;
+    }
+    for_each_chunk(&mut out, DENSE_ROWS * d_out, |ci, dst| {
+        let rows = dst.len() / d_out;
+        matmul(
+            MatMut::row_major(dst, rows, d_out),
+            MatRef::row_major(&x[ci * DENSE_ROWS * d_in..][..rows * d_in], rows, d_in),
+            MatRef::row_major(weight, d_in, d_out),
+            false,
+        );
+        bias_relu(dst, d_out, bias, relu);
+    });
+    out
+}
+
+/// Gradients of a dense layer.
+#[derive(Debug, Default)]
+pub struct DenseGrads {
+    /// Of the input.
+    pub x: Option<Vec<f32>>,
+    /// Of the weights (`[d_in, d_out]`).
+    pub weight: Option<Vec<f32>>,
+    /// Of the bias.
+    pub bias: Option<Vec<f32>>,
+}
+
+/// Gradients of [`dense_forward`] for the output gradient `grad`; `relu_output` is the
+/// forward's output when it applied ReLU. `needs`: input, weight, bias. The input gradient
+/// is cut by batch rows and the weight gradient by input features (each a whole sum over
+/// the batch), so no sum is split between chunks; the bias gradient adds the rows in order.
+pub fn dense_backward(
+    s: &DenseShape,
+    x: &[f32],
+    weight: &[f32],
+    relu_output: Option<&[f32]>,
+    grad: &[f32],
+    needs: [bool; 3],
+) -> DenseGrads {
+    let (n, d_in, d_out) = (s.rows, s.d_in, s.d_out);
+    assert_eq!(grad.len(), n * d_out, "output gradient of {s:?}");
+    let mut masked = Vec::new();
+    let gout = relu_masked(grad, relu_output, &mut masked);
+    let mut grads = DenseGrads::default();
+    if needs[0] {
+        assert_eq!(weight.len(), d_in * d_out, "weight of {s:?}");
+        let mut dx = vec![0.0f32; n * d_in];
+        if d_in > 0 {
+            for_each_chunk(&mut dx, DENSE_ROWS * d_in, |ci, dst| {
+                let rows = dst.len() / d_in;
+                matmul(
+                    MatMut::row_major(dst, rows, d_in),
+                    MatRef::row_major(
+                        &gout[ci * DENSE_ROWS * d_out..][..rows * d_out],
+                        rows,
+                        d_out,
+                    ),
+                    // The transposed weight: element (j, i) is weight[i][j].
+                    MatRef::new(weight, d_out, d_in, 1, d_out),
+                    false,
+                );
+            });
+        }
+        grads.x = Some(dx);
+    }
+    if needs[1] {
+        assert_eq!(x.len(), n * d_in, "input of {s:?}");
+        let mut dw = vec![0.0f32; d_in * d_out];
+        if d_out > 0 {
+            for_each_chunk(&mut dw, DENSE_FEATURES * d_out, |ci, dst| {
+                let features = dst.len() / d_out;
+                matmul(
+                    MatMut::row_major(dst, features, d_out),
+                    // Rows `ci * 128..` of the transposed input: element (i, k) is x[k][i].
+                    MatRef::new(&x[ci * DENSE_FEATURES..], features, n, 1, d_in),
+                    MatRef::row_major(gout, n, d_out),
+                    false,
+                );
+            });
+        }
+        grads.weight = Some(dw);
+    }
+    if needs[2] {
+        let mut db = vec![0.0f32; d_out];
+        for row in gout.chunks_exact(d_out.max(1)) {
+            for (d, v) in db.iter_mut().zip(row) {
+                *d += v;
+            }
+        }
+        grads.bias = Some(db);
+    }
+    grads
+}
+
 /// The shapes of one 2-D pooling over NHWC input `[batch, in_h, in_w, channels]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pool2dShape {
@@ -596,12 +876,82 @@ impl Pool2dShape {
     }
 }
 
+/// The input rows (or columns) inside the image that the windows along one axis cover: for
+/// each output position, the in-image taps in window order. Computed once per call, so the
+/// pooling loops do no index arithmetic or bounds tests per tap.
+fn axis_taps(
+    out: usize,
+    input: usize,
+    kernel: usize,
+    stride: usize,
+    pad: usize,
+    dil: usize,
+) -> Vec<Vec<usize>> {
+    (0..out)
+        .map(|o| {
+            (0..kernel)
+                .filter_map(|k| {
+                    (o * stride + k * dil)
+                        .checked_sub(pad)
+                        .filter(|&i| i < input)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// One tap of a max-pool window: where `row` beats the running maximum `best` (or is a NaN
+/// that `best` is not), it replaces it and `arg` becomes `pos`. Branch-free over fixed groups
+/// of eight channels, so that it compiles to vector compares and blends.
+#[inline]
+fn max_tap(best: &mut [f32], arg: &mut [i32], row: &[f32], pos: i32) {
+    #[inline(always)]
+    fn one(b: &mut f32, a: &mut i32, v: f32, pos: i32) {
+        // `v > b`, or `v` a NaN where `b` is not, as an all-ones mask; the selects are bit
+        // operations, which vectorise where `if` selects on floats did not.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+        let take = (!(v <= *b) & !b.is_nan()) as u32;
+        let mask = take.wrapping_neg();
+        let bits = b.to_bits();
+        *b = f32::from_bits(bits ^ ((bits ^ v.to_bits()) & mask));
+        *a ^= (*a ^ pos) & mask as i32;
+    }
+    let mut b8 = best.chunks_exact_mut(8);
+    let mut a8 = arg.chunks_exact_mut(8);
+    let mut v8 = row.chunks_exact(8);
+    for ((b, a), v) in (&mut b8).zip(&mut a8).zip(&mut v8) {
+        for k in 0..8 {
+            one(&mut b[k], &mut a[k], v[k], pos);
+        }
+    }
+    let rest = b8.into_remainder().iter_mut().zip(a8.into_remainder());
+    for ((b, a), v) in rest.zip(v8.remainder()) {
+        one(b, a, *v, pos);
+    }
+}
+
 /// NHWC max pooling, and for each output the index `row * in_w + column` of its maximum in
 /// its image and channel (PyTorch's and Burn's convention). The first maximum of a window
 /// wins; a NaN is a maximum (it propagates, as in PyTorch).
 pub fn max_pool2d_forward(s: &Pool2dShape, x: &[f32]) -> (Vec<f32>, Vec<i32>) {
     assert_eq!(x.len(), s.batch * s.in_image(), "input of {s:?}");
     let c = s.channels;
+    let rows = axis_taps(
+        s.out_h,
+        s.in_h,
+        s.kernel[0],
+        s.stride[0],
+        s.padding[0],
+        s.dilation[0],
+    );
+    let cols = axis_taps(
+        s.out_w,
+        s.in_w,
+        s.kernel[1],
+        s.stride[1],
+        s.padding[1],
+        s.dilation[1],
+    );
     let mut out = vec![0.0f32; s.output_len()];
     let mut idx = vec![0i32; s.output_len()];
     let per = images_per_chunk(s.out_h * s.out_w);
@@ -615,37 +965,27 @@ pub fn max_pool2d_forward(s: &Pool2dShape, x: &[f32]) -> (Vec<f32>, Vec<i32>) {
             let idx_images = idx.chunks_exact_mut(s.out_image());
             for (k, (out, idx)) in out_images.zip(idx_images).enumerate() {
                 let image = &x[(ci * per + k) * s.in_image()..][..s.in_image()];
-                for oh in 0..s.out_h {
-                    for ow in 0..s.out_w {
-                        let at = (oh * s.out_w + ow) * c;
-                        let (best, arg) = (&mut out[at..at + c], &mut idx[at..at + c]);
-                        let mut first = true;
-                        for i in 0..s.kernel[0] {
-                            let ih =
-                                (oh * s.stride[0] + i * s.dilation[0]).checked_sub(s.padding[0]);
-                            let Some(ih) = ih.filter(|&ih| ih < s.in_h) else {
-                                continue;
-                            };
-                            for j in 0..s.kernel[1] {
-                                let iw = (ow * s.stride[1] + j * s.dilation[1])
-                                    .checked_sub(s.padding[1]);
-                                let Some(iw) = iw.filter(|&iw| iw < s.in_w) else {
-                                    continue;
-                                };
+                let mut best = out.chunks_exact_mut(c);
+                let mut arg = idx.chunks_exact_mut(c);
+                for rows in &rows {
+                    for cols in &cols {
+                        let (Some(best), Some(arg)) = (best.next(), arg.next()) else {
+                            return;
+                        };
+                        // The window's first pixel is the maximum until beaten, even in a
+                        // window of minus infinities. A window with no pixel of the image
+                        // (possible only with dilation) is minus infinity, with index -1:
+                        // it passes no gradient back.
+                        best.fill(f32::NEG_INFINITY);
+                        let first = match (rows.first(), cols.first()) {
+                            (Some(ih), Some(iw)) => (ih * s.in_w + iw) as i32,
+                            _ => -1,
+                        };
+                        arg.fill(first);
+                        for &ih in rows {
+                            for &iw in cols {
                                 let pos = ih * s.in_w + iw;
-                                let row = &image[pos * c..pos * c + c];
-                                if first {
-                                    best.copy_from_slice(row);
-                                    arg.fill(pos as i32);
-                                    first = false;
-                                    continue;
-                                }
-                                for ((b, a), v) in best.iter_mut().zip(arg.iter_mut()).zip(row) {
-                                    // Branch-free, so that it vectorises over channels.
-                                    let take = *v > *b || (v.is_nan() & !b.is_nan());
-                                    *b = if take { *v } else { *b };
-                                    *a = if take { pos as i32 } else { *a };
-                                }
+                                max_tap(best, arg, &image[pos * c..][..c], pos as i32);
                             }
                         }
                     }
@@ -667,7 +1007,10 @@ pub fn max_pool2d_backward(s: &Pool2dShape, indices: &[i32], grad: &[f32]) -> Ve
         let ix = &indices[b * s.out_image()..][..s.out_image()];
         for (grow, irow) in g.chunks_exact(c).zip(ix.chunks_exact(c)) {
             for (ch, (gv, iv)) in grow.iter().zip(irow).enumerate() {
-                dx[*iv as usize * c + ch] += gv;
+                // A negative index marks a window without pixels (see the forward pass).
+                if let Ok(at) = usize::try_from(*iv) {
+                    dx[at * c + ch] += gv;
+                }
             }
         }
     });
@@ -819,6 +1162,60 @@ mod tests {
         assert_eq!(idx, vec![1]);
         let dx = max_pool2d_backward(&s, &[1], &[5.0]);
         assert_eq!(dx, vec![0.0, 5.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn max_pool_over_many_channels_matches_a_direct_search() {
+        // 11 channels: one vector group of eight and a remainder of three; minus infinity,
+        // ties and NaN in some channels; a padded 3x3 window with stride 2.
+        let (h, w, c) = (5, 4, 11);
+        let mut x: Vec<f32> = (0..h * w * c)
+            .map(|i| ((i * 37) % 23) as f32 - 11.0)
+            .collect();
+        for i in (0..x.len()).step_by(c) {
+            x[i] = f32::NEG_INFINITY;
+            x[i + 1] = 2.0;
+        }
+        x[3 * c + 9] = f32::NAN;
+        let s = Pool2dShape::new([1, h, w, c], [3, 3], [2, 2], [1, 1], [1, 1]);
+        let (out, idx) = max_pool2d_forward(&s, &x);
+        for oh in 0..s.out_h {
+            for ow in 0..s.out_w {
+                for ch in 0..c {
+                    let (mut best, mut arg) = (None::<f32>, 0);
+                    for (ih, iw) in s.window(oh, ow) {
+                        let v = x[(ih * w + iw) * c + ch];
+                        let better = match best {
+                            None => true,
+                            Some(b) => v > b || (v.is_nan() && !b.is_nan()),
+                        };
+                        if better {
+                            (best, arg) = (Some(v), ih * w + iw);
+                        }
+                    }
+                    let at = (oh * s.out_w + ow) * c + ch;
+                    let best = best.unwrap();
+                    assert!(
+                        out[at] == best || (out[at].is_nan() && best.is_nan()),
+                        "{at}"
+                    );
+                    assert_eq!(idx[at], arg as i32, "index at {at}");
+                }
+            }
+        }
+        // The channel of minus infinities takes each window's first pixel.
+        assert_eq!(out[0], f32::NEG_INFINITY);
+        assert_eq!(idx[0], 0);
+    }
+
+    #[test]
+    fn a_dilated_window_without_pixels_is_minus_infinity_and_passes_no_gradient() {
+        // Two columns, window 2 with dilation 3 and padding 1: the taps fall at -1 and 2.
+        let s = Pool2dShape::new([1, 1, 2, 1], [1, 2], [1, 1], [0, 1], [1, 3]);
+        assert_eq!((s.out_h, s.out_w), (1, 1));
+        let (out, idx) = max_pool2d_forward(&s, &[4.0, 5.0]);
+        assert_eq!((out, idx.clone()), (vec![f32::NEG_INFINITY], vec![-1]));
+        assert_eq!(max_pool2d_backward(&s, &idx, &[1.0]), vec![0.0, 0.0]);
     }
 
     #[test]

@@ -1,17 +1,18 @@
-//! Layers that run in either memory format: [`Conv2d`], [`MaxPool2d`], [`AvgPool2d`], and
-//! the plain functions under them for hand-written models ([`conv2d_nhwc`],
-//! [`max_pool2d_nhwc`], [`avg_pool2d_nhwc`]).
+//! Layers that run in either memory format: [`Conv2d`], [`MaxPool2d`], [`AvgPool2d`], the
+//! dense [`Linear`] that follows them, and the plain functions under them for hand-written
+//! models ([`conv2d_nhwc`], [`max_pool2d_nhwc`], [`avg_pool2d_nhwc`], [`dense`]).
 //!
 //! Channels-first, a layer does exactly what Burn's own layer does (same calls, same
-//! results bit for bit). Channels-last, it goes through [`ChannelsLastBackend`]. Parameters
+//! results bit for bit). Channels-last (for `Linear`: on the fast path), it goes through
+//! [`ChannelsLastBackend`]. Parameters
 //! are Burn's (same names, shapes, initialisation and record), so a model built from these
 //! layers loads checkpoints of one built from Burn's, and the other way round.
 
 use burn::module::{Module, Param};
 use burn::nn::conv::Conv2dConfig;
-use burn::nn::PaddingConfig2d;
+use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::tensor::backend::Backend;
-use burn::tensor::module::{avg_pool2d, conv2d, max_pool2d};
+use burn::tensor::module::{avg_pool2d, conv2d, linear, max_pool2d};
 use burn::tensor::ops::{ConvOptions, PadMode, PaddedConvOptions};
 use burn::tensor::{Tensor, TensorPrimitive};
 
@@ -105,6 +106,75 @@ pub fn avg_pool2d_nhwc<B: ChannelsLastBackend>(
         count_include_pad,
     );
     Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// NHWC `x` as NCHW (see [`ChannelsLastBackend::nhwc_to_nchw`]): where channels-last
+/// features meet a classifier that reads them channels-first.
+pub fn nhwc_to_nchw<B: ChannelsLastBackend>(x: Tensor<B, 4>) -> Tensor<B, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::nhwc_to_nchw(
+        x.into_primitive().tensor(),
+    )))
+}
+
+/// A dense layer `x · weight + bias` on `x: [rows, d_in]`, `weight: [d_in, d_out]`, then ReLU
+/// when `relu` (see [`ChannelsLastBackend::dense`]).
+pub fn dense<B: ChannelsLastBackend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+    relu: bool,
+) -> Tensor<B, 2> {
+    let out = B::dense(
+        x.into_primitive().tensor(),
+        weight.into_primitive().tensor(),
+        bias.map(|b| b.into_primitive().tensor()),
+        relu,
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// A dense layer with Burn's parameters (names, shapes, initialisation, record) that runs
+/// through Burn's `linear` or the fast path's [`dense`].
+#[derive(Module, Debug)]
+pub struct Linear<B: Backend> {
+    /// `[d_input, d_output]`.
+    pub weight: Param<Tensor<B, 2>>,
+    /// `[d_output]`.
+    pub bias: Option<Param<Tensor<B, 1>>>,
+}
+
+impl<B: Backend> Linear<B> {
+    /// The layer `config` describes, initialised as Burn initialises its own.
+    pub fn new(config: &LinearConfig, device: &B::Device) -> Self {
+        config.init::<B>(device).into()
+    }
+}
+
+/// Burn's layer, parameters (and their ids) included, as this crate's.
+impl<B: Backend> From<burn::nn::Linear<B>> for Linear<B> {
+    fn from(l: burn::nn::Linear<B>) -> Self {
+        Self {
+            weight: l.weight,
+            bias: l.bias,
+        }
+    }
+}
+
+impl<B: ChannelsLastBackend> Linear<B> {
+    /// The layer on `x: [rows, d_input]`, followed by a ReLU when `relu`: through the fast
+    /// path's [`dense`] (ReLU fused) when `fast`, else exactly as Burn's `Linear` and `relu`.
+    pub fn forward(&self, x: Tensor<B, 2>, fast: bool, relu: bool) -> Tensor<B, 2> {
+        let bias = self.bias.as_ref().map(|b| b.val());
+        if fast {
+            return dense(x, self.weight.val(), bias, relu);
+        }
+        let y = linear(x, self.weight.val(), bias);
+        if relu {
+            burn::tensor::activation::relu(y)
+        } else {
+            y
+        }
+    }
 }
 
 /// A 2-D convolution with Burn's parameters and initialisation that runs in either layout.

@@ -3,8 +3,7 @@
 
 use burn::module::Module;
 use burn::nn::conv::Conv2dConfig;
-use burn::nn::{Linear, LinearConfig, PaddingConfig2d};
-use burn::tensor::activation::relu;
+use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::adaptive_avg_pool2d;
 use burn::tensor::Tensor;
@@ -14,7 +13,7 @@ use flashover_core::model::{
 };
 use flashover_core::params::init_model;
 
-use crate::layers::{Conv2d, MaxPool2d};
+use crate::layers::{nhwc_to_nchw, Conv2d, Linear, MaxPool2d};
 use crate::ops::ChannelsLastBackend;
 use crate::{channels_last, TrainBackend};
 
@@ -55,8 +54,8 @@ impl<B: Backend> MnistCnn<B> {
                 &Conv2dConfig::new([c1, c2], [3, 3]).with_padding(PaddingConfig2d::Same),
                 d,
             ),
-            fc1: LinearConfig::new(c2 * 7 * 7, hidden).init(d),
-            fc2: LinearConfig::new(hidden, 10).init(d),
+            fc1: Linear::new(&LinearConfig::new(c2 * 7 * 7, hidden), d),
+            fc2: Linear::new(&LinearConfig::new(hidden, 10), d),
             pool: MaxPool2d::new([2, 2], [2, 2]),
             format: MemoryFormat::Auto,
         })
@@ -91,7 +90,7 @@ impl<B: ChannelsLastBackend> MnistCnn<B> {
         let x = self.pool.forward(self.conv2.forward(x, nhwc, true), nhwc);
         // Back to channels-first for the classifier, so that `fc1` sees the features in the
         // same order in either format (its weights mean the same thing).
-        let x = if nhwc { x.permute([0, 3, 1, 2]) } else { x };
+        let x = if nhwc { nhwc_to_nchw(x) } else { x };
         let [_, _, h, w] = x.dims();
         let x = if (h, w) == (7, 7) {
             x
@@ -99,7 +98,9 @@ impl<B: ChannelsLastBackend> MnistCnn<B> {
             adaptive_avg_pool2d(x, [7, 7])
         };
         let x: Tensor<B, 2> = x.flatten(1, 3);
-        self.fc2.forward(relu(self.fc1.forward(x)))
+        // The dense layers take the fast path with the convolutions.
+        self.fc2
+            .forward(self.fc1.forward(x, nhwc, true), nhwc, false)
     }
 }
 

@@ -34,7 +34,19 @@ pub struct Conv2dNhwcGrads<B: Backend> {
     pub bias: Option<FloatTensor<B>>,
 }
 
-/// Convolution and pooling on channels-last activations `[batch, height, width, channels]`.
+/// Gradients of a dense layer, each present when it was asked for.
+#[derive(Debug)]
+pub struct DenseGrads<B: Backend> {
+    /// Of the input `[rows, d_in]`.
+    pub x: Option<FloatTensor<B>>,
+    /// Of the weights `[d_in, d_out]`.
+    pub weight: Option<FloatTensor<B>>,
+    /// Of the bias.
+    pub bias: Option<FloatTensor<B>>,
+}
+
+/// Convolution and pooling on channels-last activations `[batch, height, width, channels]`,
+/// and the dense layer with a fused ReLU that follows them in the reference models.
 ///
 /// Implemented for every backend the workspace compiles and their `Autodiff` wrappers; the
 /// CPU backend `Flex` has fast kernels, the others run Burn's own kernels (see the module
@@ -137,6 +149,42 @@ pub trait ChannelsLastBackend: Backend {
     ) -> FloatTensor<Self> {
         burn_avg_pool2d_nhwc_backward::<Self>(x, grad, kernel, stride, padding, count_include_pad)
     }
+
+    /// NHWC `x` as NCHW: the layout change between the channels-last features and a
+    /// classifier that reads them channels-first. By default Burn's `permute` (a strided
+    /// view, copied when it is next reshaped); the fast path copies it at once, in parallel.
+    fn nhwc_to_nchw(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_permute(x, &TO_NCHW)
+    }
+
+    /// NCHW `x` as NHWC: the gradient of [`nhwc_to_nchw`](Self::nhwc_to_nchw).
+    fn nchw_to_nhwc(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_permute(x, &TO_NHWC)
+    }
+
+    /// Dense layer `x · weight + bias` for `x: [rows, d_in]` and `weight: [d_in, d_out]`
+    /// (Burn's `Linear` layout), then ReLU when `relu`. The fast path splits the batch
+    /// between threads (Burn's CPU matrix product uses one).
+    fn dense(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        relu: bool,
+    ) -> FloatTensor<Self> {
+        burn_dense::<Self>(x, weight, bias, relu)
+    }
+
+    /// Gradients of [`dense`](Self::dense) for the output gradient `grad`; `output` is the
+    /// forward's output, given when `relu` was fused. `needs`: input, weight, bias.
+    fn dense_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        output: Option<FloatTensor<Self>>,
+        grad: FloatTensor<Self>,
+        needs: [bool; 3],
+    ) -> DenseGrads<Self> {
+        burn_dense_backward::<Self>(x, weight, output, grad, needs)
+    }
 }
 
 /// NHWC to NCHW.
@@ -180,14 +228,7 @@ pub fn burn_conv2d_nhwc_backward<B: Backend>(
     options: ConvOptions<2>,
     needs: [bool; 3],
 ) -> Conv2dNhwcGrads<B> {
-    let grad = match output {
-        // ReLU's gradient passes where its output is positive (Burn's rule).
-        Some(y) => {
-            let y = tensor::<B, 4>(y);
-            primitive(tensor::<B, 4>(grad).mask_fill(y.lower_equal_elem(0.0), 0.0))
-        }
-        None => grad,
-    };
+    let grad = relu_masked::<B, 4>(grad, output);
     let x = B::float_permute(x, &TO_NCHW);
     let grad = B::float_permute(grad, &TO_NCHW);
     let dx = needs[0].then(|| {
@@ -204,6 +245,52 @@ pub fn burn_conv2d_nhwc_backward<B: Backend>(
         x: dx,
         weight: dw,
         bias: db,
+    }
+}
+
+/// The output gradient with ReLU's gradient applied where `output` (a ReLU's) is given:
+/// it passes where the output is positive (Burn's rule).
+fn relu_masked<B: Backend, const D: usize>(
+    grad: FloatTensor<B>,
+    output: Option<FloatTensor<B>>,
+) -> FloatTensor<B> {
+    match output {
+        Some(y) => {
+            let y = tensor::<B, D>(y);
+            primitive(tensor::<B, D>(grad).mask_fill(y.lower_equal_elem(0.0), 0.0))
+        }
+        None => grad,
+    }
+}
+
+/// [`ChannelsLastBackend::dense`] through Burn's own linear op and ReLU.
+pub fn burn_dense<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    relu: bool,
+) -> FloatTensor<B> {
+    let y = B::linear(x, weight, bias);
+    if relu {
+        primitive(burn::tensor::activation::relu(tensor::<B, 2>(y)))
+    } else {
+        y
+    }
+}
+
+/// [`ChannelsLastBackend::dense_backward`] through Burn's own backward ops.
+pub fn burn_dense_backward<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    output: Option<FloatTensor<B>>,
+    grad: FloatTensor<B>,
+    needs: [bool; 3],
+) -> DenseGrads<B> {
+    let grad = relu_masked::<B, 2>(grad, output);
+    DenseGrads {
+        x: needs[0].then(|| B::linear_x_backward(weight, grad.clone())),
+        weight: needs[1].then(|| B::linear_weight_backward(x, grad.clone())),
+        bias: needs[2].then(|| B::linear_bias_backward(grad)),
     }
 }
 
@@ -271,16 +358,16 @@ mod flex {
     //! The fast path: flex's `f32` tensors handed to [`crate::kernels`] without copies
     //! (unless a tensor is a strided view, which is made contiguous first).
     use burn::backend::Flex;
-    use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
+    use burn::tensor::ops::{ConvOptions, FloatTensor, FloatTensorOps, IntTensor};
     use burn::tensor::{DType, TensorData, TensorMetadata};
     use burn_flex::FlexTensor;
 
     use super::{
         burn_avg_pool2d_nhwc, burn_avg_pool2d_nhwc_backward, burn_conv2d_nhwc,
-        burn_conv2d_nhwc_backward, burn_max_pool2d_nhwc_backward,
-        burn_max_pool2d_nhwc_with_indices, ChannelsLastBackend, Conv2dNhwcGrads,
+        burn_conv2d_nhwc_backward, burn_dense, burn_dense_backward, burn_max_pool2d_nhwc_backward,
+        burn_max_pool2d_nhwc_with_indices, ChannelsLastBackend, Conv2dNhwcGrads, DenseGrads,
     };
-    use crate::kernels::{self, Conv2dShape, Pool2dShape};
+    use crate::kernels::{self, Conv2dShape, DenseShape, Pool2dShape};
 
     fn is_f32(t: &FlexTensor) -> bool {
         t.dtype() == DType::F32
@@ -305,6 +392,25 @@ mod flex {
         let shape = t.shape();
         assert_eq!(shape.num_dims(), 4, "a 4-D tensor, got shape {shape:?}");
         shape.dims::<4>()
+    }
+
+    /// The shape of a dense layer of 2-D `x` by 2-D `weight`, if they are that.
+    fn dense_shape(x: &FlexTensor, weight: &FlexTensor) -> Option<DenseShape> {
+        let (xs, ws) = (x.shape(), weight.shape());
+        if xs.num_dims() != 2 || ws.num_dims() != 2 {
+            return None;
+        }
+        let ([rows, d_in], [w_in, d_out]) = (xs.dims::<2>(), ws.dims::<2>());
+        assert_eq!(
+            d_in, w_in,
+            "dense layer of a [{rows}, {d_in}] input by a [{w_in}, {d_out}] weight: the input's \
+             features must be the weight's rows"
+        );
+        Some(DenseShape { rows, d_in, d_out })
+    }
+
+    fn float2(values: Vec<f32>, shape: [usize; 2]) -> FlexTensor {
+        FlexTensor::from_data(TensorData::new(values, shape))
     }
 
     fn float(values: Vec<f32>, shape: [usize; 4]) -> FlexTensor {
@@ -483,6 +589,78 @@ mod flex {
             let dx = kernels::avg_pool2d_backward(&s, f32s(&grad), count_include_pad);
             float(dx, [s.batch, s.in_h, s.in_w, s.channels])
         }
+
+        fn nhwc_to_nchw(x: FloatTensor<Self>) -> FloatTensor<Self> {
+            if !is_f32(&x) {
+                return Self::float_permute(x, &super::TO_NCHW);
+            }
+            let x = contiguous(x);
+            let [n, h, w, c] = dims4(&x);
+            float(
+                kernels::transpose_images(f32s(&x), n, h * w, c),
+                [n, c, h, w],
+            )
+        }
+
+        fn nchw_to_nhwc(x: FloatTensor<Self>) -> FloatTensor<Self> {
+            if !is_f32(&x) {
+                return Self::float_permute(x, &super::TO_NHWC);
+            }
+            let x = contiguous(x);
+            let [n, c, h, w] = dims4(&x);
+            float(
+                kernels::transpose_images(f32s(&x), n, c, h * w),
+                [n, h, w, c],
+            )
+        }
+
+        fn dense(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            bias: Option<FloatTensor<Self>>,
+            relu: bool,
+        ) -> FloatTensor<Self> {
+            let all_f32 = is_f32(&x) && is_f32(&weight) && bias.as_ref().is_none_or(is_f32);
+            let Some(s) = dense_shape(&x, &weight).filter(|_| all_f32) else {
+                return burn_dense::<Self>(x, weight, bias, relu);
+            };
+            let (x, weight) = (contiguous(x), contiguous(weight));
+            let bias = bias.map(contiguous);
+            let out =
+                kernels::dense_forward(&s, f32s(&x), f32s(&weight), bias.as_ref().map(f32s), relu);
+            float2(out, [s.rows, s.d_out])
+        }
+
+        fn dense_backward(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            output: Option<FloatTensor<Self>>,
+            grad: FloatTensor<Self>,
+            needs: [bool; 3],
+        ) -> DenseGrads<Self> {
+            let all_f32 = is_f32(&x)
+                && is_f32(&weight)
+                && is_f32(&grad)
+                && output.as_ref().is_none_or(is_f32);
+            let Some(s) = dense_shape(&x, &weight).filter(|_| all_f32) else {
+                return burn_dense_backward::<Self>(x, weight, output, grad, needs);
+            };
+            let (x, weight, grad) = (contiguous(x), contiguous(weight), contiguous(grad));
+            let output = output.map(contiguous);
+            let g = kernels::dense_backward(
+                &s,
+                f32s(&x),
+                f32s(&weight),
+                output.as_ref().map(f32s),
+                f32s(&grad),
+                needs,
+            );
+            DenseGrads {
+                x: g.x.map(|v| float2(v, [s.rows, s.d_in])),
+                weight: g.weight.map(|v| float2(v, [s.d_in, s.d_out])),
+                bias: g.bias.map(vector),
+            }
+        }
     }
 }
 
@@ -558,6 +736,88 @@ impl<B: ChannelsLastBackend> Backward<B, 2> for ConvNoBias {
         let grad = grads.consume::<B>(&ops.node);
         let needs = [node_x.is_some(), node_w.is_some(), false];
         let g = conv_backward(ops.state, grad, needs);
+        if let (Some(node), Some(v)) = (node_x, g.x) {
+            grads.register::<B>(node.id, v);
+        }
+        if let (Some(node), Some(v)) = (node_w, g.weight) {
+            grads.register::<B>(node.id, v);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct ToNchw;
+
+impl<B: ChannelsLastBackend> Backward<B, 1> for ToNchw {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node {
+            grads.register::<B>(node.id, B::nchw_to_nhwc(grad));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct ToNhwc;
+
+impl<B: ChannelsLastBackend> Backward<B, 1> for ToNhwc {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node {
+            grads.register::<B>(node.id, B::nhwc_to_nchw(grad));
+        }
+    }
+}
+
+/// What a dense layer's backward pass needs.
+#[derive(Debug, Clone)]
+struct DenseState<B: Backend> {
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    output: Option<FloatTensor<B>>,
+}
+
+#[derive(Debug)]
+struct DenseWithBias;
+#[derive(Debug)]
+struct DenseNoBias;
+
+impl<B: ChannelsLastBackend> Backward<B, 3> for DenseWithBias {
+    type State = DenseState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w, node_b] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let needs = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
+        let s = ops.state;
+        let g = B::dense_backward(s.x, s.weight, s.output, grad, needs);
+        if let (Some(node), Some(v)) = (node_x, g.x) {
+            grads.register::<B>(node.id, v);
+        }
+        if let (Some(node), Some(v)) = (node_w, g.weight) {
+            grads.register::<B>(node.id, v);
+        }
+        if let (Some(node), Some(v)) = (node_b, g.bias) {
+            grads.register::<B>(node.id, v);
+        }
+    }
+}
+
+impl<B: ChannelsLastBackend> Backward<B, 2> for DenseNoBias {
+    type State = DenseState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let needs = [node_x.is_some(), node_w.is_some(), false];
+        let s = ops.state;
+        let g = B::dense_backward(s.x, s.weight, s.output, grad, needs);
         if let (Some(node), Some(v)) = (node_x, g.x) {
             grads.register::<B>(node.id, v);
         }
@@ -675,6 +935,68 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
                     OpsKind::Tracked(prep) => {
                         let out = forward(None);
                         let st = state(&out, None);
+                        prep.finish(st, out)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(forward(None)),
+                }
+            }
+        }
+    }
+
+    fn nhwc_to_nchw(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match ToNchw
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), B::nhwc_to_nchw(x.primitive)),
+            OpsKind::UnTracked(prep) => prep.finish(B::nhwc_to_nchw(x.primitive)),
+        }
+    }
+
+    fn nchw_to_nhwc(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match ToNhwc
+            .prepare::<C>([x.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), B::nchw_to_nhwc(x.primitive)),
+            OpsKind::UnTracked(prep) => prep.finish(B::nchw_to_nhwc(x.primitive)),
+        }
+    }
+
+    fn dense(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        relu: bool,
+    ) -> FloatTensor<Self> {
+        let forward = |bias: Option<FloatTensor<B>>| {
+            B::dense(x.primitive.clone(), weight.primitive.clone(), bias, relu)
+        };
+        let state = |output: &FloatTensor<B>| DenseState::<B> {
+            x: x.primitive.clone(),
+            weight: weight.primitive.clone(),
+            output: relu.then(|| output.clone()),
+        };
+        match &bias {
+            Some(b) => {
+                let nodes = [x.node.clone(), weight.node.clone(), b.node.clone()];
+                match DenseWithBias.prepare::<C>(nodes).compute_bound().stateful() {
+                    OpsKind::Tracked(prep) => {
+                        let out = forward(Some(b.primitive.clone()));
+                        let st = state(&out);
+                        prep.finish(st, out)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(forward(Some(b.primitive.clone()))),
+                }
+            }
+            None => {
+                let nodes = [x.node.clone(), weight.node.clone()];
+                match DenseNoBias.prepare::<C>(nodes).compute_bound().stateful() {
+                    OpsKind::Tracked(prep) => {
+                        let out = forward(None);
+                        let st = state(&out);
                         prep.finish(st, out)
                     }
                     OpsKind::UnTracked(prep) => prep.finish(forward(None)),

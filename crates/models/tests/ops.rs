@@ -1,8 +1,9 @@
 //! The channels-last ops against Burn's own on random shapes: forward values and both
 //! gradients, with and without the fused ReLU, for convolution (groups, stride, padding,
 //! dilation, odd sizes), max pooling and average pooling; bit-identical results for 1, 2 and
-//! 4 threads; the default (Burn-kernel) implementation against the fast one; and the layers
-//! and the MNIST CNN against Burn's layers.
+//! 4 threads; the default (Burn-kernel) implementation against the fast one; the dense layer
+//! (forward, gradients, fused ReLU) against Burn's `linear`; and the layers and the MNIST CNN
+//! against Burn's layers.
 //!
 //! Tolerance: both sides compute the same f32 sums in different orders. With inputs and
 //! weights in [-1, 1] and at most 3 * 3 * 6 = 54 terms per output (and a few hundred per
@@ -15,11 +16,13 @@ use burn::nn::conv::Conv2dConfig;
 use burn::nn::pool::MaxPool2dConfig;
 use burn::nn::PaddingConfig2d;
 use burn::tensor::backend::Backend;
-use burn::tensor::module::{avg_pool2d, conv2d, max_pool2d};
+use burn::tensor::module::{avg_pool2d, conv2d, linear, max_pool2d};
 use burn::tensor::ops::ConvOptions;
 use burn::tensor::{Tensor, TensorData};
 use flashover_core::model::{HasMemoryFormat, MemoryFormat};
-use flashover_models::layers::{avg_pool2d_nhwc, conv2d_nhwc, max_pool2d_nhwc, Conv2d, MaxPool2d};
+use flashover_models::layers::{
+    avg_pool2d_nhwc, conv2d_nhwc, dense, max_pool2d_nhwc, nhwc_to_nchw, Conv2d, Linear, MaxPool2d,
+};
 use flashover_models::{ops, MnistCnn};
 use proptest::prelude::*;
 
@@ -212,6 +215,67 @@ proptest! {
     }
 }
 
+/// Output, input, weight and bias gradients of `sum(relu?(x · w + b) * probe)` through
+/// Burn's `linear` (and `relu`) or (`fast`) the fast path's `dense`.
+fn dense_through(
+    [rows, d_in, d_out]: [usize; 3],
+    bias: bool,
+    relu: bool,
+    seed: u64,
+    fast: bool,
+) -> Vec<Option<Tensor<B, 2>>> {
+    let x = random::<AB, 2>([rows, d_in], seed).require_grad();
+    let w = random::<AB, 2>([d_in, d_out], seed + 1).require_grad();
+    let b = bias.then(|| random::<AB, 1>([d_out], seed + 2).require_grad());
+    let y = if fast {
+        dense(x.clone(), w.clone(), b.clone(), relu)
+    } else {
+        let y = linear(x.clone(), w.clone(), b.clone());
+        if relu {
+            burn::tensor::activation::relu(y)
+        } else {
+            y
+        }
+    };
+    let probe = random::<AB, 2>(y.dims(), seed + 3);
+    let grads = (y.clone() * probe).sum().backward();
+    vec![
+        Some(y.inner()),
+        x.grad(&grads),
+        w.grad(&grads),
+        b.map(|b| b.grad(&grads).unwrap().unsqueeze::<2>()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    /// Shapes around the chunk sizes (16 batch rows, 128 input features) and odd ones.
+    #[test]
+    fn the_dense_layer_and_its_gradients_match_burns(
+        rows in prop_oneof![1usize..=5, 14usize..=35],
+        d_in in prop_oneof![1usize..=9, 120usize..=300],
+        d_out in 1usize..=12,
+        bias in any::<bool>(),
+        relu in any::<bool>(),
+        seed in 0u64..1000,
+    ) {
+        // Up to 300 terms per output in [-1, 1]: a different summation order moves the
+        // result by at most about 300 * 2^-23 * 300 < 1.1e-2 in the worst case, and in
+        // practice (random signs) by well under 1e-4, the tolerance.
+        let want = dense_through([rows, d_in, d_out], bias, relu, seed, false);
+        let got = dense_through([rows, d_in, d_out], bias, relu, seed, true);
+        let names = ["output", "input gradient", "weight gradient", "bias gradient"];
+        for ((g, w), name) in got.into_iter().zip(want).zip(names) {
+            match (g, w) {
+                (Some(g), Some(w)) => assert_close(g, w, &format!("{name} of [{rows}, {d_in}] x [{d_in}, {d_out}]")),
+                (None, None) => {}
+                _ => panic!("{name} present on one side only"),
+            }
+        }
+    }
+}
+
 /// Forward and every gradient of a convolution and a pool on the fast path, as bits.
 fn fast_path_bits(seed: u64) -> Vec<Vec<u32>> {
     let x = random::<AB, 4>([17, 13, 11, 5], seed).require_grad();
@@ -225,13 +289,26 @@ fn fast_path_bits(seed: u64) -> Vec<Vec<u32>> {
         true,
     );
     let y = max_pool2d_nhwc(y, [2, 2], [2, 2], [0, 0], [1, 1]);
-    let probe = random::<AB, 4>(y.dims(), seed + 3);
+    // Then a dense layer over the flattened features (17 rows: two chunks of 16 and one more;
+    // 240 features: two chunks of 128 for the weight gradient).
+    let [n, h, w2, c] = y.dims();
+    let fc = random::<AB, 2>([h * w2 * c, 6], seed + 4).require_grad();
+    let fb = random::<AB, 1>([6], seed + 5).require_grad();
+    let y = dense(
+        y.reshape([n, h * w2 * c]),
+        fc.clone(),
+        Some(fb.clone()),
+        true,
+    );
+    let probe = random::<AB, 2>(y.dims(), seed + 3);
     let grads = (y.clone() * probe).sum().backward();
     vec![
         bits(y.inner()),
         bits(x.grad(&grads).unwrap()),
         bits(w.grad(&grads).unwrap()),
         bits(b.grad(&grads).unwrap()),
+        bits(fc.grad(&grads).unwrap()),
+        bits(fb.grad(&grads).unwrap()),
     ]
 }
 
@@ -349,6 +426,82 @@ fn layers_channels_first_are_burns_layers_bit_for_bit_and_channels_last_agrees()
         .forward(ours.forward(x.permute([0, 2, 3, 1]), true, true), true)
         .permute([0, 3, 1, 2]);
     assert_close(nhwc, want, "channels-last");
+}
+
+#[test]
+fn the_linear_layer_is_burns_bit_for_bit_off_the_fast_path_and_agrees_on_it() {
+    let device = Default::default();
+    let burn_fc = burn::nn::LinearConfig::new(37, 5).init::<B>(&device);
+    let _ = (burn_fc.weight.val(), burn_fc.bias.as_ref().map(|b| b.val()));
+    let ours = Linear::<B>::from(burn_fc.clone());
+    let x = random::<B, 2>([19, 37], 12);
+    for relu in [false, true] {
+        let want = burn_fc.forward(x.clone());
+        let want = if relu {
+            burn::tensor::activation::relu(want)
+        } else {
+            want
+        };
+        assert_eq!(
+            bits(ours.forward(x.clone(), false, relu)),
+            bits(want.clone()),
+            "Burn's path, relu {relu}"
+        );
+        assert_close(ours.forward(x.clone(), true, relu), want, "fast path");
+    }
+    // The trait's default (Burn's kernels, what the GPU backends run) against the fast one.
+    let prim = |t: Tensor<B, 2>| t.into_primitive().tensor();
+    let t = |p| Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(p));
+    let (w, b) = (burn_fc.weight.val(), burn_fc.bias.clone().unwrap().val());
+    let out = t(<B as ops::ChannelsLastBackend>::dense(
+        prim(x.clone()),
+        prim(w.clone()),
+        Some(b.clone().into_primitive().tensor()),
+        true,
+    ));
+    let g = random::<B, 2>(out.dims(), 13);
+    let run = |fast: bool| {
+        let args = (
+            prim(x.clone()),
+            prim(w.clone()),
+            Some(prim(out.clone())),
+            prim(g.clone()),
+        );
+        let r = if fast {
+            <B as ops::ChannelsLastBackend>::dense_backward(
+                args.0, args.1, args.2, args.3, [true; 3],
+            )
+        } else {
+            ops::burn_dense_backward::<B>(args.0, args.1, args.2, args.3, [true; 3])
+        };
+        let bias =
+            Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(r.bias.unwrap()));
+        (t(r.x.unwrap()), t(r.weight.unwrap()), bias)
+    };
+    let ((fx, fw, fb), (sx, sw, sb)) = (run(true), run(false));
+    assert_close(fx, sx, "dense input gradient");
+    assert_close(fw, sw, "dense weight gradient");
+    assert_close(fb, sb, "dense bias gradient");
+}
+
+#[test]
+fn the_layout_change_moves_values_as_burns_permute_does_and_back_for_the_gradient() {
+    // 17 images of 3x5 pixels and 7 channels: 255 values an image, so the chunks of
+    // whole images (16384 values) take 65 images; with 17, one chunk, and with 200, four.
+    for n in [17, 200] {
+        let x = random::<AB, 4>([n, 3, 5, 7], 21).require_grad();
+        let fast = nhwc_to_nchw(x.clone());
+        let burn = x.clone().permute([0, 3, 1, 2]);
+        assert_eq!(
+            bits(fast.clone().inner()),
+            bits(burn.clone().inner()),
+            "forward, {n} images"
+        );
+        let probe = random::<AB, 4>(fast.dims(), 22);
+        let g_fast = x.grad(&(fast * probe.clone()).sum().backward()).unwrap();
+        let g_burn = x.grad(&(burn * probe).sum().backward()).unwrap();
+        assert_eq!(bits(g_fast), bits(g_burn), "gradient, {n} images");
+    }
 }
 
 #[test]
