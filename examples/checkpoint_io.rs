@@ -22,6 +22,9 @@ use flashover::prelude::*;
 use flashover_examples::{median_min_max, MnistData, MnistRun};
 use serde_json::json;
 
+// Large per-step buffers stay with the process (see the macro).
+flashover_examples::use_mimalloc!();
+
 /// Time checkpoint save/load against raw file I/O of the same size.
 #[derive(Debug, Parser)]
 struct Args {

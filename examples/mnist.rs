@@ -21,6 +21,9 @@ use flashover_examples::{
 };
 use serde_json::json;
 
+// Large per-step buffers stay with the process (see the macro).
+flashover_examples::use_mimalloc!();
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum OptimizerKind {
     Adamw,

@@ -19,6 +19,9 @@ use flashover_examples::median_min_max;
 use flashover_examples::overhead::{flashover, handwritten};
 use serde_json::json;
 
+// Large per-step buffers stay with the process (see the macro).
+flashover_examples::use_mimalloc!();
+
 /// Time N training steps with a hand-written loop and with the Flashover trainer.
 #[derive(Debug, Parser)]
 struct Args {

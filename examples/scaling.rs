@@ -15,6 +15,9 @@ use flashover::prelude::*;
 use flashover_examples::{median_min_max, mnist_loaders, MnistCnn, MnistData, MnistRun};
 use serde_json::json;
 
+// Large per-step buffers stay with the process (see the macro).
+flashover_examples::use_mimalloc!();
+
 /// Samples per second of the trainer at growing batch sizes.
 #[derive(Debug, Parser)]
 struct Args {

@@ -20,6 +20,9 @@ use flashover::models::TrainBackend;
 use flashover_examples::{median_min_max, AccuracyCurve, CurvePoint, MnistRun};
 use serde_json::json;
 
+// Large per-step buffers stay with the process (see the macro).
+flashover_examples::use_mimalloc!();
+
 /// Seconds to the baseline's accuracy, per recipe, on the bundled MNIST data.
 #[derive(Debug, Parser)]
 struct Args {

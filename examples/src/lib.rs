@@ -4,6 +4,24 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+/// Makes mimalloc the program's allocator; every example program calls it once at the top
+/// level. A training step allocates and frees buffers of megabytes (activations,
+/// gradients); glibc's malloc hands such buffers back to the kernel and faults them in again
+/// the next step, which cost the main job about a sixth of its time in the kernel at two
+/// threads (page faults, zeroing, TLB shootdowns between the threads) and most of the
+/// second thread's gain. mimalloc keeps them for reuse. A macro rather than a static here,
+/// because a library that installs an allocator forces it on every program that links it
+/// (the fuzz runner installs its own).
+#[macro_export]
+macro_rules! use_mimalloc {
+    () => {
+        #[global_allocator]
+        static ALLOCATOR: $crate::MiMalloc = $crate::MiMalloc;
+    };
+}
+
+pub use mimalloc::MiMalloc;
+
 pub mod overhead;
 pub mod shakespeare;
 
