@@ -438,7 +438,6 @@ pub fn conv2d_forward(
                 MatMut::row_major(dst, rows, o),
                 MatRef::row_major(images, rows, s.in_c),
                 MatRef::row_major(&packed, kg, o),
-                false,
             );
         } else {
             with_scratch(rows * kg, |col| {
@@ -448,7 +447,6 @@ pub fn conv2d_forward(
                         MatMut::new(&mut dst[g * og..], rows, og, o, 1),
                         MatRef::row_major(col, rows, kg),
                         MatRef::row_major(&packed[g * kg * og..][..kg * og], kg, og),
-                        false,
                     );
                 }
             });
@@ -557,7 +555,6 @@ pub fn conv2d_backward(
                     MatMut::row_major(dxc, rows, s.in_c),
                     MatRef::row_major(g_rows, rows, o),
                     MatRef::new(&packed, o, kg, 1, o),
-                    false,
                 );
                 return;
             }
@@ -567,7 +564,6 @@ pub fn conv2d_backward(
                         MatMut::row_major(dcol, rows, kg),
                         MatRef::new(&g_rows[g * og..], rows, og, o, 1),
                         MatRef::new(&packed[g * kg * og..][..kg * og], og, kg, 1, og),
-                        false,
                     );
                     col2im(s, dcol, g, dxc);
                 }
@@ -593,7 +589,6 @@ pub fn conv2d_backward(
                         MatMut::row_major(dw, kg, og),
                         MatRef::new(xs, kg, rows, 1, s.in_c),
                         MatRef::row_major(g_rows, rows, o),
-                        false,
                     );
                 } else {
                     with_scratch(rows * kg, |col| {
@@ -603,7 +598,6 @@ pub fn conv2d_backward(
                                 MatMut::row_major(&mut dw[g * kg * og..][..kg * og], kg, og),
                                 MatRef::new(col, kg, rows, 1, kg),
                                 MatRef::new(&g_rows[g * og..], rows, og, o, 1),
-                                false,
                             );
                         }
                     });
@@ -702,7 +696,6 @@ pub fn dense_forward(
             MatMut::row_major(dst, rows, d_out),
             MatRef::row_major(&x[ci * DENSE_ROWS * d_in..][..rows * d_in], rows, d_in),
             MatRef::row_major(weight, d_in, d_out),
-            false,
         );
         bias_relu(dst, d_out, bias, relu);
     });
@@ -752,7 +745,6 @@ pub fn dense_backward(
                     ),
                     // The transposed weight: element (j, i) is weight[i][j].
                     MatRef::new(weight, d_out, d_in, 1, d_out),
-                    false,
                 );
             });
         }
@@ -769,7 +761,6 @@ pub fn dense_backward(
                     // Rows `ci * 128..` of the transposed input: element (i, k) is x[k][i].
                     MatRef::new(&x[ci * DENSE_FEATURES..], features, n, 1, d_in),
                     MatRef::row_major(gout, n, d_out),
-                    false,
                 );
             });
         }
