@@ -18,6 +18,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
@@ -677,6 +678,21 @@ impl ChannelsLastBackend for burn::backend::Cuda {}
 // Autodiff: the forward through the inner backend, the backward recorded in the graph.
 // ---------------------------------------------------------------------------------------
 
+/// Registers each gradient whose parent is tracked (`id` names the parent's node: the node
+/// type is private to burn-autodiff, so callers pass `|n| n.id`).
+fn register<B: Backend, N>(
+    grads: &mut Gradients,
+    parents: [Option<N>; 3],
+    values: [Option<FloatTensor<B>>; 3],
+    id: impl Fn(&N) -> NodeId,
+) {
+    for (node, value) in parents.into_iter().zip(values) {
+        if let (Some(node), Some(value)) = (node, value) {
+            grads.register::<B>(id(&node), value);
+        }
+    }
+}
+
 /// What a convolution's backward pass needs.
 #[derive(Debug, Clone)]
 struct ConvState<B: Backend> {
@@ -716,15 +732,12 @@ impl<B: ChannelsLastBackend> Backward<B, 3> for ConvWithBias {
         let grad = grads.consume::<B>(&ops.node);
         let needs = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
         let g = conv_backward(ops.state, grad, needs);
-        if let (Some(node), Some(v)) = (node_x, g.x) {
-            grads.register::<B>(node.id, v);
-        }
-        if let (Some(node), Some(v)) = (node_w, g.weight) {
-            grads.register::<B>(node.id, v);
-        }
-        if let (Some(node), Some(v)) = (node_b, g.bias) {
-            grads.register::<B>(node.id, v);
-        }
+        register::<B, _>(
+            grads,
+            [node_x, node_w, node_b],
+            [g.x, g.weight, g.bias],
+            |n| n.id,
+        );
     }
 }
 
@@ -736,12 +749,9 @@ impl<B: ChannelsLastBackend> Backward<B, 2> for ConvNoBias {
         let grad = grads.consume::<B>(&ops.node);
         let needs = [node_x.is_some(), node_w.is_some(), false];
         let g = conv_backward(ops.state, grad, needs);
-        if let (Some(node), Some(v)) = (node_x, g.x) {
-            grads.register::<B>(node.id, v);
-        }
-        if let (Some(node), Some(v)) = (node_w, g.weight) {
-            grads.register::<B>(node.id, v);
-        }
+        register::<B, _>(grads, [node_x, node_w, None], [g.x, g.weight, None], |n| {
+            n.id
+        });
     }
 }
 
@@ -797,15 +807,12 @@ impl<B: ChannelsLastBackend> Backward<B, 3> for DenseWithBias {
         let needs = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
         let s = ops.state;
         let g = B::dense_backward(s.x, s.weight, s.output, grad, needs);
-        if let (Some(node), Some(v)) = (node_x, g.x) {
-            grads.register::<B>(node.id, v);
-        }
-        if let (Some(node), Some(v)) = (node_w, g.weight) {
-            grads.register::<B>(node.id, v);
-        }
-        if let (Some(node), Some(v)) = (node_b, g.bias) {
-            grads.register::<B>(node.id, v);
-        }
+        register::<B, _>(
+            grads,
+            [node_x, node_w, node_b],
+            [g.x, g.weight, g.bias],
+            |n| n.id,
+        );
     }
 }
 
@@ -818,12 +825,9 @@ impl<B: ChannelsLastBackend> Backward<B, 2> for DenseNoBias {
         let needs = [node_x.is_some(), node_w.is_some(), false];
         let s = ops.state;
         let g = B::dense_backward(s.x, s.weight, s.output, grad, needs);
-        if let (Some(node), Some(v)) = (node_x, g.x) {
-            grads.register::<B>(node.id, v);
-        }
-        if let (Some(node), Some(v)) = (node_w, g.weight) {
-            grads.register::<B>(node.id, v);
-        }
+        register::<B, _>(grads, [node_x, node_w, None], [g.x, g.weight, None], |n| {
+            n.id
+        });
     }
 }
 
