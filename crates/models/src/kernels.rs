@@ -515,10 +515,10 @@ fn relu_masked<'a>(
     }
 }
 
-/// Gradients of a convolution, each computed only when asked for.
+/// Gradients of a layer (convolution or dense), each computed only when asked for.
 #[derive(Debug, Default)]
-pub struct Conv2dGrads {
-    /// Of the NHWC input.
+pub struct LayerGrads {
+    /// Of the input (NHWC for a convolution).
     pub x: Option<Vec<f32>>,
     /// Of the weights, in Burn's layout.
     pub weight: Option<Vec<f32>>,
@@ -536,14 +536,14 @@ pub fn conv2d_backward(
     relu_output: Option<&[f32]>,
     grad: &[f32],
     needs: [bool; 3],
-) -> Conv2dGrads {
+) -> LayerGrads {
     assert_eq!(grad.len(), s.output_len(), "output gradient of {s:?}");
     let mut masked = Vec::new();
     let gout = relu_masked(grad, relu_output, &mut masked);
     let packed = pack_weight(s, weight);
     let (p, o, og, kg) = (s.positions(), s.out_c, s.og(), s.kg());
     let per = images_per_chunk(p);
-    let mut grads = Conv2dGrads::default();
+    let mut grads = LayerGrads::default();
 
     if needs[0] {
         let mut dx = vec![0.0f32; s.batch * s.image_len()];
@@ -702,17 +702,6 @@ pub fn dense_forward(
     out
 }
 
-/// Gradients of a dense layer.
-#[derive(Debug, Default)]
-pub struct DenseGrads {
-    /// Of the input.
-    pub x: Option<Vec<f32>>,
-    /// Of the weights (`[d_in, d_out]`).
-    pub weight: Option<Vec<f32>>,
-    /// Of the bias.
-    pub bias: Option<Vec<f32>>,
-}
-
 /// Gradients of [`dense_forward`] for the output gradient `grad`; `relu_output` is the
 /// forward's output when it applied ReLU. `needs`: input, weight, bias. The input gradient
 /// is cut by batch rows and the weight gradient by input features (each a whole sum over
@@ -724,12 +713,12 @@ pub fn dense_backward(
     relu_output: Option<&[f32]>,
     grad: &[f32],
     needs: [bool; 3],
-) -> DenseGrads {
+) -> LayerGrads {
     let (n, d_in, d_out) = (s.rows, s.d_in, s.d_out);
     assert_eq!(grad.len(), n * d_out, "output gradient of {s:?}");
     let mut masked = Vec::new();
     let gout = relu_masked(grad, relu_output, &mut masked);
-    let mut grads = DenseGrads::default();
+    let mut grads = LayerGrads::default();
     if needs[0] {
         assert_eq!(weight.len(), d_in * d_out, "weight of {s:?}");
         let mut dx = vec![0.0f32; n * d_in];

@@ -24,23 +24,13 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
 use burn::tensor::{Tensor, TensorPrimitive};
 
-/// Gradients of a channels-last convolution, each present when it was asked for.
+/// Gradients of a layer of the extension (channels-last convolution or dense layer), each
+/// present when it was asked for.
 #[derive(Debug)]
-pub struct Conv2dNhwcGrads<B: Backend> {
-    /// Of the NHWC input.
+pub struct LayerGrads<B: Backend> {
+    /// Of the input (NHWC for a convolution, `[rows, d_in]` for a dense layer).
     pub x: Option<FloatTensor<B>>,
     /// Of the weights (Burn's layout).
-    pub weight: Option<FloatTensor<B>>,
-    /// Of the bias.
-    pub bias: Option<FloatTensor<B>>,
-}
-
-/// Gradients of a dense layer, each present when it was asked for.
-#[derive(Debug)]
-pub struct DenseGrads<B: Backend> {
-    /// Of the input `[rows, d_in]`.
-    pub x: Option<FloatTensor<B>>,
-    /// Of the weights `[d_in, d_out]`.
     pub weight: Option<FloatTensor<B>>,
     /// Of the bias.
     pub bias: Option<FloatTensor<B>>,
@@ -84,7 +74,7 @@ pub trait ChannelsLastBackend: Backend {
         grad: FloatTensor<Self>,
         options: ConvOptions<2>,
         needs: [bool; 3],
-    ) -> Conv2dNhwcGrads<Self> {
+    ) -> LayerGrads<Self> {
         burn_conv2d_nhwc_backward::<Self>(x, weight, bias, output, grad, options, needs)
     }
 
@@ -183,7 +173,7 @@ pub trait ChannelsLastBackend: Backend {
         output: Option<FloatTensor<Self>>,
         grad: FloatTensor<Self>,
         needs: [bool; 3],
-    ) -> DenseGrads<Self> {
+    ) -> LayerGrads<Self> {
         burn_dense_backward::<Self>(x, weight, output, grad, needs)
     }
 }
@@ -228,7 +218,7 @@ pub fn burn_conv2d_nhwc_backward<B: Backend>(
     grad: FloatTensor<B>,
     options: ConvOptions<2>,
     needs: [bool; 3],
-) -> Conv2dNhwcGrads<B> {
+) -> LayerGrads<B> {
     let grad = relu_masked::<B, 4>(grad, output);
     let x = B::float_permute(x, &TO_NCHW);
     let grad = B::float_permute(grad, &TO_NCHW);
@@ -242,7 +232,7 @@ pub fn burn_conv2d_nhwc_backward<B: Backend>(
         Some(b) if needs[2] => Some(B::conv2d_bias_backward(x, b, grad)),
         _ => None,
     };
-    Conv2dNhwcGrads {
+    LayerGrads {
         x: dx,
         weight: dw,
         bias: db,
@@ -286,9 +276,9 @@ pub fn burn_dense_backward<B: Backend>(
     output: Option<FloatTensor<B>>,
     grad: FloatTensor<B>,
     needs: [bool; 3],
-) -> DenseGrads<B> {
+) -> LayerGrads<B> {
     let grad = relu_masked::<B, 2>(grad, output);
-    DenseGrads {
+    LayerGrads {
         x: needs[0].then(|| B::linear_x_backward(weight, grad.clone())),
         weight: needs[1].then(|| B::linear_weight_backward(x, grad.clone())),
         bias: needs[2].then(|| B::linear_bias_backward(grad)),
@@ -366,7 +356,7 @@ mod flex {
     use super::{
         burn_avg_pool2d_nhwc, burn_avg_pool2d_nhwc_backward, burn_conv2d_nhwc,
         burn_conv2d_nhwc_backward, burn_dense, burn_dense_backward, burn_max_pool2d_nhwc_backward,
-        burn_max_pool2d_nhwc_with_indices, ChannelsLastBackend, Conv2dNhwcGrads, DenseGrads,
+        burn_max_pool2d_nhwc_with_indices, ChannelsLastBackend, LayerGrads,
     };
     use crate::kernels::{self, Conv2dShape, DenseShape, Pool2dShape};
 
@@ -469,7 +459,7 @@ mod flex {
             grad: FloatTensor<Self>,
             options: ConvOptions<2>,
             needs: [bool; 3],
-        ) -> Conv2dNhwcGrads<Self> {
+        ) -> LayerGrads<Self> {
             let all_f32 = is_f32(&x)
                 && is_f32(&weight)
                 && is_f32(&grad)
@@ -498,7 +488,7 @@ mod flex {
                 f32s(&grad),
                 needs,
             );
-            Conv2dNhwcGrads {
+            LayerGrads {
                 x: g.x.map(|v| float(v, [s.batch, s.in_h, s.in_w, s.in_c])),
                 weight: g.weight.map(|v| float(v, dims4(&weight))),
                 bias: g.bias.map(vector),
@@ -638,7 +628,7 @@ mod flex {
             output: Option<FloatTensor<Self>>,
             grad: FloatTensor<Self>,
             needs: [bool; 3],
-        ) -> DenseGrads<Self> {
+        ) -> LayerGrads<Self> {
             let all_f32 = is_f32(&x)
                 && is_f32(&weight)
                 && is_f32(&grad)
@@ -656,7 +646,7 @@ mod flex {
                 f32s(&grad),
                 needs,
             );
-            DenseGrads {
+            LayerGrads {
                 x: g.x.map(|v| float2(v, [s.rows, s.d_in])),
                 weight: g.weight.map(|v| float2(v, [s.d_in, s.d_out])),
                 bias: g.bias.map(vector),
@@ -712,7 +702,7 @@ fn conv_backward<B: ChannelsLastBackend>(
     state: ConvState<B>,
     grad: FloatTensor<B>,
     needs: [bool; 3],
-) -> Conv2dNhwcGrads<B> {
+) -> LayerGrads<B> {
     B::conv2d_nhwc_backward(
         state.x,
         state.weight,
