@@ -399,18 +399,19 @@ fn two_processes_killed_at_random_points_resume_to_the_uninterrupted_bits() {
             .stderr(Stdio::null())
             .spawn()
             .expect("mpirun starts");
-        // Ranks start in about half a second; kill one of them a little after.
-        let delay = Duration::from_millis(800 + rng.below(2500));
-        let started = Instant::now();
-        let mut finished = false;
-        while started.elapsed() < delay {
-            if child.try_wait().unwrap().is_some() {
-                finished = true;
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        if !finished {
+        // Kill a rank 2 to 20 saved batches into this try, a random 0-30 ms after the last
+        // save seen (progress, not time: a fast machine finished the run before the kills).
+        let from = latest_batch(dir.path());
+        let batches = 2 + rng.below(19);
+        let extra = Duration::from_millis(rng.below(30));
+        if wait_for_progress(
+            &mut child,
+            dir.path(),
+            from,
+            batches,
+            extra,
+            Duration::from_secs(60),
+        ) {
             let ranks = ranks_of(child.id());
             if let Some(&victim) = ranks.get(rng.below(ranks.len().max(1) as u64) as usize) {
                 signal(victim, "-KILL");

@@ -321,3 +321,34 @@ pub fn outcome(s: &serde_json::Value) -> (String, String, String, u64) {
         s["batches"].as_u64().unwrap_or(0),
     )
 }
+
+/// The batch count of the checkpoint `folder/latest` names (`ep2-ba35` -> 35), 0 if none.
+pub fn latest_batch(folder: &std::path::Path) -> u64 {
+    flashover::checkpoint::format::read_latest(folder)
+        .and_then(|name| name.rsplit_once("-ba").and_then(|(_, b)| b.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Waits until `child` has saved a checkpoint at least `batches` batches past `from` (by
+/// `folder/latest`), then `extra` longer, so that a kill lands at a random point of the
+/// following steps and saves whatever the machine's speed: returns `true` then, or `false`
+/// if the child ended first. Gives up (and returns `true`, leaving the kill to the caller)
+/// after `deadline`.
+pub fn wait_for_progress(
+    child: &mut std::process::Child,
+    folder: &std::path::Path,
+    from: u64,
+    batches: u64,
+    extra: std::time::Duration,
+    deadline: std::time::Duration,
+) -> bool {
+    let started = std::time::Instant::now();
+    while latest_batch(folder) < from + batches && started.elapsed() < deadline {
+        if child.try_wait().expect("the child can be polled").is_some() {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    std::thread::sleep(extra);
+    child.try_wait().expect("the child can be polled").is_none()
+}
