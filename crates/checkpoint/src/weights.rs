@@ -14,6 +14,8 @@ use crate::format::write_atomic;
 
 /// The model's weights encoded as safetensors bytes.
 pub fn weights_to_bytes<B: Backend, M: Module<B>>(model: &M) -> Result<Vec<u8>, CheckpointError> {
+    // The latest batch-norm statistics, not the ones of a batch before (see the function).
+    flashover_core::params::sync_running_states::<B, M>(model);
     let mut store = SafetensorsStore::from_bytes(None);
     let format = |e: burn::store::SafetensorsStoreError| CheckpointError::Format {
         path: PathBuf::from("<model weights>"),

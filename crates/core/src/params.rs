@@ -87,9 +87,20 @@ impl<B: Backend> ModuleVisitor<B> for Collect {
     }
 }
 
+/// Folds the pending updates of the model's running state (Burn's `RunningState`, the
+/// statistics of `BatchNorm`) into its values. Burn keeps each update pending until the
+/// layer's next training step and a module visitor reads the value without it, so a
+/// checkpoint or a digest taken between steps would see the statistics of one batch
+/// earlier, and a resumed run would differ from the straight one. Turning a clone into a
+/// record syncs the shared state; parameters are untouched.
+pub fn sync_running_states<B: Backend, M: Module<B>>(model: &M) {
+    let _ = model.clone().into_record();
+}
+
 /// SHA-256 (hex) over every float parameter: for each, in order of its path, the path, dtype,
 /// shape and raw element bytes. Equal digests mean bit-identical weights.
 pub fn params_sha256<B: Backend, M: Module<B>>(model: &M) -> String {
+    sync_running_states::<B, M>(model);
     let mut c = Collect {
         path: Vec::new(),
         entries: Vec::new(),
@@ -280,4 +291,33 @@ pub fn load_flat_params<AB: AutodiffBackend, M: AutodiffModule<AB>>(
         ));
     }
     Ok(model.map(&mut LoadFlat::<AB::InnerBackend> { flat, offset: 0 }))
+}
+
+#[cfg(test)]
+mod running_state_tests {
+    use burn::backend::{Autodiff, Flex};
+    use burn::nn::BatchNormConfig;
+    use burn::tensor::Tensor;
+
+    use super::*;
+
+    #[test]
+    fn a_digest_sees_the_latest_batch_norm_statistics() {
+        type AB = Autodiff<Flex>;
+        let device = Default::default();
+        let norm = BatchNormConfig::new(1).init::<AB>(&device);
+        let before = params_sha256::<AB, _>(&norm);
+        // One training step: the running mean moves from 0 to 0.1 * 2.5.
+        let x = Tensor::<AB, 4>::from_floats([[[[1.0, 2.0], [3.0, 4.0]]]], &device);
+        let _ = norm.forward(x);
+        let after = params_sha256::<AB, _>(&norm);
+        assert_ne!(before, after, "the digest missed the pending update");
+        let mean = norm
+            .running_mean
+            .value()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap();
+        assert!((mean[0] - 0.25).abs() < 1e-6, "{mean:?}");
+    }
 }
