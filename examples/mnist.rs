@@ -1,5 +1,5 @@
-//! Trains the MNIST CNN on the bundled digits through the Flashover trainer and prints a
-//! one-line JSON summary as the last line of stdout.
+//! Trains the MNIST CNN (or a ResNet: `--model resnet20`) on the bundled digits through the
+//! Flashover trainer and prints a one-line JSON summary as the last line of stdout.
 //!
 //! ```text
 //! cargo run --release --example mnist -- --help
@@ -17,7 +17,8 @@ use flashover::distributed::{Distributed, Options as DistOptions};
 use flashover::models::TrainBackend;
 use flashover::prelude::*;
 use flashover_examples::{
-    bundled_mnist_dir, defaults, AccuracyCurve, MnistCnn, MnistData, MnistRun,
+    bundled_mnist_dir, defaults, AccuracyCurve, MnistCnn, MnistData, MnistModel, MnistRun,
+    ModelKind,
 };
 use serde_json::json;
 
@@ -101,6 +102,10 @@ struct Args {
     /// kernels) or channels-last. The weights are the same in every format.
     #[arg(long, default_value = "auto")]
     memory_format: MemoryFormat,
+    /// The model: cnn (the small CNN, the default), resnet8, resnet20 or resnet56 (CIFAR's
+    /// ResNets at widths 16-32-64, with batch norm), resnet18 (four stages at 16-32-64-128).
+    #[arg(long, default_value = "cnn")]
+    model: ModelKind,
     /// Seed for weights, data order and every random draw.
     #[arg(long, default_value_t = defaults::SEED)]
     seed: u64,
@@ -362,17 +367,17 @@ fn schedule(args: &Args) -> Scheduler {
 }
 
 /// The trainer builder of this program.
-type Builder<B, O> = flashover::core::trainer::TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>;
+type Builder<B, M, O> = flashover::core::trainer::TrainerBuilder<SetupOf<B, M, O>>;
 
 /// Adds what --log-dir, --tensorboard, --profile, --early-stop, --stop-threshold and --out
 /// ask for; returns the training plot, which the caller draws last.
-fn observability<B: TrainBackend, O: Optimizer<MnistCnn<B>, B>>(
-    mut builder: Builder<B, O>,
+fn observability<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
+    mut builder: Builder<B, M, O>,
     args: &Args,
     device: &B::Device,
     resuming: bool,
     main: bool,
-) -> anyhow::Result<(Builder<B, O>, Option<flashover::callbacks::TrainingPlot>)>
+) -> anyhow::Result<(Builder<B, M, O>, Option<flashover::callbacks::TrainingPlot>)>
 where
     B::Device: 'static,
 {
@@ -441,6 +446,25 @@ fn run<B: TrainBackend>(
     dist: &Distributed,
 ) -> anyhow::Result<()> {
     let device = flashover_examples::device_at::<B>(device_index);
+    match args.model.resnet() {
+        None => {
+            let model = MnistCnn::<B>::new(&device, args.seed);
+            with_optimizer(args, device, model, dist)
+        }
+        Some(shape) => {
+            let model = shape.init::<B>(&device, args.seed);
+            with_optimizer(args, device, model, dist)
+        }
+    }
+}
+
+/// Builds the optimizer `--optimizer` names for `model` and trains.
+fn with_optimizer<B: TrainBackend, M: MnistModel<B>>(
+    args: &Args,
+    device: B::Device,
+    model: M,
+    dist: &Distributed,
+) -> anyhow::Result<()> {
     let decay = || {
         Some(burn::optim::decay::WeightDecayConfig::new(
             args.weight_decay,
@@ -450,30 +474,30 @@ fn run<B: TrainBackend>(
         OptimizerKind::Adamw => {
             let o = AdamWConfig::new()
                 .with_weight_decay(args.weight_decay)
-                .init::<B, MnistCnn<B>>();
-            train(args, device, o, dist)
+                .init::<B, M>();
+            train(args, device, model, o, dist)
         }
         OptimizerKind::Adam => train(
             args,
             device,
-            AdamConfig::new()
-                .with_weight_decay(decay())
-                .init::<B, MnistCnn<B>>(),
+            model,
+            AdamConfig::new().with_weight_decay(decay()).init::<B, M>(),
             dist,
         ),
         OptimizerKind::Sgd => {
             let o = SgdConfig::new()
                 .with_momentum(Some(MomentumConfig::new().with_momentum(args.momentum)))
                 .with_weight_decay(decay())
-                .init::<B, MnistCnn<B>>();
-            train(args, device, o, dist)
+                .init::<B, M>();
+            train(args, device, model, o, dist)
         }
     }
 }
 
-fn train<B: TrainBackend, O: Optimizer<MnistCnn<B>, B>>(
+fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     args: &Args,
     device: B::Device,
+    model: M,
     optimizer: O,
     dist: &Distributed,
 ) -> anyhow::Result<()> {
@@ -521,10 +545,11 @@ fn train<B: TrainBackend, O: Optimizer<MnistCnn<B>, B>>(
     }
     let curve = AccuracyCurve::default();
     let mut builder = recipe
-        .builder::<B, O>(optimizer, &device)
+        .builder_with::<B, M, O>(model, optimizer, &device)
         .context("setting up the run")?
         .logger(ConsoleLogger::new(args.log_every))
         .hyperparameter("backend", args.backend.clone())
+        .hyperparameter("model", args.model.name())
         .hyperparameter("optimizer", format!("{:?}", args.optimizer).to_lowercase())
         .callback(curve.clone())
         .boxed_collective(dist.collective(device.clone())?);
@@ -635,6 +660,7 @@ fn train<B: TrainBackend, O: Optimizer<MnistCnn<B>, B>>(
         "train_samples_per_epoch": state.samples_per_epoch,
         "skipped_batches": state.skipped_batches,
         "backend": args.backend,
+        "model": args.model.name(),
         "seed": args.seed,
         "max_duration": state.max_duration.to_string(),
         "recipe": args.recipe,

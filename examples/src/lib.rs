@@ -30,6 +30,7 @@ use std::sync::Arc;
 
 use burn::optim::Optimizer;
 use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
 use flashover::algorithms::augment::Normalization;
 use flashover::algorithms::recipes::recipe;
 use flashover::algorithms::spec::{build_image_classification, AlgorithmSpec};
@@ -40,10 +41,13 @@ use flashover::core::data::{
 };
 use flashover::core::logger::Logger;
 use flashover::core::metric::{Accuracy, LossMetric, TopKAccuracy};
-use flashover::core::model::{ClassificationBatch, HasMemoryFormat, MemoryFormat};
+use flashover::core::model::{
+    ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
+};
 use flashover::core::schedule::Scheduler;
 use flashover::core::setup::{Setup, SetupOf};
 use flashover::core::state::{State, World};
+use flashover::core::surgery::SurgeryModel;
 use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::core::Result;
@@ -134,7 +138,113 @@ pub fn bundled_mnist_dir() -> PathBuf {
         .join("mnist-10k")
 }
 
-pub use flashover::models::MnistCnn;
+pub use flashover::models::{MnistCnn, ResNet, ResNetConfig};
+
+/// An image classifier the MNIST example can train: `[N, 1, 28, 28]` digits in, `[N, 10]`
+/// logits out, evaluated by the inner module, with a memory format to choose and its surgery
+/// capabilities ([`SurgeryModel`], for `--algorithms blurpool` and the like). Implemented for
+/// every model with those types (the CNN and the ResNets).
+pub trait MnistModel<B: TrainBackend>:
+    TrainModel<
+        B,
+        Batch = ClassificationBatch<B, 4>,
+        Output = Tensor<B, 2>,
+        InnerModule: EvalModel<
+            B::InnerBackend,
+            Batch = ClassificationBatch<B::InnerBackend, 4>,
+            Output = ClassificationOutput<B::InnerBackend>,
+        >,
+    > + HasMemoryFormat
+    + SurgeryModel
+{
+}
+
+impl<B: TrainBackend, M> MnistModel<B> for M where
+    M: TrainModel<
+            B,
+            Batch = ClassificationBatch<B, 4>,
+            Output = Tensor<B, 2>,
+            InnerModule: EvalModel<
+                B::InnerBackend,
+                Batch = ClassificationBatch<B::InnerBackend, 4>,
+                Output = ClassificationOutput<B::InnerBackend>,
+            >,
+        > + HasMemoryFormat
+        + SurgeryModel
+{
+}
+
+/// The models of the MNIST example (`--model`): the CNN (the default) and the ResNets for
+/// small images (`resnet8`, `resnet20`, `resnet56`: CIFAR's family at widths 16-32-64, one,
+/// three and nine blocks per stage; `resnet18`: four stages at 16-32-64-128, a quarter of the
+/// original's width, so that it trains on a CPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ModelKind {
+    /// [`MnistCnn`].
+    #[default]
+    Cnn,
+    /// ResNet-8 (the family's smallest; the tests' ResNet).
+    ResNet8,
+    /// ResNet-20.
+    ResNet20,
+    /// ResNet-56.
+    ResNet56,
+    /// ResNet-18 at a quarter width.
+    ResNet18,
+}
+
+impl ModelKind {
+    /// Every model, with its name on the command line.
+    pub const ALL: [(&'static str, ModelKind); 5] = [
+        ("cnn", ModelKind::Cnn),
+        ("resnet8", ModelKind::ResNet8),
+        ("resnet20", ModelKind::ResNet20),
+        ("resnet56", ModelKind::ResNet56),
+        ("resnet18", ModelKind::ResNet18),
+    ];
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(_, k)| *k == self)
+            .map_or("cnn", |(n, _)| n)
+    }
+
+    /// The ResNet's shape, for the ResNet kinds.
+    pub fn resnet(self) -> Option<ResNetConfig> {
+        // Invariant: the depths and widths below are valid (6n + 2, non-zero).
+        let shape = match self {
+            ModelKind::Cnn => return None,
+            ModelKind::ResNet8 => ResNetConfig::cifar(8, 16),
+            ModelKind::ResNet20 => ResNetConfig::cifar(20, 16),
+            ModelKind::ResNet56 => ResNetConfig::cifar(56, 16),
+            ModelKind::ResNet18 => ResNetConfig::resnet18(16),
+        };
+        Some(shape.expect("the example's ResNet shapes are valid"))
+    }
+}
+
+impl std::fmt::Display for ModelKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ModelKind {
+    type Err = flashover::core::CoreError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(s.trim()))
+            .map(|(_, k)| *k)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|(n, _)| *n).collect();
+                flashover::core::CoreError::config("model", s, names.join(", "))
+            })
+    }
+}
 
 /// Training loader type for MNIST on backend `B`.
 pub type MnistLoader<B> = DataLoader<B, MnistItem, ClassificationBatch<B, 4>>;
@@ -382,7 +492,19 @@ impl MnistRun {
         optimizer: O,
         device: &B::Device,
     ) -> Result<TrainerBuilder<SetupOf<B, MnistCnn<B>, O>>> {
-        let model = MnistCnn::<B>::new(device, self.seed).with_memory_format(self.memory_format);
+        let model = MnistCnn::<B>::new(device, self.seed);
+        self.builder_with(model, optimizer, device)
+    }
+
+    /// Like [`MnistRun::builder`] for another model (built by the caller from this run's
+    /// seed; its memory format is set to this run's).
+    pub fn builder_with<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
+        &self,
+        model: M,
+        optimizer: O,
+        device: &B::Device,
+    ) -> Result<TrainerBuilder<SetupOf<B, M, O>>> {
+        let model = model.with_memory_format(self.memory_format);
         let mut data = self.data.clone();
         data.seed = self.seed;
         let (train, test) = mnist_loaders::<B>(&data, device)?;

@@ -21,6 +21,15 @@ pub enum AlgorithmError {
         expected: String,
     },
 
+    /// A surgery algorithm chosen by name was given a model without the layers it changes.
+    #[error("{algorithm} needs a model with {needs}, and this model has none: use a model built from flashover-models' layers (for example the ResNets) or implement the surgery traits of flashover_core::surgery for it")]
+    ModelLacks {
+        /// The algorithm.
+        algorithm: &'static str,
+        /// What it needs.
+        needs: &'static str,
+    },
+
     /// An algorithm list names an algorithm that does not exist.
     #[error("unknown algorithm {name:?}; valid names: {valid}")]
     UnknownAlgorithm {
@@ -102,6 +111,7 @@ impl From<AlgorithmError> for CoreError {
     fn from(e: AlgorithmError) -> Self {
         let component = match &e {
             AlgorithmError::InvalidParameter { algorithm, .. }
+            | AlgorithmError::ModelLacks { algorithm, .. }
             | AlgorithmError::BadState { algorithm, .. }
             | AlgorithmError::BadBatch { algorithm, .. } => algorithm.to_string(),
             _ => "algorithms".to_string(),

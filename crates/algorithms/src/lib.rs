@@ -18,6 +18,8 @@
 //! | `ema` | [`ema`] | FIT_START, BATCH_END, EVAL_BEFORE_ALL/AFTER_ALL, PREDICT_START/END |
 //! | `swa` | [`swa`] | BATCH_START, BATCH_END |
 //! | `layer_freezing` | [`layer_freezing`] | FIT_START, EPOCH_START |
+//! | `channels_last` | [`channels_last`] | INIT |
+//! | `blurpool`, `ghost_batchnorm` (model surgery) | [`blurpool`], [`ghost_batchnorm`], [`surgery`] | INIT |
 //!
 //! Several methods rewrite the targets (label smoothing, MixUp, CutMix). Each transforms the
 //! distribution already in the batch, in the order the algorithms were added, and undoes its
@@ -52,18 +54,48 @@
 //! assert_eq!(pixels(&batch), 2 * 28 * 28);
 //! ```
 //!
+//! The surgery algorithms change the model's architecture at `INIT` through the capability
+//! traits of `flashover_core::surgery`: BlurPool needs `ConvSurgery + PoolSurgery`,
+//! GhostBatchNorm `NormSurgery`, so a model without such layers cannot take them:
+//!
+//! ```compile_fail
+//! use burn::backend::{Autodiff, Flex};
+//! use flashover_core::callback::Algorithm;
+//! use flashover_core::setup::SetupOf;
+//! use flashover_core::toy::{Line, ToyOptimizer};
+//! use flashover_algorithms::ghost_batchnorm::GhostBatchNorm;
+//! type B = Autodiff<Flex>;
+//! type S = SetupOf<B, Line<B>, ToyOptimizer<B>>;
+//! let _: Box<dyn Algorithm<S>> = Box::new(GhostBatchNorm::default());
+//! ```
+//!
+//! while an algorithm with no such need compiles for the same model:
+//!
+//! ```
+//! use burn::backend::{Autodiff, Flex};
+//! use flashover_core::callback::Algorithm;
+//! use flashover_core::setup::SetupOf;
+//! use flashover_core::toy::{Line, ToyOptimizer};
+//! use flashover_algorithms::gradient_clipping::{ClippingType, GradientClipping};
+//! type B = Autodiff<Flex>;
+//! type S = SetupOf<B, Line<B>, ToyOptimizer<B>>;
+//! let _: Box<dyn Algorithm<S>> = Box::new(GradientClipping::new(ClippingType::Norm, 1.0).unwrap());
+//! ```
+//!
 //! This crate never touches the filesystem and depends on no other Flashover crate but core.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod augment;
 pub mod augmix;
+pub mod blurpool;
 pub mod channels_last;
 pub mod colout;
 pub mod cutmix;
 pub mod cutout;
 pub mod ema;
 pub mod error;
+pub mod ghost_batchnorm;
 pub mod gradient_clipping;
 pub mod image;
 pub mod label_smoothing;
@@ -77,6 +109,7 @@ pub mod sam;
 pub mod selective_backprop;
 pub mod seq_length_warmup;
 pub mod spec;
+pub mod surgery;
 pub mod swa;
 mod util;
 

@@ -6,16 +6,19 @@
 use flashover_core::callback::Algorithm;
 use flashover_core::model::{HasMemoryFormat, Logits};
 use flashover_core::setup::{BatchOf, OutputOf, Setup};
+use flashover_core::surgery::SurgeryModel;
 use flashover_core::time::Time;
 
 use crate::augment::{AugmentationSet, Normalization};
 use crate::augmix::{AugMix, AugMixConfig};
+use crate::blurpool::BlurPoolOptions;
 use crate::channels_last::ChannelsLast;
 use crate::colout::ColOut;
 use crate::cutmix::CutMix;
 use crate::cutout::CutOut;
 use crate::ema::Ema;
 use crate::error::{AlgorithmError, Result};
+use crate::ghost_batchnorm::GhostBatchNorm;
 use crate::gradient_clipping::{ClippingType, GradientClipping};
 use crate::label_smoothing::LabelSmoothing;
 use crate::layer_freezing::LayerFreezing;
@@ -24,6 +27,7 @@ use crate::progressive_resizing::{ProgressiveResizing, ResizeGrid, ResizeMode};
 use crate::randaugment::RandAugment;
 use crate::sam::Sam;
 use crate::selective_backprop::SelectiveBackprop;
+use crate::surgery::{NamedSurgery, SurgeryByName};
 use crate::swa::{Anneal, Swa, SwaConfig};
 use crate::util::ImageClassBatch;
 
@@ -90,6 +94,16 @@ pub const ALGORITHMS: &[(&str, &[&str])] = &[
     ("sam", &["rho", "epsilon", "interval"]),
     ("layer_freezing", &["freeze_start", "freeze_level"]),
     ("channels_last", &[]),
+    (
+        "blurpool",
+        &[
+            "replace_convs",
+            "replace_maxpools",
+            "blur_first",
+            "min_channels",
+        ],
+    ),
+    ("ghost_batchnorm", &["ghost_batch_size"]),
 ];
 
 fn valid_names() -> String {
@@ -198,7 +212,7 @@ pub fn build_image_classification<S: Setup>(
 where
     BatchOf<S>: ImageClassBatch<S::Backend>,
     OutputOf<S>: Logits<S::Backend>,
-    S::Model: HasMemoryFormat,
+    S::Model: HasMemoryFormat + SurgeryModel,
 {
     let p = Params { spec };
     Ok(match spec.name.as_str() {
@@ -308,6 +322,26 @@ where
             p.f64("freeze_level", 1.0)?,
         )?),
         "channels_last" => Box::new(ChannelsLast),
+        "blurpool" => {
+            let d = BlurPoolOptions::default();
+            Box::new(SurgeryByName::new(NamedSurgery::BlurPool(
+                BlurPoolOptions {
+                    replace_convs: p.bool("replace_convs", d.replace_convs)?,
+                    replace_maxpools: p.bool("replace_maxpools", d.replace_maxpools)?,
+                    blur_first: p.bool("blur_first", d.blur_first)?,
+                    min_channels: p.usize("min_channels", d.min_channels)?,
+                },
+            )))
+        }
+        "ghost_batchnorm" => {
+            let size = p.usize(
+                "ghost_batch_size",
+                GhostBatchNorm::default().ghost_batch_size(),
+            )?;
+            // The same check as the typed algorithm's, now rather than at INIT.
+            GhostBatchNorm::new(size)?;
+            Box::new(SurgeryByName::new(NamedSurgery::GhostBatchNorm(size)))
+        }
         other => {
             return Err(AlgorithmError::UnknownAlgorithm {
                 name: other.to_string(),
@@ -335,11 +369,25 @@ mod tests {
 
     #[test]
     fn unknown_names_and_parameters_list_the_valid_ones() {
-        let e = parse_list("mixup,blurpool").err().unwrap().to_string();
+        let e = parse_list("mixup,blur_pool").err().unwrap().to_string();
         assert!(
-            e.contains("\"blurpool\"")
+            e.contains("\"blur_pool\"")
                 && e.contains("label_smoothing")
-                && e.contains("layer_freezing"),
+                && e.contains("layer_freezing")
+                && e.contains("blurpool, ghost_batchnorm"),
+            "{e}"
+        );
+        let l = parse_list(
+            "blurpool:blur_first=false:min_channels=8,ghost_batchnorm:ghost_batch_size=16",
+        )
+        .unwrap();
+        assert_eq!(l[0].to_string(), "blurpool:blur_first=false:min_channels=8");
+        let e = parse_list("ghost_batchnorm:size=16")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("\"size\"") && e.contains("ghost_batch_size"),
             "{e}"
         );
         let e = parse_list("mixup:beta=1").err().unwrap().to_string();

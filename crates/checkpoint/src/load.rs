@@ -53,7 +53,7 @@ impl CheckpointRestore {
     fn restore_into<S: Setup>(
         &self,
         state: &mut State<S>,
-    ) -> Result<BTreeMap<String, Value>, CheckpointError> {
+    ) -> Result<Option<BTreeMap<String, Value>>, CheckpointError> {
         let dir = &self.dir;
         // The manifest is checked first; each file is hashed as it is read, before decoding.
         let manifest: Manifest = read_manifest(dir)?;
@@ -88,7 +88,7 @@ impl CheckpointRestore {
         }
         if self.options.weights_only {
             tracing::info!(checkpoint = %dir.display(), loaded = report.loaded, "loaded weights only");
-            return Ok(BTreeMap::new());
+            return Ok(None);
         }
         if manifest.weights_only {
             return Err(CheckpointError::WeightsOnly { path: dir.clone() });
@@ -163,12 +163,15 @@ impl CheckpointRestore {
             })
             .collect();
         tracing::info!(checkpoint = %dir.display(), at = %state.timestamp, "resumed");
-        Ok(saved.components)
+        Ok(Some(saved.components))
     }
 }
 
 impl<S: Setup> Restore<S> for CheckpointRestore {
-    fn restore(self: Box<Self>, state: &mut State<S>) -> CoreResult<BTreeMap<String, Value>> {
+    fn restore(
+        self: Box<Self>,
+        state: &mut State<S>,
+    ) -> CoreResult<Option<BTreeMap<String, Value>>> {
         self.restore_into(state)
             .map_err(CheckpointError::in_restore)
     }

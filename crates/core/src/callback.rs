@@ -164,4 +164,11 @@ pub trait Algorithm<S: Setup>: Send {
         let _ = state;
         Ok(())
     }
+
+    /// Whether a checkpoint this run resumes must hold this algorithm's state: true for the
+    /// surgery algorithms, since a checkpoint of a model they did not change does not fit
+    /// (Composer's `required_on_load`). Default: no.
+    fn required_on_load(&self) -> bool {
+        false
+    }
 }

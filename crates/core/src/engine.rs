@@ -100,8 +100,12 @@ impl<S: Setup> Engine<S> {
         for a in self.algorithms.iter_mut() {
             let key = unique_key(&seen, format!("algorithm/{}", a.name()));
             seen.insert(key.clone(), Value::Null);
-            if let Some(v) = saved.remove(&key) {
-                a.load_state_dict(v)?;
+            match saved.remove(&key) {
+                Some(v) => a.load_state_dict(v)?,
+                None if a.required_on_load() => {
+                    return Err(CoreError::MissingComponentState { component: key })
+                }
+                None => {}
             }
         }
         for c in self.callbacks.iter_mut() {

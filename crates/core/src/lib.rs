@@ -24,6 +24,7 @@ pub mod rng;
 pub mod schedule;
 pub mod setup;
 pub mod state;
+pub mod surgery;
 pub mod time;
 #[doc(hidden)]
 pub mod toy;

@@ -18,6 +18,7 @@ use crate::state::State;
 /// without a registered component is an error there).
 pub trait Restore<S: Setup>: Send {
     /// Puts the saved model, optimizer, timestamp and the rest into `state`, and returns the
-    /// saved states of algorithms and callbacks (keyed as in `State::component_states`).
-    fn restore(self: Box<Self>, state: &mut State<S>) -> Result<BTreeMap<String, Value>>;
+    /// saved states of algorithms and callbacks (keyed as in `State::component_states`), or
+    /// `None` when only weights were loaded (a new run: every component starts fresh).
+    fn restore(self: Box<Self>, state: &mut State<S>) -> Result<Option<BTreeMap<String, Value>>>;
 }

@@ -14,7 +14,9 @@ use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::{avg_pool2d, conv2d, linear, max_pool2d};
 use burn::tensor::ops::{ConvOptions, PadMode, PaddedConvOptions};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+
+use flashover_core::surgery::{Blur, ConvInfo, ConvVariant, PoolInfo, PoolVariant};
 
 use crate::ops::ChannelsLastBackend;
 
@@ -52,6 +54,30 @@ fn pad_nhwc<B: Backend>(
     x.permute([0, 3, 1, 2])
         .pad((left, right, top, bottom), PadMode::Constant(value))
         .permute([0, 2, 3, 1])
+}
+
+/// BlurPool's low-pass filter (Zhang, "Making Convolutional Networks Shift-Invariant
+/// Again", 2019): each channel of `x` (NHWC when `channels_last`, else NCHW) convolved with
+/// `[1, 2, 1]^T [1, 2, 1] / 16` at `stride`, zero-padded by one pixel on every side, so that
+/// at stride 1 the size is unchanged and at stride `s` it is `floor((size - 1) / s) + 1`. The
+/// filter is a constant (no gradient). Zero padding as Composer's `blur_2d`; the paper's
+/// reference code pads by reflection.
+pub fn blur2d<B: ChannelsLastBackend>(
+    x: Tensor<B, 4>,
+    stride: [usize; 2],
+    channels_last: bool,
+) -> Tensor<B, 4> {
+    let dims = x.dims();
+    let c = if channels_last { dims[3] } else { dims[1] };
+    const TAPS: [f32; 9] = [1.0, 2.0, 1.0, 2.0, 4.0, 2.0, 1.0, 2.0, 1.0];
+    let filter: Vec<f32> = (0..c).flat_map(|_| TAPS.map(|t| t / 16.0)).collect();
+    let filter = Tensor::<B, 4>::from_data(TensorData::new(filter, [c, 1, 3, 3]), &x.device());
+    let options = ConvOptions::new(stride, [1, 1], [1, 1], c);
+    if channels_last {
+        conv2d_nhwc(x, filter, None, options, false)
+    } else {
+        conv2d(x, filter, None, options)
+    }
 }
 
 /// Channels-last convolution of NHWC `x` (see [`ChannelsLastBackend::conv2d_nhwc`]).
@@ -194,12 +220,27 @@ pub struct Conv2d<B: Backend> {
     pub groups: usize,
     /// Padding.
     pub padding: PaddingConfig2d,
+    /// The variant model surgery chose (default: the plain convolution).
+    pub variant: ConvVariant,
 }
 
 impl<B: Backend> Conv2d<B> {
     /// The layer `config` describes, initialised as Burn initialises its own.
     pub fn new(config: &Conv2dConfig, device: &B::Device) -> Self {
         config.init::<B>(device).into()
+    }
+
+    /// What the model's surgery sees of this layer, at `path`.
+    pub fn info(&self, path: &str) -> ConvInfo {
+        let [out_channels, in_per_group, kh, kw] = self.weight.dims();
+        ConvInfo {
+            path: path.to_string(),
+            in_channels: in_per_group * self.groups,
+            out_channels,
+            kernel: [kh, kw],
+            stride: self.stride,
+            groups: self.groups,
+        }
     }
 }
 
@@ -214,6 +255,7 @@ impl<B: Backend> From<burn::nn::conv::Conv2d<B>> for Conv2d<B> {
             dilation: c.dilation,
             groups: c.groups,
             padding: c.padding,
+            variant: ConvVariant::default(),
         }
     }
 }
@@ -221,14 +263,42 @@ impl<B: Backend> From<burn::nn::conv::Conv2d<B>> for Conv2d<B> {
 impl<B: ChannelsLastBackend> Conv2d<B> {
     /// The convolution of `x`, NHWC when `channels_last` (else NCHW), followed by a ReLU when
     /// `relu` (fused into the kernel on the fast path).
+    /// With BlurPool's variant the input is blurred first, or the convolution runs at stride
+    /// 1 and its output is blurred with the layer's stride (see [`blur2d`]).
     pub fn forward(&self, x: Tensor<B, 4>, channels_last: bool, relu: bool) -> Tensor<B, 4> {
+        match self.variant.blur {
+            None => self.convolve(x, self.stride, channels_last, relu),
+            Some(Blur::First) => {
+                let x = blur2d(x, [1, 1], channels_last);
+                self.convolve(x, self.stride, channels_last, relu)
+            }
+            Some(Blur::Last) => {
+                let y = self.convolve(x, [1, 1], channels_last, false);
+                let y = blur2d(y, self.stride, channels_last);
+                if relu {
+                    burn::tensor::activation::relu(y)
+                } else {
+                    y
+                }
+            }
+        }
+    }
+
+    /// The plain convolution at `stride`.
+    fn convolve(
+        &self,
+        x: Tensor<B, 4>,
+        stride: [usize; 2],
+        channels_last: bool,
+        relu: bool,
+    ) -> Tensor<B, 4> {
         let bias = self.bias.as_ref().map(|b| b.val());
         if !channels_last {
             let [_, _, h, w] = x.dims();
             let ((top, bottom), (left, right)) =
-                padding_pairs(&self.padding, h, w, self.kernel_size, self.stride);
+                padding_pairs(&self.padding, h, w, self.kernel_size, stride);
             let options = PaddedConvOptions::asymmetric(
-                self.stride,
+                stride,
                 [top, left],
                 [bottom, right],
                 self.dilation,
@@ -242,14 +312,14 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
             };
         }
         let [_, h, w, _] = x.dims();
-        let pairs = padding_pairs(&self.padding, h, w, self.kernel_size, self.stride);
+        let pairs = padding_pairs(&self.padding, h, w, self.kernel_size, stride);
         let ((top, bottom), (left, right)) = pairs;
         let (x, padding) = if top == bottom && left == right {
             (x, [top, left])
         } else {
             (pad_nhwc(x, pairs, 0.0), [0, 0])
         };
-        let options = ConvOptions::new(self.stride, padding, self.dilation, self.groups);
+        let options = ConvOptions::new(stride, padding, self.dilation, self.groups);
         conv2d_nhwc(x, self.weight.val(), bias, options, relu)
     }
 }
@@ -265,6 +335,8 @@ pub struct MaxPool2d {
     pub padding: PaddingConfig2d,
     /// Spacing between window taps.
     pub dilation: [usize; 2],
+    /// The variant model surgery chose (default: the plain max pool).
+    pub variant: PoolVariant,
 }
 
 impl MaxPool2d {
@@ -275,13 +347,39 @@ impl MaxPool2d {
             stride,
             padding: PaddingConfig2d::Valid,
             dilation: [1, 1],
+            variant: PoolVariant::default(),
         }
     }
 
-    /// The pooling of `x`, NHWC when `channels_last` (else NCHW).
+    /// What the model's surgery sees of this layer, at `path`.
+    pub fn info(&self, path: &str) -> PoolInfo {
+        PoolInfo {
+            path: path.to_string(),
+            kernel: self.kernel_size,
+            stride: self.stride,
+        }
+    }
+
+    /// The pooling of `x`, NHWC when `channels_last` (else NCHW). With BlurPool's variant,
+    /// the maxima are taken at stride 1 and blurred with the pool's stride (the paper's
+    /// MaxBlurPool).
     pub fn forward<B: ChannelsLastBackend>(
         &self,
         x: Tensor<B, 4>,
+        channels_last: bool,
+    ) -> Tensor<B, 4> {
+        if self.variant.blur {
+            let maxima = self.pool(x, [1, 1], channels_last);
+            return blur2d(maxima, self.stride, channels_last);
+        }
+        self.pool(x, self.stride, channels_last)
+    }
+
+    /// The plain max pool at `stride`.
+    fn pool<B: ChannelsLastBackend>(
+        &self,
+        x: Tensor<B, 4>,
+        stride: [usize; 2],
         channels_last: bool,
     ) -> Tensor<B, 4> {
         let (h, w) = if channels_last {
@@ -291,7 +389,7 @@ impl MaxPool2d {
             let [_, _, h, w] = x.dims();
             (h, w)
         };
-        let pairs = padding_pairs(&self.padding, h, w, self.kernel_size, self.stride);
+        let pairs = padding_pairs(&self.padding, h, w, self.kernel_size, stride);
         let ((top, bottom), (left, right)) = pairs;
         let symmetric = top == bottom && left == right;
         if !channels_last {
@@ -307,21 +405,14 @@ impl MaxPool2d {
                     [0, 0],
                 )
             };
-            return max_pool2d(
-                x,
-                self.kernel_size,
-                self.stride,
-                padding,
-                self.dilation,
-                false,
-            );
+            return max_pool2d(x, self.kernel_size, stride, padding, self.dilation, false);
         }
         let (x, padding) = if symmetric {
             (x, [top, left])
         } else {
             (pad_nhwc(x, pairs, f32::NEG_INFINITY), [0, 0])
         };
-        max_pool2d_nhwc(x, self.kernel_size, self.stride, padding, self.dilation)
+        max_pool2d_nhwc(x, self.kernel_size, stride, padding, self.dilation)
     }
 }
 

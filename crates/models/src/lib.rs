@@ -5,7 +5,10 @@
 //!   crate) and Burn's own kernels on the other backends.
 //! - [`layers`]: `Conv2d`, `MaxPool2d`, `AvgPool2d` that run in either memory format with
 //!   Burn's parameters, and the plain functions under them for hand-written models.
-//! - [`MnistCnn`]: the main job's CNN, built from those layers.
+//! - [`norm`]: [`BatchNorm`](norm::BatchNorm) in either memory format, with Burn's record.
+//! - [`MnistCnn`]: the main job's CNN, built from those layers; [`ResNet`]: the residual
+//!   networks for small images ([`ResNetConfig`]: CIFAR's ResNet-20/56 family and a
+//!   ResNet-18), built from the same layers.
 //!
 //! A model's [`MemoryFormat`] picks the path: `Auto` (the default) is channels-last where the
 //! backend's channels-last kernels are its fast ones (flex) and channels-first elsewhere;
@@ -18,11 +21,14 @@ pub mod gemm;
 pub mod kernels;
 pub mod layers;
 mod mnist;
+pub mod norm;
 pub mod ops;
+mod resnet;
 
 pub use flashover_core::model::{HasMemoryFormat, MemoryFormat};
 pub use mnist::MnistCnn;
 pub use ops::ChannelsLastBackend;
+pub use resnet::{BasicBlock, Projection, ResNet, ResNetConfig};
 
 use burn::tensor::backend::AutodiffBackend;
 

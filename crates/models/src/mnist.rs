@@ -12,6 +12,9 @@ use flashover_core::model::{
     ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
 };
 use flashover_core::params::init_model;
+use flashover_core::surgery::{
+    ConvInfo, ConvSurgery, ConvVariant, PoolInfo, PoolSurgery, PoolVariant, SurgeryModel,
+};
 
 use crate::layers::{nhwc_to_nchw, Conv2d, Linear, MaxPool2d};
 use crate::ops::ChannelsLastBackend;
@@ -147,5 +150,32 @@ impl<B: ChannelsLastBackend> EvalModel<B> for MnistCnn<B> {
             logits,
             targets: batch.targets.clone(),
         }
+    }
+}
+
+/// Surgery (`flashover_core::surgery`) reaches the two convolutions and the max pool, which
+/// both stages share (one layer, so one variant for both). The CNN has no batch norm, so the
+/// norm surgeries do not compile for it.
+impl<B: Backend> ConvSurgery for MnistCnn<B> {
+    fn for_each_conv(&mut self, f: &mut dyn FnMut(&ConvInfo, &mut ConvVariant)) {
+        for (path, conv) in [("conv1", &mut self.conv1), ("conv2", &mut self.conv2)] {
+            f(&conv.info(path), &mut conv.variant);
+        }
+    }
+}
+
+impl<B: Backend> PoolSurgery for MnistCnn<B> {
+    fn for_each_max_pool(&mut self, f: &mut dyn FnMut(&PoolInfo, &mut PoolVariant)) {
+        f(&self.pool.info("pool"), &mut self.pool.variant);
+    }
+}
+
+impl<B: Backend> SurgeryModel for MnistCnn<B> {
+    fn conv_surgery(&mut self) -> Option<&mut dyn ConvSurgery> {
+        Some(self)
+    }
+
+    fn pool_surgery(&mut self) -> Option<&mut dyn PoolSurgery> {
+        Some(self)
     }
 }

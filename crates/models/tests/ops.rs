@@ -416,6 +416,7 @@ fn layers_channels_first_are_burns_layers_bit_for_bit_and_channels_last_agrees()
         stride: [2, 2],
         padding: PaddingConfig2d::Same,
         dilation: [1, 1],
+        variant: Default::default(),
     };
     // 10x9 input: 'same' padding of the even kernel and of the pool is asymmetric.
     let x = random::<B, 4>([2, 3, 10, 9], 4);

@@ -394,7 +394,9 @@ impl<S: Setup> TrainerBuilder<S> {
         if let Some(restore) = self.restore {
             let components = restore.restore(&mut trainer.state)?;
             trainer.check_restored_position()?;
-            trainer.engine.restore_component_states(components)?;
+            if let Some(components) = components {
+                trainer.engine.restore_component_states(components)?;
+            }
         }
         if world.size > 1 {
             if let Some(mut c) = trainer.state.collective.take() {

@@ -1,0 +1,153 @@
+//! Surgery algorithms chosen by name (`--algorithms blurpool,ghost_batchnorm`), for programs
+//! that also choose the model at run time: [`SurgeryByName`] asks the model for each
+//! capability through [`SurgeryModel`] at `INIT` and fails with an error naming what is
+//! missing. It does what the typed algorithm of the same name does ([`BlurPool`],
+//! [`GhostBatchNorm`]), under the same name and with the same checkpoint state, so a run
+//! configured in code resumes a run configured on the command line and the other way round.
+//!
+//! [`BlurPool`]: crate::blurpool::BlurPool
+//! [`GhostBatchNorm`]: crate::ghost_batchnorm::GhostBatchNorm
+
+use flashover_core::callback::Algorithm;
+use flashover_core::event::Event;
+use flashover_core::logger::Logger;
+use flashover_core::setup::Setup;
+use flashover_core::state::State;
+use flashover_core::surgery::{check_surgery_record, SurgeryModel, SurgeryRecord};
+use serde_json::Value;
+
+use crate::blurpool::{blur_convs, blur_pools, BlurPoolOptions};
+use crate::error::{AlgorithmError, Result};
+use crate::ghost_batchnorm::{apply_ghost_batchnorm, check_size, describe};
+
+/// A surgery and its settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NamedSurgery {
+    /// BlurPool.
+    BlurPool(BlurPoolOptions),
+    /// GhostBatchNorm with this ghost batch size.
+    GhostBatchNorm(usize),
+}
+
+impl NamedSurgery {
+    /// The algorithm's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            NamedSurgery::BlurPool(_) => "blurpool",
+            NamedSurgery::GhostBatchNorm(_) => "ghost_batchnorm",
+        }
+    }
+
+    fn settings(&self) -> String {
+        match self {
+            NamedSurgery::BlurPool(o) => o.describe(),
+            NamedSurgery::GhostBatchNorm(g) => describe(*g),
+        }
+    }
+
+    /// Applies the surgery to `model`, or says which capability it lacks.
+    pub fn apply_to(&self, model: &mut dyn SurgeryModel) -> Result<SurgeryRecord> {
+        let lacks = |needs: &'static str| AlgorithmError::ModelLacks {
+            algorithm: self.name(),
+            needs,
+        };
+        match self {
+            NamedSurgery::BlurPool(options) => {
+                let mut layers = Vec::new();
+                let mut any = false;
+                if let Some(convs) = model.conv_surgery() {
+                    any = true;
+                    blur_convs(convs, options, &mut layers);
+                }
+                if let Some(pools) = model.pool_surgery() {
+                    any = true;
+                    blur_pools(pools, options, &mut layers);
+                }
+                if !any {
+                    return Err(lacks("surgery-ready convolutions or max pools"));
+                }
+                Ok(SurgeryRecord {
+                    settings: options.describe(),
+                    layers,
+                })
+            }
+            NamedSurgery::GhostBatchNorm(size) => {
+                check_size(*size)?;
+                let norms = model
+                    .norm_surgery()
+                    .ok_or_else(|| lacks("surgery-ready batch norms"))?;
+                apply_ghost_batchnorm(norms, *size)
+            }
+        }
+    }
+}
+
+/// A [`NamedSurgery`] as an algorithm for any model that answers [`SurgeryModel`].
+#[derive(Debug, Clone)]
+pub struct SurgeryByName {
+    surgery: NamedSurgery,
+    applied: Option<SurgeryRecord>,
+}
+
+impl SurgeryByName {
+    /// The algorithm for `surgery`.
+    pub fn new(surgery: NamedSurgery) -> Self {
+        Self {
+            surgery,
+            applied: None,
+        }
+    }
+}
+
+impl<S: Setup> Algorithm<S> for SurgeryByName
+where
+    S::Model: SurgeryModel,
+{
+    fn name(&self) -> &str {
+        self.surgery.name()
+    }
+
+    fn matches(&self, event: Event, _state: &State<S>) -> bool {
+        event == Event::Init
+    }
+
+    fn apply(
+        &mut self,
+        _event: Event,
+        state: &mut State<S>,
+        _logger: &mut Logger,
+    ) -> flashover_core::Result<()> {
+        let mut record = None;
+        state.map_model(|mut model| {
+            record = Some(self.surgery.apply_to(&mut model));
+            model
+        });
+        // Invariant: `map_model` ran the closure.
+        let record = record.expect("the surgery ran")?;
+        if record.layers.is_empty() {
+            tracing::warn!(settings = %record.settings, "{} changed no layer", self.surgery.name());
+        } else {
+            tracing::info!(layers = ?record.layers, "{} applied", self.surgery.name());
+        }
+        self.applied = Some(record);
+        Ok(())
+    }
+
+    fn state_dict(&self) -> Value {
+        self.applied
+            .as_ref()
+            .map_or(Value::Null, SurgeryRecord::to_value)
+    }
+
+    fn required_on_load(&self) -> bool {
+        true
+    }
+
+    fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
+        let applied = self.applied.clone().unwrap_or(SurgeryRecord {
+            settings: self.surgery.settings(),
+            layers: Vec::new(),
+        });
+        check_surgery_record(self.surgery.name(), state, &applied)
+    }
+}

@@ -1,0 +1,177 @@
+//! Model surgery: how the architecture algorithms (BlurPool, GhostBatchNorm, ...) change a
+//! model that is already built.
+//!
+//! Burn modules are typed structs, so nothing can be swapped into a built model the way
+//! Composer replaces `torch.nn` modules. Instead a *surgery-ready* layer carries the variants
+//! it can run as plain settings ([`ConvVariant`], [`PoolVariant`], [`NormVariant`]): a
+//! convolution can be told to blur its input, a batch norm to normalise over ghost batches.
+//! A model opts in by implementing the capability traits below, each of which walks the
+//! model's layers of one kind in module order ([`ConvSurgery`], [`PoolSurgery`],
+//! [`NormSurgery`]); an algorithm that needs a kind of layer bounds on its trait, so adding
+//! it to a model without such layers does not compile. Flashover's layers implement
+//! everything (`flashover-models`); a model built from them forwards each trait to its
+//! layers in a few lines, and a model of the user's own implements the traits itself.
+//!
+//! Surgery runs at `INIT`, before the optimizer has seen a parameter and before a checkpoint
+//! is restored; parameters keep their ids and names (settings carry no parameters), so
+//! checkpoints, EMA, SWA and layer freezing see the same parameters. A layer whose settings
+//! are the defaults runs exactly as before: one comparison per layer and forward pass.
+//!
+//! Every surgery algorithm saves what it did (which layers, with which settings) as its
+//! checkpoint state and compares it on restore: a checkpoint shaped by other surgeries, or
+//! the same ones with other settings, is refused with both descriptions in the error
+//! ([`check_surgery_record`]), and a run without a surgery the checkpoint had is refused by
+//! the trainer as for any algorithm state it does not use.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::{CoreError, Result};
+
+/// Where BlurPool's low-pass filter (`[1, 2, 1] x [1, 2, 1] / 16`, per channel, zero padding
+/// of one pixel) runs relative to a layer that downsamples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Blur {
+    /// Blur the input at stride 1, then run the layer at its stride (Composer's
+    /// `blur_first`, the default: the filter costs a depthwise pass over the input).
+    First,
+    /// Run the layer at stride 1, then blur with the layer's stride (the paper's order for
+    /// convolutions: at stride 2 the convolution costs four times as much).
+    Last,
+}
+
+/// What a convolution is, for surgery to decide whether to change it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvInfo {
+    /// The layer's path in the model (`blocks.3.conv1`), for logs and checkpoint records.
+    pub path: String,
+    /// Input channels.
+    pub in_channels: usize,
+    /// Output channels.
+    pub out_channels: usize,
+    /// Kernel rows and columns.
+    pub kernel: [usize; 2],
+    /// Stride along rows and columns.
+    pub stride: [usize; 2],
+    /// Channel groups.
+    pub groups: usize,
+}
+
+/// The variants a surgery-ready convolution can run. The default is the plain layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ConvVariant {
+    /// BlurPool's anti-aliasing, if applied.
+    pub blur: Option<Blur>,
+}
+
+/// What a max pool is, for surgery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolInfo {
+    /// The layer's path in the model.
+    pub path: String,
+    /// Window rows and columns.
+    pub kernel: [usize; 2],
+    /// Stride along rows and columns.
+    pub stride: [usize; 2],
+}
+
+/// The variants a surgery-ready max pool can run. The default is the plain layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PoolVariant {
+    /// BlurPool's anti-aliasing (the max at stride 1, then the blur with the pool's stride).
+    pub blur: bool,
+}
+
+/// What a batch norm is, for surgery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NormInfo {
+    /// The layer's path in the model.
+    pub path: String,
+    /// Channels normalised.
+    pub channels: usize,
+}
+
+/// The variants a surgery-ready batch norm can run. The default is the plain layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct NormVariant {
+    /// Ghost batch normalisation: training statistics over consecutive groups of this many
+    /// samples instead of the whole batch.
+    pub ghost_batch_size: Option<usize>,
+}
+
+/// A model whose convolutions surgery can change.
+pub trait ConvSurgery {
+    /// Calls `f` on every convolution, in module order.
+    fn for_each_conv(&mut self, f: &mut dyn FnMut(&ConvInfo, &mut ConvVariant));
+}
+
+/// A model whose max pools surgery can change.
+pub trait PoolSurgery {
+    /// Calls `f` on every max pool, in module order.
+    fn for_each_max_pool(&mut self, f: &mut dyn FnMut(&PoolInfo, &mut PoolVariant));
+}
+
+/// A model whose batch norms surgery can change.
+pub trait NormSurgery {
+    /// Calls `f` on every batch norm, in module order.
+    fn for_each_batch_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut NormVariant));
+}
+
+/// A model's surgery capabilities, asked at run time: what an algorithm chosen by name (the
+/// `--algorithms` list, when the program picks the model at run time too) uses, with a clear
+/// error at `INIT` where a capability is missing. Typed code bounds on the capability traits
+/// instead and gets the check from the compiler. Each method returns the model itself where
+/// it has that kind of layer.
+pub trait SurgeryModel {
+    /// The model's convolutions, if it has surgery-ready ones.
+    fn conv_surgery(&mut self) -> Option<&mut dyn ConvSurgery> {
+        None
+    }
+    /// The model's max pools, if it has surgery-ready ones.
+    fn pool_surgery(&mut self) -> Option<&mut dyn PoolSurgery> {
+        None
+    }
+    /// The model's batch norms, if it has surgery-ready ones.
+    fn norm_surgery(&mut self) -> Option<&mut dyn NormSurgery> {
+        None
+    }
+}
+
+/// What one surgery algorithm did to a model: its settings and the layers it changed, in
+/// module order. Saved as the algorithm's checkpoint state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SurgeryRecord {
+    /// The algorithm's settings as it describes them (its CLI form, for example
+    /// `blurpool:replace_convs=true:replace_maxpools=true:blur_first=true:min_channels=16`).
+    pub settings: String,
+    /// Paths of the layers changed.
+    pub layers: Vec<String>,
+}
+
+impl SurgeryRecord {
+    /// The record as checkpoint state.
+    pub fn to_value(&self) -> Value {
+        // Invariant: a struct of strings always serialises.
+        serde_json::to_value(self).expect("a surgery record serialises")
+    }
+}
+
+/// Compares the surgery record a checkpoint saved (`saved`, the algorithm's state) with what
+/// the algorithm did to this run's model (`applied`): an error naming both when they differ
+/// (other settings, or other layers changed: another model), or when the saved state is not
+/// a record at all.
+pub fn check_surgery_record(name: &str, saved: Value, applied: &SurgeryRecord) -> Result<()> {
+    let describe = |r: &SurgeryRecord| format!("{} on [{}]", r.settings, r.layers.join(", "));
+    let mismatch = |saved: String| CoreError::SurgeryMismatch {
+        algorithm: name.to_string(),
+        saved,
+        applied: describe(applied),
+    };
+    let saved: SurgeryRecord = serde_json::from_value(saved.clone())
+        .map_err(|e| mismatch(format!("{saved} (not a surgery record: {e})")))?;
+    if &saved == applied {
+        Ok(())
+    } else {
+        Err(mismatch(describe(&saved)))
+    }
+}

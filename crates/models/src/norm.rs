@@ -1,0 +1,216 @@
+//! Batch normalisation that runs in either memory format: [`BatchNorm`], with Burn's
+//! parameters, running statistics and record (`gamma`, `beta`, `running_mean`, `running_var`),
+//! so a model built with it loads the weights of one built with `burn::nn::BatchNorm`.
+//!
+//! Channels-first it makes Burn's own calls (bit for bit). Channels-last the channel is the
+//! last axis, so the statistics are means over the rows of the `[batch * height * width,
+//! channels]` matrix the activation already is, with no transposition.
+//!
+//! As in Burn (and unlike PyTorch), the running variance is updated with the biased batch
+//! variance, and training or evaluation is decided by the backend: an autodiff backend
+//! normalises with the batch's statistics and updates the running ones, its inner backend
+//! (evaluation, prediction) uses the running ones.
+//!
+//! **Ghost batch normalisation** (Hoffer, Hubara and Soudry, "Train longer, generalize
+//! better", 2017), the variant GhostBatchNorm's surgery selects: in training, the batch is cut
+//! into consecutive ghost batches of at most `ghost_batch_size` samples (as `torch.chunk`
+//! cuts: `k = ceil(n / size)` pieces of `ceil(n / k)`, the last one shorter), each
+//! normalised with its own statistics, and the running statistics move towards the mean of
+//! the ghost batches' means and variances, with the layer's momentum. Evaluation is
+//! unchanged. Composer instead runs its batch norm once per ghost batch with the momentum
+//! divided by their number (nearly the same average), and refuses a batch smaller than the
+//! ghost size; here such a batch is one ghost batch, the plain layer.
+
+use burn::module::{Module, Param, RunningState};
+use burn::nn::BatchNormConfig;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use flashover_core::surgery::{NormInfo, NormVariant};
+
+/// Batch normalisation over the channels of 4-D activations, NCHW or NHWC.
+#[derive(Module, Debug)]
+pub struct BatchNorm<B: Backend> {
+    /// Scale, `[channels]`.
+    pub gamma: Param<Tensor<B, 1>>,
+    /// Shift, `[channels]`.
+    pub beta: Param<Tensor<B, 1>>,
+    /// Running mean of the batch means, `[channels]`.
+    pub running_mean: RunningState<Tensor<B, 1>>,
+    /// Running mean of the (biased) batch variances, `[channels]`.
+    pub running_var: RunningState<Tensor<B, 1>>,
+    /// Weight of the newest batch in the running statistics.
+    pub momentum: f64,
+    /// Added to the variance before the square root.
+    pub epsilon: f64,
+    /// The variant model surgery chose (default: plain batch norm).
+    pub variant: NormVariant,
+}
+
+impl<B: Backend> BatchNorm<B> {
+    /// The layer `config` describes, initialised as Burn initialises its own (scale 1,
+    /// shift 0, running mean 0, running variance 1).
+    pub fn new(config: &BatchNormConfig, device: &B::Device) -> Self {
+        config.init::<B>(device).into()
+    }
+
+    /// Channels.
+    pub fn channels(&self) -> usize {
+        self.gamma.dims()[0]
+    }
+
+    /// What the model's surgery sees of this layer, at `path`.
+    pub fn info(&self, path: &str) -> NormInfo {
+        NormInfo {
+            path: path.to_string(),
+            channels: self.channels(),
+        }
+    }
+
+    /// `x` normalised over its channels: axis 1 of NCHW, or axis 3 of NHWC when
+    /// `channels_last`.
+    pub fn forward(&self, x: Tensor<B, 4>, channels_last: bool) -> Tensor<B, 4> {
+        let training = B::ad_enabled(&x.device());
+        let c = self.channels();
+        let dims = x.dims();
+        let (axis, shape) = if channels_last {
+            (3, [1, 1, 1, c])
+        } else {
+            (1, [1, c, 1, 1])
+        };
+        assert_eq!(
+            dims[axis], c,
+            "BatchNorm over {c} channels given activations {dims:?} (channels_last: {channels_last})"
+        );
+        let stats = |x: Tensor<B, 4>| {
+            if channels_last {
+                batch_stats_nhwc(x)
+            } else {
+                batch_stats_nchw(x)
+            }
+        };
+        let n = dims[0];
+        if let (true, Some(ghost)) = (training, self.variant.ghost_batch_size) {
+            if n > ghost {
+                return self.forward_ghost(x, ghost, shape, stats);
+            }
+        }
+        let (mean, var) = if training {
+            let (mean, var) = stats(x.clone());
+            self.update_running(mean.clone(), var.clone());
+            (mean.reshape(shape), var.reshape(shape))
+        } else {
+            let device = x.device();
+            (
+                self.running_mean.value().to_device(&device).reshape(shape),
+                self.running_var.value().to_device(&device).reshape(shape),
+            )
+        };
+        self.normalise(x, mean, var, shape)
+    }
+
+    /// Ghost batch normalisation in training (see the module docs).
+    fn forward_ghost(
+        &self,
+        x: Tensor<B, 4>,
+        ghost: usize,
+        shape: [usize; 4],
+        stats: impl Fn(Tensor<B, 4>) -> (Tensor<B, 1>, Tensor<B, 1>),
+    ) -> Tensor<B, 4> {
+        let n = x.dims()[0];
+        let size = n.div_ceil(n.div_ceil(ghost.max(1)));
+        let mut outputs = Vec::new();
+        let (mut means, mut vars) = (Vec::new(), Vec::new());
+        for start in (0..n).step_by(size) {
+            let part = x.clone().narrow(0, start, size.min(n - start));
+            let (mean, var) = stats(part.clone());
+            means.push(mean.clone());
+            vars.push(var.clone());
+            outputs.push(self.normalise(part, mean.reshape(shape), var.reshape(shape), shape));
+        }
+        let k = means.len() as f64;
+        let average = |v: Vec<Tensor<B, 1>>| {
+            v.into_iter()
+                .reduce(|a, b| a.add(b))
+                .map(|s| s.div_scalar(k))
+        };
+        // Invariant: `n > ghost >= 1`, so there is at least one ghost batch.
+        let mean = average(means).expect("at least one ghost batch");
+        // Invariant: as many variances as means.
+        let var = average(vars).expect("at least one ghost batch");
+        self.update_running(mean, var);
+        Tensor::cat(outputs, 0)
+    }
+
+    /// Folds one batch's statistics (`[channels]` each) into the running ones.
+    fn update_running(&self, mean: Tensor<B, 1>, var: Tensor<B, 1>) {
+        let device = mean.device();
+        let m = self.momentum;
+        let running_mean = self.running_mean.value_sync().to_device(&device);
+        let running_var = self.running_var.value_sync().to_device(&device);
+        let running_mean = running_mean
+            .mul_scalar(1.0 - m)
+            .add(mean.detach().mul_scalar(m));
+        let running_var = running_var
+            .mul_scalar(1.0 - m)
+            .add(var.detach().mul_scalar(m));
+        self.running_mean.update(running_mean.detach());
+        self.running_var.update(running_var.detach());
+        // Fold the update in now. Burn's `RunningState` keeps it pending until the next
+        // `value_sync`, and a module visitor (the checkpoint writer, the parameter digest,
+        // EMA) reads the value without the pending update: a checkpoint would hold the
+        // statistics of one batch before, and a resumed run would differ. Each model copy
+        // has its own running state (one per rank), so nothing waits to be averaged here.
+        let _ = self.running_mean.value_sync();
+        let _ = self.running_var.value_sync();
+    }
+
+    /// `(x - mean) / sqrt(var + epsilon) * gamma + beta`, in Burn's order of operations.
+    fn normalise(
+        &self,
+        x: Tensor<B, 4>,
+        mean: Tensor<B, 4>,
+        var: Tensor<B, 4>,
+        shape: [usize; 4],
+    ) -> Tensor<B, 4> {
+        let std = var.add_scalar(self.epsilon).sqrt();
+        x.sub(mean)
+            .div(std)
+            .mul(self.gamma.val().reshape(shape))
+            .add(self.beta.val().reshape(shape))
+    }
+}
+
+/// Burn's layer, parameters (and their ids) and running statistics included, as this crate's.
+impl<B: Backend> From<burn::nn::BatchNorm<B>> for BatchNorm<B> {
+    fn from(n: burn::nn::BatchNorm<B>) -> Self {
+        Self {
+            gamma: n.gamma,
+            beta: n.beta,
+            running_mean: n.running_mean,
+            running_var: n.running_var,
+            momentum: n.momentum,
+            epsilon: n.epsilon,
+            variant: NormVariant::default(),
+        }
+    }
+}
+
+/// Per-channel mean and biased variance of NCHW `x`, `[channels]` each, computed as Burn's
+/// `BatchNorm` computes them (channels moved first, then a mean over each row).
+pub fn batch_stats_nchw<B: Backend>(x: Tensor<B, 4>) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let [n, c, h, w] = x.dims();
+    let rows = |t: Tensor<B, 4>| t.swap_dims(0, 1).reshape([c, n * h * w]).mean_dim(1);
+    let mean = rows(x.clone()).reshape([1, c, 1, 1]);
+    let var = rows(x.sub(mean.clone()).square());
+    (mean.reshape([c]), var.reshape([c]))
+}
+
+/// Per-channel mean and biased variance of NHWC `x`, `[channels]` each: column means of the
+/// `[n * h * w, c]` matrix, no transposition.
+pub fn batch_stats_nhwc<B: Backend>(x: Tensor<B, 4>) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let [n, h, w, c] = x.dims();
+    let flat = x.reshape([n * h * w, c]);
+    let mean = flat.clone().mean_dim(0);
+    let var = flat.sub(mean.clone()).square().mean_dim(0);
+    (mean.reshape([c]), var.reshape([c]))
+}

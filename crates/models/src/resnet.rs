@@ -1,0 +1,385 @@
+//! Residual networks for small images (He et al., "Deep Residual Learning for Image
+//! Recognition", 2016), built from this crate's layers so that they run channels-first on
+//! Burn's kernels or channels-last on the fast path with the same parameters.
+//!
+//! - [`ResNetConfig::cifar`]: the paper's CIFAR family (section 4.2): a 3x3 stem convolution,
+//!   three stages of `n` basic blocks at widths `w, 2w, 4w` (the paper: `w = 16`), the last two
+//!   starting with a stride-2 block, global average pooling and one linear classifier; `6n +
+//!   2` layers (ResNet-20: `n = 3`, ResNet-56: `n = 9`).
+//! - [`ResNetConfig::resnet18`]: the ImageNet ResNet-18's four stages of two basic blocks at
+//!   `w, 2w, 4w, 8w` (`w = 64`) with the small-image stem (a 3x3 convolution, no max pool)
+//!   common for 32x32 inputs.
+//!
+//! A basic block is `relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x))`. Where a block
+//! changes the width or the resolution its shortcut is a 1x1 strided convolution with batch
+//! norm (the paper's option B); the paper's CIFAR runs used option A (zero-padded identity),
+//! which has no parameters; we use B in every stage for one shortcut kind across the family,
+//! as torchvision and Composer's CIFAR ResNets do. Convolutions before a batch norm have no
+//! bias. Initialisation is Burn's default for each layer (PyTorch's), drawn from the model's
+//! seed in field order.
+
+use burn::module::Module;
+use burn::nn::conv::Conv2dConfig;
+use burn::nn::{BatchNormConfig, LinearConfig, PaddingConfig2d};
+use burn::tensor::activation::relu;
+use burn::tensor::backend::Backend;
+use burn::tensor::Tensor;
+use flashover_core::loss::{classification_loss, cross_entropy};
+use flashover_core::model::{
+    ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
+};
+use flashover_core::params::init_model;
+use flashover_core::surgery::{
+    ConvInfo, ConvSurgery, ConvVariant, NormInfo, NormSurgery, NormVariant, PoolInfo, PoolSurgery,
+    PoolVariant, SurgeryModel,
+};
+
+use crate::layers::{Conv2d, Linear};
+use crate::norm::BatchNorm;
+use crate::ops::ChannelsLastBackend;
+use crate::{channels_last, TrainBackend};
+
+/// The shape of a [`ResNet`]: stages of basic blocks, their widths, the input channels and
+/// the classes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResNetConfig {
+    /// Basic blocks per stage.
+    pub blocks: Vec<usize>,
+    /// Output channels of each stage; the first stage keeps the stem's width and resolution,
+    /// every later one halves the resolution in its first block.
+    pub widths: Vec<usize>,
+    /// Channels of the input images.
+    pub in_channels: usize,
+    /// Classes (outputs of the classifier).
+    pub classes: usize,
+}
+
+impl ResNetConfig {
+    /// The CIFAR ResNet of `depth = 6n + 2` layers (20, 32, 44, 56, 110, ...) with stage
+    /// widths `base_width`, twice and four times that (the paper: 16).
+    pub fn cifar(depth: usize, base_width: usize) -> Result<Self, String> {
+        if depth < 8 || !(depth - 2).is_multiple_of(6) {
+            return Err(format!(
+                "a CIFAR ResNet has 6n + 2 layers (20, 32, 44, 56, 110, ...), not {depth}"
+            ));
+        }
+        if base_width == 0 {
+            return Err("the base width must be at least 1".into());
+        }
+        let n = (depth - 2) / 6;
+        Ok(Self {
+            blocks: vec![n; 3],
+            widths: vec![base_width, 2 * base_width, 4 * base_width],
+            in_channels: 1,
+            classes: 10,
+        })
+    }
+
+    /// ResNet-18's stages (two basic blocks each at `base_width` times 1, 2, 4 and 8; the
+    /// original: 64) with the small-image stem.
+    pub fn resnet18(base_width: usize) -> Result<Self, String> {
+        if base_width == 0 {
+            return Err("the base width must be at least 1".into());
+        }
+        Ok(Self {
+            blocks: vec![2; 4],
+            widths: (0..4).map(|i| base_width << i).collect(),
+            in_channels: 1,
+            classes: 10,
+        })
+    }
+
+    /// The same network for `in_channels` input channels and `classes` classes.
+    pub fn with_io(mut self, in_channels: usize, classes: usize) -> Self {
+        self.in_channels = in_channels;
+        self.classes = classes;
+        self
+    }
+
+    /// Layers with weights on the main path (the convolutions outside shortcuts and the
+    /// classifier): `2 * blocks + 2`, the number in the family's names.
+    pub fn depth(&self) -> usize {
+        2 * self.blocks.iter().sum::<usize>() + 2
+    }
+
+    /// A model with this shape, its parameters drawn in field order from a generator seeded
+    /// by `seed`.
+    pub fn init<B: Backend>(&self, device: &B::Device, seed: u64) -> ResNet<B> {
+        assert!(
+            !self.blocks.is_empty()
+                && self.blocks.len() == self.widths.len()
+                && self.blocks.iter().all(|&b| b > 0)
+                && self.widths.iter().all(|&w| w > 0)
+                && self.in_channels > 0
+                && self.classes > 0,
+            "not a valid ResNet shape: {self:?}"
+        );
+        init_model::<B, _>(device, seed, |d| {
+            let stem_width = self.widths[0];
+            let mut blocks = Vec::new();
+            let mut width = stem_width;
+            for (stage, (&n, &out)) in self.blocks.iter().zip(&self.widths).enumerate() {
+                for i in 0..n {
+                    let stride = if stage > 0 && i == 0 { 2 } else { 1 };
+                    blocks.push(BasicBlock::new(width, out, stride, d));
+                    width = out;
+                }
+            }
+            ResNet {
+                stem: conv3x3(self.in_channels, stem_width, 1, d),
+                stem_norm: batch_norm(stem_width, d),
+                blocks,
+                head: Linear::new(&LinearConfig::new(width, self.classes), d),
+                format: MemoryFormat::Auto,
+            }
+        })
+    }
+}
+
+fn conv3x3<B: Backend>(c_in: usize, c_out: usize, stride: usize, d: &B::Device) -> Conv2d<B> {
+    Conv2d::new(
+        &Conv2dConfig::new([c_in, c_out], [3, 3])
+            .with_stride([stride, stride])
+            .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1))
+            .with_bias(false),
+        d,
+    )
+}
+
+fn batch_norm<B: Backend>(channels: usize, d: &B::Device) -> BatchNorm<B> {
+    BatchNorm::new(&BatchNormConfig::new(channels), d)
+}
+
+/// The 1x1 strided convolution and batch norm of a shortcut that changes width or size.
+#[derive(Module, Debug)]
+pub struct Projection<B: Backend> {
+    /// 1x1 convolution, no bias.
+    pub conv: Conv2d<B>,
+    /// Its batch norm.
+    pub norm: BatchNorm<B>,
+}
+
+/// Two 3x3 convolutions with batch norm and a shortcut.
+#[derive(Module, Debug)]
+pub struct BasicBlock<B: Backend> {
+    /// First 3x3 convolution (strided when the block halves the resolution).
+    pub conv1: Conv2d<B>,
+    /// Its batch norm.
+    pub norm1: BatchNorm<B>,
+    /// Second 3x3 convolution.
+    pub conv2: Conv2d<B>,
+    /// Its batch norm.
+    pub norm2: BatchNorm<B>,
+    /// The projection when the block changes width or resolution, else the identity.
+    pub shortcut: Option<Projection<B>>,
+}
+
+impl<B: Backend> BasicBlock<B> {
+    fn new(c_in: usize, c_out: usize, stride: usize, d: &B::Device) -> Self {
+        let shortcut = (stride != 1 || c_in != c_out).then(|| Projection {
+            conv: Conv2d::new(
+                &Conv2dConfig::new([c_in, c_out], [1, 1])
+                    .with_stride([stride, stride])
+                    .with_padding(PaddingConfig2d::Valid)
+                    .with_bias(false),
+                d,
+            ),
+            norm: batch_norm(c_out, d),
+        });
+        Self {
+            conv1: conv3x3(c_in, c_out, stride, d),
+            norm1: batch_norm(c_out, d),
+            conv2: conv3x3(c_out, c_out, 1, d),
+            norm2: batch_norm(c_out, d),
+            shortcut,
+        }
+    }
+}
+
+impl<B: ChannelsLastBackend> BasicBlock<B> {
+    /// The block on `x` (NHWC when `nhwc`).
+    pub fn forward(&self, x: Tensor<B, 4>, nhwc: bool) -> Tensor<B, 4> {
+        let y = relu(
+            self.norm1
+                .forward(self.conv1.forward(x.clone(), nhwc, false), nhwc),
+        );
+        let y = self.norm2.forward(self.conv2.forward(y, nhwc, false), nhwc);
+        let shortcut = match &self.shortcut {
+            Some(p) => p.norm.forward(p.conv.forward(x, nhwc, false), nhwc),
+            None => x,
+        };
+        relu(y.add(shortcut))
+    }
+}
+
+/// A residual network (see the module docs), generic over the backend.
+#[derive(Module, Debug)]
+pub struct ResNet<B: Backend> {
+    /// 3x3 stem convolution.
+    pub stem: Conv2d<B>,
+    /// Its batch norm.
+    pub stem_norm: BatchNorm<B>,
+    /// The basic blocks, stage after stage.
+    pub blocks: Vec<BasicBlock<B>>,
+    /// The classifier on the globally averaged features.
+    pub head: Linear<B>,
+    format: MemoryFormat,
+}
+
+impl<B: Backend> ResNet<B> {
+    /// Floating-point operations of one forward pass on one `h x w` image, counting a
+    /// multiply-add as two: the convolutions and the classifier (batch norm, ReLU, additions
+    /// and pooling, about 1% here, left out).
+    pub fn forward_flops(&self, h: usize, w: usize) -> f64 {
+        fn conv<B: Backend>(c: &Conv2d<B>, (h, w): (usize, usize)) -> (f64, (usize, usize)) {
+            let [o, i, kh, kw] = c.weight.dims();
+            let (s0, s1) = (c.stride[0], c.stride[1]);
+            let pad = |k: usize| k / 2; // 'same'-style padding of the 1x1 and 3x3 kernels here
+            let out = (
+                (h + 2 * pad(kh) - kh) / s0 + 1,
+                (w + 2 * pad(kw) - kw) / s1 + 1,
+            );
+            let flops = 2.0 * (o * i * kh * kw) as f64 * (out.0 * out.1) as f64;
+            (flops, out)
+        }
+        let (mut total, mut size) = conv(&self.stem, (h, w));
+        for b in &self.blocks {
+            let (f1, s1) = conv(&b.conv1, size);
+            let (f2, s2) = conv(&b.conv2, s1);
+            total += f1 + f2;
+            if let Some(p) = &b.shortcut {
+                total += conv(&p.conv, size).0;
+            }
+            size = s2;
+        }
+        let [i, o] = self.head.weight.dims();
+        total + 2.0 * (i * o) as f64
+    }
+}
+
+impl<B: ChannelsLastBackend> ResNet<B> {
+    /// Logits `[batch, classes]` for images `[batch, channels, height, width]` of any size
+    /// (the features are averaged over whatever resolution remains).
+    pub fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
+        let nhwc = channels_last::<B>(self.format);
+        let x = match (nhwc, images.dims()) {
+            (false, _) => images,
+            (true, [n, 1, h, w]) => images.reshape([n, h, w, 1]),
+            (true, _) => images.permute([0, 2, 3, 1]),
+        };
+        let mut x = relu(
+            self.stem_norm
+                .forward(self.stem.forward(x, nhwc, false), nhwc),
+        );
+        for block in &self.blocks {
+            x = block.forward(x, nhwc);
+        }
+        // Global average pooling to [batch, channels].
+        let features = if nhwc {
+            let [n, h, w, c] = x.dims();
+            x.reshape([n, h * w, c]).mean_dim(1).reshape([n, c])
+        } else {
+            let [n, c, h, w] = x.dims();
+            x.reshape([n, c, h * w]).mean_dim(2).reshape([n, c])
+        };
+        self.head.forward(features, nhwc, false)
+    }
+}
+
+impl<B: Backend> HasMemoryFormat for ResNet<B> {
+    fn memory_format(&self) -> MemoryFormat {
+        self.format
+    }
+
+    fn with_memory_format(mut self, format: MemoryFormat) -> Self {
+        self.format = format;
+        self
+    }
+}
+
+impl<B: TrainBackend> TrainModel<B> for ResNet<B> {
+    type Batch = ClassificationBatch<B, 4>;
+    type Output = Tensor<B, 2>;
+
+    fn forward(&self, batch: &Self::Batch) -> Tensor<B, 2> {
+        self.logits(batch.inputs.clone())
+    }
+
+    fn loss(&self, logits: &Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
+        classification_loss(logits.clone(), batch)
+    }
+
+    /// Forward plus backward (about three forward passes) on the main job's 28x28 digits; the
+    /// trait asks for one figure per sample, whatever the batch's image size.
+    fn flops_per_sample(&self) -> Option<f64> {
+        Some(3.0 * self.forward_flops(28, 28))
+    }
+}
+
+impl<B: ChannelsLastBackend> EvalModel<B> for ResNet<B> {
+    type Batch = ClassificationBatch<B, 4>;
+    type Output = ClassificationOutput<B>;
+
+    fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
+        let logits = self.logits(batch.inputs.clone());
+        let loss = cross_entropy(logits.clone(), batch.targets.clone());
+        ClassificationOutput {
+            loss,
+            logits,
+            targets: batch.targets.clone(),
+        }
+    }
+}
+
+/// Surgery (`flashover_core::surgery`) reaches every convolution (the stem, each block's two
+/// and each projection) and every batch norm, in module order, with their paths in the
+/// model's record (`blocks.3.conv1`). The ResNet has no max pool: BlurPool blurs its strided
+/// convolutions only.
+impl<B: Backend> ConvSurgery for ResNet<B> {
+    fn for_each_conv(&mut self, f: &mut dyn FnMut(&ConvInfo, &mut ConvVariant)) {
+        let mut visit =
+            |conv: &mut Conv2d<B>, path: String| f(&conv.info(&path), &mut conv.variant);
+        visit(&mut self.stem, "stem".into());
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            visit(&mut b.conv1, format!("blocks.{i}.conv1"));
+            visit(&mut b.conv2, format!("blocks.{i}.conv2"));
+            if let Some(p) = &mut b.shortcut {
+                visit(&mut p.conv, format!("blocks.{i}.shortcut.conv"));
+            }
+        }
+    }
+}
+
+impl<B: Backend> PoolSurgery for ResNet<B> {
+    /// None: these ResNets downsample with strided convolutions only.
+    fn for_each_max_pool(&mut self, _f: &mut dyn FnMut(&PoolInfo, &mut PoolVariant)) {}
+}
+
+impl<B: Backend> NormSurgery for ResNet<B> {
+    fn for_each_batch_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut NormVariant)) {
+        let mut visit =
+            |norm: &mut BatchNorm<B>, path: String| f(&norm.info(&path), &mut norm.variant);
+        visit(&mut self.stem_norm, "stem_norm".into());
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            visit(&mut b.norm1, format!("blocks.{i}.norm1"));
+            visit(&mut b.norm2, format!("blocks.{i}.norm2"));
+            if let Some(p) = &mut b.shortcut {
+                visit(&mut p.norm, format!("blocks.{i}.shortcut.norm"));
+            }
+        }
+    }
+}
+
+impl<B: Backend> SurgeryModel for ResNet<B> {
+    fn conv_surgery(&mut self) -> Option<&mut dyn ConvSurgery> {
+        Some(self)
+    }
+
+    fn pool_surgery(&mut self) -> Option<&mut dyn PoolSurgery> {
+        Some(self)
+    }
+
+    fn norm_surgery(&mut self) -> Option<&mut dyn NormSurgery> {
+        Some(self)
+    }
+}

@@ -1,0 +1,522 @@
+//! Batch norm and the ResNets: batch norm against values worked out by hand and against
+//! Burn's `BatchNorm` (channels-first bit for bit, channels-last within a tolerance: the same
+//! means summed in another order), running statistics in training and their use in
+//! evaluation; the ResNet family's shapes, parameter counts from the paper's layer list,
+//! FLOPs, and channels-last against channels-first on the same parameters.
+//!
+//! Tolerance (1e-4 absolute on values of order 1): both layouts compute the same f32 means of
+//! a few hundred to a few thousand terms in different orders; a wrong axis or a missing term
+//! changes results by order 0.1.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{AutodiffModule, Module};
+use burn::nn::BatchNormConfig;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use flashover_core::model::{HasMemoryFormat, MemoryFormat};
+use flashover_models::norm::BatchNorm;
+use flashover_models::{ResNet, ResNetConfig};
+
+type B = Flex;
+type AB = Autodiff<Flex>;
+
+const TOL: f32 = 1e-4;
+
+/// Values uniform in [-1, 1) from `seed` alone (SplitMix64).
+fn random<Bk: Backend, const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Bk, D> {
+    let n: usize = shape.iter().product();
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, shape), &Default::default())
+}
+
+fn values<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
+    t.into_data().to_vec::<f32>().unwrap()
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= TOL, "{what}: worst difference {worst}");
+}
+
+fn nchw_to_nhwc<Bk: Backend>(x: Tensor<Bk, 4>) -> Tensor<Bk, 4> {
+    x.permute([0, 2, 3, 1])
+}
+
+#[test]
+fn batch_norm_matches_the_formula_by_hand() {
+    // One channel, values 1, 2, 3, 4 over a 2x2 image: mean 2.5, biased variance 1.25.
+    let device = Default::default();
+    let norm = BatchNorm::<AB>::new(&BatchNormConfig::new(1), &device);
+    let x = Tensor::<AB, 4>::from_data(
+        TensorData::new(vec![1.0f32, 2.0, 3.0, 4.0], [1, 1, 2, 2]),
+        &device,
+    );
+    let y = values(norm.forward(x, false));
+    let sd = (1.25f64 + 1e-5).sqrt();
+    let want: Vec<f32> = [1.0, 2.0, 3.0, 4.0]
+        .iter()
+        .map(|v| ((v - 2.5) / sd) as f32)
+        .collect();
+    assert_close(&y, &want, "normalised values");
+    // Running statistics: 0.9 * (0, 1) + 0.1 * (2.5, 1.25).
+    assert_close(
+        &values(norm.running_mean.value_sync()),
+        &[0.25],
+        "running mean",
+    );
+    assert_close(
+        &values(norm.running_var.value_sync()),
+        &[1.025],
+        "running variance",
+    );
+    // Evaluation (the inner backend) normalises with the running statistics.
+    let eval = norm.valid();
+    let x = Tensor::<B, 4>::from_data(
+        TensorData::new(vec![1.0f32, 2.0, 3.0, 4.0], [1, 1, 2, 2]),
+        &device,
+    );
+    let sd = (1.025f64 + 1e-5).sqrt();
+    let want: Vec<f32> = [1.0, 2.0, 3.0, 4.0]
+        .iter()
+        .map(|v| ((v - 0.25) / sd) as f32)
+        .collect();
+    assert_close(&values(eval.forward(x, false)), &want, "evaluation");
+}
+
+#[test]
+fn batch_norm_channels_first_is_burns_bit_for_bit_and_channels_last_agrees() {
+    let device = Default::default();
+    for (shape, seed) in [([4, 3, 5, 5], 1u64), ([2, 7, 3, 4], 2), ([1, 1, 6, 1], 3)] {
+        // Three layers with the same initial values (a clone would share running state).
+        let config = BatchNormConfig::new(shape[1]).with_momentum(0.3);
+        let burn_norm = config.init::<AB>(&device);
+        let ours: BatchNorm<AB> = config.init::<AB>(&device).into();
+        let ours_nhwc = BatchNorm::<AB>::new(&config, &device);
+        for step in 0..3 {
+            // One leaf per graph (a backward pass frees the graph it walks).
+            let x = random::<AB, 4>(shape, seed * 10 + step).require_grad();
+            let x_ours = random::<AB, 4>(shape, seed * 10 + step).require_grad();
+            let w = random::<AB, 4>(shape, seed * 10 + step + 5);
+            let want = burn_norm.forward(x.clone());
+            let got = ours.forward(x_ours.clone(), false);
+            assert_eq!(
+                values(got.clone()),
+                values(want.clone()),
+                "forward {shape:?}"
+            );
+            let x_cl = Tensor::<AB, 4>::from_data(nchw_to_nhwc(x.clone()).into_data(), &device)
+                .require_grad();
+            let got_cl = ours_nhwc.forward(x_cl.clone(), true);
+            assert_close(
+                &values(got_cl.clone().permute([0, 3, 1, 2])),
+                &values(want.clone()),
+                "channels-last forward",
+            );
+            // Gradients of a weighted sum, against Burn's.
+            let g_want = want.mul(w.clone()).sum().backward();
+            let g_ours = got.mul(w.clone()).sum().backward();
+            let g_cl = got_cl.mul(nchw_to_nhwc(w)).sum().backward();
+            let gx = |g: &_, t: &Tensor<AB, 4>| values(t.grad(g).unwrap());
+            assert_eq!(
+                gx(&g_ours, &x_ours),
+                gx(&g_want, &x),
+                "input gradient {shape:?}"
+            );
+            let gx_cl = Tensor::<B, 4>::from_data(
+                TensorData::new(gx(&g_cl, &x_cl), [shape[0], shape[2], shape[3], shape[1]]),
+                &device,
+            );
+            assert_close(
+                &values(gx_cl.permute([0, 3, 1, 2])),
+                &gx(&g_want, &x),
+                "channels-last input gradient",
+            );
+            for (name, p, q, r) in [
+                ("gamma", &ours.gamma, &burn_norm.gamma, &ours_nhwc.gamma),
+                ("beta", &ours.beta, &burn_norm.beta, &ours_nhwc.beta),
+            ] {
+                let a = values(p.val().grad(&g_ours).unwrap());
+                let b = values(q.val().grad(&g_want).unwrap());
+                assert_eq!(a, b, "{name} gradient {shape:?}");
+                assert_close(&values(r.val().grad(&g_cl).unwrap()), &b, name);
+            }
+        }
+        assert_eq!(
+            values(ours.running_mean.value_sync()),
+            values(burn_norm.running_mean.value_sync())
+        );
+        assert_eq!(
+            values(ours.running_var.value_sync()),
+            values(burn_norm.running_var.value_sync())
+        );
+        assert_close(
+            &values(ours_nhwc.running_var.value_sync()),
+            &values(burn_norm.running_var.value_sync()),
+            "channels-last running variance",
+        );
+        // Evaluation on the inner backend, both layouts.
+        let x = random::<B, 4>(shape, seed + 99);
+        let want = values(burn_norm.valid().forward(x.clone()));
+        assert_eq!(values(ours.valid().forward(x.clone(), false)), want);
+        assert_close(
+            &values(
+                ours_nhwc
+                    .valid()
+                    .forward(nchw_to_nhwc(x), true)
+                    .permute([0, 3, 1, 2]),
+            ),
+            &want,
+            "channels-last evaluation",
+        );
+    }
+}
+
+#[test]
+#[should_panic(expected = "BatchNorm over 3 channels")]
+fn batch_norm_names_the_shape_it_cannot_take() {
+    let norm = BatchNorm::<B>::new(&BatchNormConfig::new(3), &Default::default());
+    norm.forward(random::<B, 4>([2, 4, 3, 3], 1), false);
+}
+
+/// Trainable weights of a CIFAR-style ResNet with projection shortcuts, from the layer list
+/// (a 3x3 stem, per block two 3x3 convolutions and two batch norms of 2 parameters per
+/// channel, a 1x1 convolution and a batch norm where the block changes width or size, the
+/// classifier), and the batch norms' channels.
+fn parameter_count(
+    blocks: &[usize],
+    widths: &[usize],
+    in_c: usize,
+    classes: usize,
+) -> (usize, usize) {
+    let mut total = 9 * in_c * widths[0] + 2 * widths[0];
+    let mut norm_channels = widths[0];
+    let mut c = widths[0];
+    for (stage, (&n, &w)) in blocks.iter().zip(widths).enumerate() {
+        for i in 0..n {
+            total += 9 * c * w + 9 * w * w + 4 * w;
+            norm_channels += 2 * w;
+            if (stage > 0 && i == 0) || c != w {
+                total += c * w + 2 * w;
+                norm_channels += w;
+            }
+            c = w;
+        }
+    }
+    (total + c * classes + classes, norm_channels)
+}
+
+/// Burn's `num_params` counts the running mean and variance of each batch norm too.
+fn trainable(model: &ResNet<B>, norm_channels: usize) -> usize {
+    model.num_params() - 2 * norm_channels
+}
+
+#[test]
+fn the_family_has_the_papers_shapes() {
+    let device = Default::default();
+    let r20 = ResNetConfig::cifar(20, 16).unwrap();
+    assert_eq!(
+        (r20.blocks.clone(), r20.widths.clone(), r20.depth()),
+        (vec![3; 3], vec![16, 32, 64], 20)
+    );
+    let r56 = ResNetConfig::cifar(56, 16).unwrap();
+    assert_eq!((r56.blocks.clone(), r56.depth()), (vec![9; 3], 56));
+    let r18 = ResNetConfig::resnet18(64).unwrap();
+    assert_eq!(
+        (r18.widths.clone(), r18.depth()),
+        (vec![64, 128, 256, 512], 18)
+    );
+    for bad in [19, 2, 0, 21] {
+        let err = ResNetConfig::cifar(bad, 16).unwrap_err();
+        assert!(
+            err.contains(&bad.to_string()) && err.contains("6n + 2"),
+            "{err}"
+        );
+    }
+    assert!(ResNetConfig::cifar(20, 0).is_err() && ResNetConfig::resnet18(0).is_err());
+    for config in [
+        r20.clone(),
+        r56,
+        ResNetConfig::resnet18(8).unwrap(),
+        r20.with_io(3, 100),
+    ] {
+        let model: ResNet<B> = config.init(&device, 7);
+        let (weights, norm_channels) = parameter_count(
+            &config.blocks,
+            &config.widths,
+            config.in_channels,
+            config.classes,
+        );
+        assert_eq!(trainable(&model, norm_channels), weights, "{config:?}");
+        assert_eq!(model.blocks.len(), config.blocks.iter().sum::<usize>());
+    }
+    // ResNet-20 on 3-channel 32x32 images: the paper's 0.27M parameters (with option A
+    // shortcuts; B adds the two 1x1 projections and their norms, 512 + 64 + 2048 + 128).
+    let config = ResNetConfig::cifar(20, 16).unwrap().with_io(3, 10);
+    let cifar: ResNet<B> = config.init(&device, 1);
+    let (_, norm_channels) = parameter_count(&config.blocks, &config.widths, 3, 10);
+    assert_eq!(
+        trainable(&cifar, norm_channels),
+        269_722 + 512 + 64 + 2048 + 128
+    );
+}
+
+#[test]
+fn flops_follow_the_layer_list() {
+    let model: ResNet<B> = ResNetConfig::cifar(20, 16)
+        .unwrap()
+        .init(&Default::default(), 1);
+    // 28x28 digits: stem at 28x28, stage 1 at 28x28, stages 2 and 3 at 14x14 and 7x7.
+    let conv = |o: usize, i: usize, k: usize, hw: usize| 2.0 * (o * i * k * k * hw * hw) as f64;
+    let mut want = conv(16, 1, 3, 28) + 6.0 * conv(16, 16, 3, 28);
+    want += conv(32, 16, 3, 14) + 5.0 * conv(32, 32, 3, 14) + conv(32, 16, 1, 14);
+    want += conv(64, 32, 3, 7) + 5.0 * conv(64, 64, 3, 7) + conv(64, 32, 1, 7);
+    want += 2.0 * 64.0 * 10.0;
+    assert_eq!(model.forward_flops(28, 28), want);
+}
+
+#[test]
+fn channels_last_computes_what_channels_first_does_on_the_same_parameters() {
+    let device = Default::default();
+    let config = ResNetConfig::resnet18(4).unwrap().with_io(3, 5);
+    let first: ResNet<AB> = config
+        .init::<AB>(&device, 3)
+        .with_memory_format(MemoryFormat::ChannelsFirst);
+    let last: ResNet<AB> = config
+        .init::<AB>(&device, 3)
+        .with_memory_format(MemoryFormat::ChannelsLast);
+    for (size, seed) in [(28usize, 1u64), (17, 2)] {
+        let x = random::<AB, 4>([3, 3, size, size], seed);
+        let a = first.logits(x.clone());
+        let b = last.logits(x);
+        assert_eq!(a.dims(), [3, 5]);
+        assert_close(&values(b.clone()), &values(a.clone()), "logits");
+        // Gradients of the stem's weights through the whole network.
+        let ga = a.sum().backward();
+        let gb = b.sum().backward();
+        assert_close(
+            &values(last.stem.weight.val().grad(&gb).unwrap()),
+            &values(first.stem.weight.val().grad(&ga).unwrap()),
+            "stem weight gradient",
+        );
+    }
+    // Evaluation: running statistics were updated identically (within rounding).
+    let x = random::<B, 4>([2, 3, 28, 28], 9);
+    assert_close(
+        &values(last.valid().logits(x.clone())),
+        &values(first.valid().logits(x)),
+        "evaluation logits",
+    );
+}
+
+/// BlurPool's filter by its definition, in f64, NCHW: each channel convolved with
+/// `[1, 2, 1]^T [1, 2, 1] / 16`, zero padding 1, at `stride`.
+fn naive_blur(x: &[f32], [n, c, h, w]: [usize; 4], stride: usize) -> (Vec<f64>, [usize; 4]) {
+    let taps = [1.0, 2.0, 1.0];
+    let (oh, ow) = ((h - 1) / stride + 1, (w - 1) / stride + 1);
+    let mut out = vec![0.0; n * c * oh * ow];
+    for b in 0..n {
+        for ch in 0..c {
+            for i in 0..oh {
+                for j in 0..ow {
+                    let mut acc = 0.0;
+                    for (di, ti) in taps.iter().enumerate() {
+                        for (dj, tj) in taps.iter().enumerate() {
+                            let (y, xx) = (
+                                (i * stride + di) as isize - 1,
+                                (j * stride + dj) as isize - 1,
+                            );
+                            if y >= 0 && xx >= 0 && (y as usize) < h && (xx as usize) < w {
+                                let v = x[((b * c + ch) * h + y as usize) * w + xx as usize] as f64;
+                                acc += ti * tj / 16.0 * v;
+                            }
+                        }
+                    }
+                    out[((b * c + ch) * oh + i) * ow + j] = acc;
+                }
+            }
+        }
+    }
+    (out, [n, c, oh, ow])
+}
+
+fn assert_close_f64(got: &[f32], want: &[f64], what: &str) {
+    let want: Vec<f32> = want.iter().map(|v| *v as f32).collect();
+    assert_close(got, &want, what);
+}
+
+#[test]
+fn blur_is_the_binomial_filter_in_both_layouts() {
+    use flashover_models::layers::blur2d;
+    // A single bright pixel spreads into the filter itself.
+    let mut delta = vec![0.0f32; 25];
+    delta[12] = 16.0;
+    let x = Tensor::<B, 4>::from_data(TensorData::new(delta, [1, 1, 5, 5]), &Default::default());
+    let y = values(blur2d(x, [1, 1], false));
+    let mut want = vec![0.0f32; 25];
+    for (k, v) in [1.0, 2.0, 1.0, 2.0, 4.0, 2.0, 1.0, 2.0, 1.0]
+        .iter()
+        .enumerate()
+    {
+        want[(1 + k / 3) * 5 + 1 + k % 3] = *v;
+    }
+    assert_close(&y, &want, "blurred delta");
+    for (shape, stride, seed) in [
+        ([2, 3, 7, 6], 1, 1u64),
+        ([2, 5, 8, 8], 2, 2),
+        ([1, 2, 5, 9], 2, 3),
+    ] {
+        let x = random::<B, 4>(shape, seed);
+        let (want, out_shape) = naive_blur(&values(x.clone()), shape, stride);
+        let first = blur2d(x.clone(), [stride, stride], false);
+        assert_eq!(first.dims(), out_shape);
+        assert_close_f64(&values(first), &want, "channels-first blur");
+        let last = blur2d(nchw_to_nhwc(x), [stride, stride], true).permute([0, 3, 1, 2]);
+        assert_close_f64(&values(last), &want, "channels-last blur");
+    }
+}
+
+#[test]
+fn blurred_layers_compose_as_the_paper_says() {
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::PaddingConfig2d;
+    use flashover_core::surgery::Blur;
+    use flashover_models::layers::{blur2d, Conv2d, MaxPool2d};
+    let device = Default::default();
+    let x = random::<B, 4>([2, 4, 9, 9], 11);
+    // Initialised now (Burn's parameters are lazy, and each clone would draw its own).
+    let conv = flashover_core::params::init_model::<B, _>(&device, 3, |d| {
+        Conv2d::<B>::new(
+            &Conv2dConfig::new([4, 6], [3, 3])
+                .with_stride([2, 2])
+                .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1)),
+            d,
+        )
+    });
+    let plain_at = |x: Tensor<B, 4>, stride| {
+        let mut c = conv.clone();
+        c.stride = stride;
+        c.forward(x, false, false)
+    };
+    for nhwc in [false, true] {
+        let input = if nhwc {
+            nchw_to_nhwc(x.clone())
+        } else {
+            x.clone()
+        };
+        let back = |t: Tensor<B, 4>| if nhwc { t.permute([0, 3, 1, 2]) } else { t };
+        let mut first = conv.clone();
+        first.variant.blur = Some(Blur::First);
+        let want = plain_at(blur2d(x.clone(), [1, 1], false), [2, 2]);
+        assert_close(
+            &values(back(first.forward(input.clone(), nhwc, false))),
+            &values(want),
+            "blur first",
+        );
+        let mut last = conv.clone();
+        last.variant.blur = Some(Blur::Last);
+        let want = blur2d(plain_at(x.clone(), [1, 1]), [2, 2], false);
+        assert_close(
+            &values(back(last.forward(input.clone(), nhwc, false))),
+            &values(want),
+            "blur last",
+        );
+        // MaxBlurPool: the maxima at stride 1, then the blur with the pool's stride.
+        let mut pool = MaxPool2d::new([2, 2], [2, 2]);
+        let plain = MaxPool2d::new([2, 2], [1, 1]).forward(x.clone(), false);
+        pool.variant.blur = true;
+        let got = back(pool.forward(input, nhwc));
+        assert_eq!(got.dims(), [2, 4, 4, 4]);
+        assert_close(
+            &values(got),
+            &values(blur2d(plain, [2, 2], false)),
+            "max blur pool",
+        );
+    }
+}
+
+#[test]
+fn ghost_batch_norm_normalises_each_ghost_batch_and_averages_their_statistics() {
+    use flashover_core::surgery::NormVariant;
+    let device = Default::default();
+    // 5 samples in ghost batches of 2: torch.chunk cuts 3 pieces of 2, 2 and 1.
+    let shape = [5, 2, 3, 1];
+    for nhwc in [false, true] {
+        let mut norm = BatchNorm::<AB>::new(&BatchNormConfig::new(2), &device);
+        norm.variant = NormVariant {
+            ghost_batch_size: Some(2),
+        };
+        let x = random::<AB, 4>(shape, 5);
+        let data = values(x.clone());
+        let input = if nhwc { nchw_to_nhwc(x) } else { x };
+        let out = norm.forward(input, nhwc);
+        let out = values(if nhwc { out.permute([0, 3, 1, 2]) } else { out });
+        let (mut mean_sum, mut var_sum) = ([0.0f64; 2], [0.0f64; 2]);
+        for (start, len) in [(0, 2), (2, 2), (4, 1)] {
+            for ch in 0..2 {
+                let vals: Vec<f64> = (start..start + len)
+                    .flat_map(|b| (0..3).map(move |p| (b, p)))
+                    .map(|(b, p)| data[(b * 2 + ch) * 3 + p] as f64)
+                    .collect();
+                let mean = vals.iter().sum::<f64>() / vals.len() as f64;
+                let var = vals.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / vals.len() as f64;
+                mean_sum[ch] += mean;
+                var_sum[ch] += var;
+                for b in start..start + len {
+                    for p in 0..3 {
+                        let i = (b * 2 + ch) * 3 + p;
+                        let want = (data[i] as f64 - mean) / (var + 1e-5).sqrt();
+                        assert!(
+                            (out[i] as f64 - want).abs() < 1e-4,
+                            "sample {b} channel {ch}: {} vs {want}",
+                            out[i]
+                        );
+                    }
+                }
+            }
+        }
+        let running_mean: Vec<f64> = mean_sum.iter().map(|m| 0.1 * m / 3.0).collect();
+        let running_var: Vec<f64> = var_sum.iter().map(|v| 0.9 + 0.1 * v / 3.0).collect();
+        assert_close_f64(
+            &values(norm.running_mean.value_sync()),
+            &running_mean,
+            "running mean",
+        );
+        assert_close_f64(
+            &values(norm.running_var.value_sync()),
+            &running_var,
+            "running variance",
+        );
+    }
+    // A batch no larger than the ghost size is one ghost batch: the plain layer, bit for bit.
+    let mut ghost = BatchNorm::<AB>::new(&BatchNormConfig::new(2), &device);
+    ghost.variant = NormVariant {
+        ghost_batch_size: Some(8),
+    };
+    let plain = BatchNorm::<AB>::new(&BatchNormConfig::new(2), &device);
+    let x = random::<AB, 4>([4, 2, 3, 3], 6);
+    assert_eq!(
+        values(ghost.forward(x.clone(), false)),
+        values(plain.forward(x, false))
+    );
+    // Evaluation ignores the ghost batches.
+    let x = random::<B, 4>([6, 2, 3, 3], 7);
+    assert_eq!(
+        values(ghost.valid().forward(x.clone(), false)),
+        values(plain.valid().forward(x, false))
+    );
+}

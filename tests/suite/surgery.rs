@@ -1,0 +1,194 @@
+//! Model surgery across the crates: BlurPool and GhostBatchNorm change the layers their
+//! definitions name (on the ResNets and the CNN), in code and by name; a surgery needing
+//! layers the model lacks is an error naming them; every surgery resumes bit-exactly in a new
+//! process; a checkpoint shaped by other surgery (or none) is refused with both descriptions.
+
+use burn::backend::{Autodiff, Flex};
+use flashover::algorithms::blurpool::{apply_blurpool, BlurPoolOptions};
+use flashover::algorithms::ghost_batchnorm::apply_ghost_batchnorm;
+use flashover::algorithms::surgery::NamedSurgery;
+use flashover::core::surgery::SurgeryModel;
+use flashover::models::{MnistCnn, ResNetConfig};
+use flashover_tests::*;
+
+type AB = Autodiff<Flex>;
+
+#[test]
+fn blurpool_blurs_the_strided_convolutions_with_enough_channels_and_every_max_pool() {
+    let device = Default::default();
+    let mut r20 = ResNetConfig::cifar(20, 16).unwrap().init::<AB>(&device, 1);
+    let record = apply_blurpool(&mut r20, &BlurPoolOptions::default());
+    // Stage 2 starts at block 3 (16 -> 32 channels), stage 3 at block 6 (32 -> 64); each
+    // first block's 3x3 convolution and its 1x1 projection have stride 2.
+    assert_eq!(
+        record.layers,
+        [
+            "blocks.3.conv1",
+            "blocks.3.shortcut.conv",
+            "blocks.6.conv1",
+            "blocks.6.shortcut.conv"
+        ]
+    );
+    assert_eq!(
+        record.settings,
+        "blurpool:replace_convs=true:replace_maxpools=true:blur_first=true:min_channels=16"
+    );
+    let mut r20 = ResNetConfig::cifar(20, 16).unwrap().init::<AB>(&device, 1);
+    let options = BlurPoolOptions {
+        min_channels: 32,
+        ..Default::default()
+    };
+    assert_eq!(
+        apply_blurpool(&mut r20, &options).layers,
+        ["blocks.6.conv1", "blocks.6.shortcut.conv"]
+    );
+    // The CNN's convolutions have stride 1: only its (shared) max pool changes.
+    let mut cnn = MnistCnn::<AB>::new(&device, 1);
+    assert_eq!(
+        apply_blurpool(&mut cnn, &BlurPoolOptions::default()).layers,
+        ["pool"]
+    );
+    let options = BlurPoolOptions {
+        replace_maxpools: false,
+        ..Default::default()
+    };
+    assert!(apply_blurpool(&mut cnn, &options).layers.is_empty());
+}
+
+#[test]
+fn ghost_batchnorm_reaches_every_batch_norm_and_needs_some() {
+    let device = Default::default();
+    let mut r20 = ResNetConfig::cifar(20, 16).unwrap().init::<AB>(&device, 1);
+    let record = apply_ghost_batchnorm(&mut r20, 16).unwrap();
+    // The stem's, two per block, one per projection: 1 + 2 * 9 + 2.
+    assert_eq!(record.layers.len(), 21);
+    assert_eq!(
+        record.layers[..3],
+        ["stem_norm", "blocks.0.norm1", "blocks.0.norm2"]
+    );
+    assert!(apply_ghost_batchnorm(&mut r20, 0).is_err());
+    // By name, on a model without batch norms: an error naming what is missing.
+    let mut cnn = MnistCnn::<AB>::new(&device, 1);
+    let err = NamedSurgery::GhostBatchNorm(16)
+        .apply_to(&mut cnn as &mut dyn SurgeryModel)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("ghost_batchnorm needs a model with surgery-ready batch norms"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_example_refuses_a_surgery_its_model_cannot_take() {
+    let out = run_mnist(&short_args(&["--algorithms", "ghost_batchnorm"]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr
+            .contains("ghost_batchnorm needs a model with surgery-ready batch norms"),
+        "{}",
+        out.stderr
+    );
+    let out = run_mnist(&short_args(&[
+        "--model",
+        "resnet8",
+        "--algorithms",
+        "ghost_batchnorm:ghost_batch_size=0",
+    ]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("ghost_batch_size") && out.stderr.contains(">= 1"),
+        "{}",
+        out.stderr
+    );
+    let out = run_mnist(&short_args(&["--model", "resnet9"]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("resnet9") && out.stderr.contains("resnet20"),
+        "{}",
+        out.stderr
+    );
+}
+
+/// The tiny ResNet of these tests, on a short run.
+fn resnet(algorithms: &str) -> Vec<&str> {
+    vec![
+        "--model",
+        "resnet8",
+        "--algorithms",
+        algorithms,
+        "--max-duration",
+        "2ep",
+    ]
+}
+
+#[test]
+fn each_surgery_resumes_exactly_and_changes_the_result() {
+    let plain = summary_of(&short_args(&[
+        "--model",
+        "resnet8",
+        "--max-duration",
+        "2ep",
+    ]));
+    for algorithms in [
+        "blurpool",
+        "blurpool:blur_first=false",
+        "ghost_batchnorm:ghost_batch_size=8",
+    ] {
+        let changed = summary_of(&short_args(&resnet(algorithms)));
+        assert_ne!(
+            changed["params_sha256"], plain["params_sha256"],
+            "{algorithms} changed nothing"
+        );
+        crate::resume::resumed(
+            &resnet(algorithms),
+            &["--stop-after", "13ba"],
+            crate::resume::autoresume,
+        );
+    }
+}
+
+#[test]
+fn a_checkpoint_of_other_surgery_is_refused_naming_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let mut first = short_args(&resnet("blurpool"));
+    first.extend(["--save-folder", folder, "--stop-after", "6ba"]);
+    summary_of(&first);
+    let resume = |algorithms: &str| {
+        let mut a = short_args(&resnet(algorithms));
+        a.extend(["--save-folder", folder, "--autoresume"]);
+        run_mnist(&a)
+    };
+    // Other settings of the same surgery.
+    let out = resume("blurpool:min_channels=64");
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("changed by blurpool")
+            && out.stderr.contains("min_channels=16 on [blocks.1.conv1")
+            && out.stderr.contains("min_channels=64 on []"),
+        "{}",
+        out.stderr
+    );
+    // A surgery the checkpoint's model did not have.
+    let out = resume("blurpool,ghost_batchnorm");
+    assert!(!out.status.success());
+    assert!(
+        out.stderr
+            .contains("no state for algorithm/ghost_batchnorm"),
+        "{}",
+        out.stderr
+    );
+    // Without the checkpoint's surgery.
+    let mut a = short_args(&["--model", "resnet8", "--max-duration", "2ep"]);
+    a.extend(["--save-folder", folder, "--autoresume"]);
+    let out = run_mnist(&a);
+    assert!(!out.status.success());
+    assert!(out.stderr.contains("algorithm/blurpool"), "{}", out.stderr);
+    // The checkpoint itself is untouched: the right run still resumes it.
+    summary_of(&{
+        let mut a = short_args(&resnet("blurpool"));
+        a.extend(["--save-folder", folder, "--autoresume"]);
+        a
+    });
+}
