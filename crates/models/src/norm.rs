@@ -72,11 +72,7 @@ impl<B: Backend> BatchNorm<B> {
         let training = B::ad_enabled(&x.device());
         let c = self.channels();
         let dims = x.dims();
-        let (axis, shape) = if channels_last {
-            (3, [1, 1, 1, c])
-        } else {
-            (1, [1, c, 1, 1])
-        };
+        let axis = if channels_last { 3 } else { 1 };
         assert_eq!(
             dims[axis], c,
             "BatchNorm over {c} channels given activations {dims:?} (channels_last: {channels_last})"
@@ -91,21 +87,21 @@ impl<B: Backend> BatchNorm<B> {
         let n = dims[0];
         if let (true, Some(ghost)) = (training, self.variant.ghost_batch_size) {
             if n > ghost {
-                return self.forward_ghost(x, ghost, shape, stats);
+                return self.forward_ghost(x, ghost, channels_last, stats);
             }
         }
         let (mean, var) = if training {
             let (mean, var) = stats(x.clone());
             self.update_running(mean.clone(), var.clone());
-            (mean.reshape(shape), var.reshape(shape))
+            (mean, var)
         } else {
             let device = x.device();
             (
-                self.running_mean.value().to_device(&device).reshape(shape),
-                self.running_var.value().to_device(&device).reshape(shape),
+                self.running_mean.value().to_device(&device),
+                self.running_var.value().to_device(&device),
             )
         };
-        self.normalise(x, mean, var, shape)
+        self.normalise(x, mean, var, channels_last)
     }
 
     /// Ghost batch normalisation in training (see the module docs).
@@ -113,7 +109,7 @@ impl<B: Backend> BatchNorm<B> {
         &self,
         x: Tensor<B, 4>,
         ghost: usize,
-        shape: [usize; 4],
+        channels_last: bool,
         stats: impl Fn(Tensor<B, 4>) -> (Tensor<B, 1>, Tensor<B, 1>),
     ) -> Tensor<B, 4> {
         let n = x.dims()[0];
@@ -125,7 +121,7 @@ impl<B: Backend> BatchNorm<B> {
             let (mean, var) = stats(part.clone());
             means.push(mean.clone());
             vars.push(var.clone());
-            outputs.push(self.normalise(part, mean.reshape(shape), var.reshape(shape), shape));
+            outputs.push(self.normalise(part, mean, var, channels_last));
         }
         let k = means.len() as f64;
         let average = |v: Vec<Tensor<B, 1>>| {
@@ -164,19 +160,37 @@ impl<B: Backend> BatchNorm<B> {
         let _ = self.running_var.value_sync();
     }
 
-    /// `(x - mean) / sqrt(var + epsilon) * gamma + beta`, in Burn's order of operations.
+    /// `(x - mean) / sqrt(var + epsilon) * gamma + beta` with `[channels]` statistics.
+    /// Channels-first in Burn's order of operations (bit for bit with its layer);
+    /// channels-last as `x * scale + shift` per channel over the `[n * h * w, channels]`
+    /// matrix, with `scale` and `shift` repeated into whole matrices first: flex (built
+    /// without its SIMD feature, for fixed numerics) runs a broadcast element by element
+    /// through a strided iterator, which made batch norm most of a ResNet step, and a
+    /// repeated row is a memcpy after which the product is a plain loop.
     fn normalise(
         &self,
         x: Tensor<B, 4>,
-        mean: Tensor<B, 4>,
-        var: Tensor<B, 4>,
-        shape: [usize; 4],
+        mean: Tensor<B, 1>,
+        var: Tensor<B, 1>,
+        channels_last: bool,
     ) -> Tensor<B, 4> {
-        let std = var.add_scalar(self.epsilon).sqrt();
-        x.sub(mean)
-            .div(std)
-            .mul(self.gamma.val().reshape(shape))
-            .add(self.beta.val().reshape(shape))
+        let c = self.channels();
+        if channels_last {
+            let [n, h, w, _] = x.dims();
+            let scale = self.gamma.val().div(var.add_scalar(self.epsilon).sqrt());
+            let shift = self.beta.val().sub(mean.mul(scale.clone()));
+            x.reshape([n * h * w, c])
+                .mul(rows(scale, n * h * w))
+                .add(rows(shift, n * h * w))
+                .reshape([n, h, w, c])
+        } else {
+            let shape = [1, c, 1, 1];
+            let std = var.reshape(shape).add_scalar(self.epsilon).sqrt();
+            x.sub(mean.reshape(shape))
+                .div(std)
+                .mul(self.gamma.val().reshape(shape))
+                .add(self.beta.val().reshape(shape))
+        }
     }
 }
 
@@ -206,11 +220,18 @@ pub fn batch_stats_nchw<B: Backend>(x: Tensor<B, 4>) -> (Tensor<B, 1>, Tensor<B,
 }
 
 /// Per-channel mean and biased variance of NHWC `x`, `[channels]` each: column means of the
-/// `[n * h * w, c]` matrix, no transposition.
+/// `[n * h * w, c]` matrix, no transposition, and no broadcast (the mean is repeated into rows).
 pub fn batch_stats_nhwc<B: Backend>(x: Tensor<B, 4>) -> (Tensor<B, 1>, Tensor<B, 1>) {
     let [n, h, w, c] = x.dims();
-    let flat = x.reshape([n * h * w, c]);
-    let mean = flat.clone().mean_dim(0);
-    let var = flat.sub(mean.clone()).square().mean_dim(0);
-    (mean.reshape([c]), var.reshape([c]))
+    let m = n * h * w;
+    let flat = x.reshape([m, c]);
+    let mean = flat.clone().mean_dim(0).reshape([c]);
+    let var = flat.sub(rows(mean.clone(), m)).square().mean_dim(0);
+    (mean, var.reshape([c]))
+}
+
+/// `v` (`[channels]`) repeated into `m` rows, contiguous (see [`BatchNorm`]'s `normalise`).
+fn rows<B: Backend>(v: Tensor<B, 1>, m: usize) -> Tensor<B, 2> {
+    let [c] = v.dims();
+    v.reshape([1, c]).repeat_dim(0, m)
 }
