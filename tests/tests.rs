@@ -23,7 +23,7 @@
 //! - `algorithms`: every speed-up algorithm and recipe trains the MNIST CNN, changes what it
 //!   should and resumes exactly in a new process; target rewriters compose in a defined order;
 //!   bad algorithm lists are errors; sequence-length warmup trains a character model.
-//! - `surgery`: BlurPool and GhostBatchNorm change the layers their definitions name, in code
+//! - `surgery`: BlurPool, GhostBatchNorm and StochasticDepth change the layers their definitions name, in code
 //!   and by name; a surgery a model cannot take is an error naming what is missing; each
 //!   resumes exactly; a checkpoint of other surgery is refused naming both.
 //! - `seams`: the scale-out seams with two ranks on threads: rank 0's weights broadcast, two

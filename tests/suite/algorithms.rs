@@ -36,9 +36,9 @@ pub const ACTIVE: &[&str] = &[
     "blurpool",
 ];
 
-/// The algorithms the CNN cannot take (it has no batch norm); `surgery.rs` trains and resumes
-/// them on a ResNet.
-pub const NEED_BATCH_NORM: &[&str] = &["ghost_batchnorm"];
+/// The algorithms the CNN cannot take (it has no batch norm and no residual block);
+/// `surgery.rs` trains and resumes them on a ResNet.
+pub const NEED_RESNET: &[&str] = &["ghost_batchnorm", "stochastic_depth"];
 
 /// 128 digits in batches of 32, three epochs (12 batches), 100 test digits.
 fn tiny(algorithms: &str) -> MnistRun {
@@ -64,7 +64,7 @@ fn every_algorithm_trains_and_changes_the_run() {
     let names: Vec<&str> = ACTIVE
         .iter()
         .map(|a| a.split(':').next().unwrap())
-        .chain(NEED_BATCH_NORM.iter().copied())
+        .chain(NEED_RESNET.iter().copied())
         .collect();
     let known: Vec<&str> = flashover::algorithms::spec::ALGORITHMS
         .iter()

@@ -1,4 +1,4 @@
-//! Model surgery across the crates: BlurPool and GhostBatchNorm change the layers their
+//! Model surgery across the crates: BlurPool, GhostBatchNorm and StochasticDepth change the layers their
 //! definitions name (on the ResNets and the CNN), in code and by name; a surgery needing
 //! layers the model lacks is an error naming them; every surgery resumes bit-exactly in a new
 //! process; a checkpoint shaped by other surgery (or none) is refused with both descriptions.
@@ -70,7 +70,7 @@ fn ghost_batchnorm_reaches_every_batch_norm_and_needs_some() {
     // By name, on a model without batch norms: an error naming what is missing.
     let mut cnn = MnistCnn::<AB>::new(&device, 1);
     let err = NamedSurgery::GhostBatchNorm(16)
-        .apply_to(&mut cnn as &mut dyn SurgeryModel)
+        .apply_to(&mut cnn as &mut dyn SurgeryModel, 0.0)
         .unwrap_err()
         .to_string();
     assert!(
@@ -98,6 +98,26 @@ fn the_example_refuses_a_surgery_its_model_cannot_take() {
     assert!(!out.status.success());
     assert!(
         out.stderr.contains("ghost_batch_size") && out.stderr.contains(">= 1"),
+        "{}",
+        out.stderr
+    );
+    let out = run_mnist(&short_args(&[
+        "--model",
+        "resnet8",
+        "--algorithms",
+        "stochastic_depth:stochastic_method=layer",
+    ]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("layer") && out.stderr.contains("block or sample"),
+        "{}",
+        out.stderr
+    );
+    let out = run_mnist(&short_args(&["--algorithms", "stochastic_depth"]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr
+            .contains("stochastic_depth needs a model with surgery-ready residual blocks"),
         "{}",
         out.stderr
     );
@@ -134,6 +154,11 @@ fn each_surgery_resumes_exactly_and_changes_the_result() {
         "blurpool",
         "blurpool:blur_first=false",
         "ghost_batchnorm:ghost_batch_size=8",
+        "stochastic_depth:drop_rate=0.5",
+        "stochastic_depth:stochastic_method=sample:drop_warmup=0.3",
+        // Selective backprop scores whole batches in training mode outside the step: never
+        // with a stale draw (of another batch size), the same in a resumed run.
+        "selective_backprop:start=0:end=1:interrupt=3,stochastic_depth:stochastic_method=sample",
     ] {
         let changed = summary_of(&short_args(&resnet(algorithms)));
         assert_ne!(
@@ -184,7 +209,14 @@ fn a_checkpoint_of_other_surgery_is_refused_naming_both() {
     a.extend(["--save-folder", folder, "--autoresume"]);
     let out = run_mnist(&a);
     assert!(!out.status.success());
-    assert!(out.stderr.contains("algorithm/blurpool"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("algorithm/blurpool")
+            && out
+                .stderr
+                .contains("only algorithms and callbacks that this run registers"),
+        "{}",
+        out.stderr
+    );
     // The checkpoint itself is untouched: the right run still resumes it.
     summary_of(&{
         let mut a = short_args(&resnet("blurpool"));

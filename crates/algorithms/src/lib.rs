@@ -20,6 +20,7 @@
 //! | `layer_freezing` | [`layer_freezing`] | FIT_START, EPOCH_START |
 //! | `channels_last` | [`channels_last`] | INIT |
 //! | `blurpool`, `ghost_batchnorm` (model surgery) | [`blurpool`], [`ghost_batchnorm`], [`surgery`] | INIT |
+//! | `stochastic_depth` (model surgery) | [`stochastic_depth`] | INIT, AFTER_LOAD, BEFORE_FORWARD, BATCH_END |
 //!
 //! Several methods rewrite the targets (label smoothing, MixUp, CutMix). Each transforms the
 //! distribution already in the batch, in the order the algorithms were added, and undoes its
@@ -56,7 +57,8 @@
 //!
 //! The surgery algorithms change the model's architecture at `INIT` through the capability
 //! traits of `flashover_core::surgery`: BlurPool needs `ConvSurgery + PoolSurgery`,
-//! GhostBatchNorm `NormSurgery`, so a model without such layers cannot take them:
+//! GhostBatchNorm `NormSurgery`, StochasticDepth `ResidualSurgery`, so a model without such
+//! layers cannot take them:
 //!
 //! ```compile_fail
 //! use burn::backend::{Autodiff, Flex};
@@ -109,6 +111,7 @@ pub mod sam;
 pub mod selective_backprop;
 pub mod seq_length_warmup;
 pub mod spec;
+pub mod stochastic_depth;
 pub mod surgery;
 pub mod swa;
 mod util;

@@ -6,7 +6,7 @@
 use flashover_core::callback::Algorithm;
 use flashover_core::model::{HasMemoryFormat, Logits};
 use flashover_core::setup::{BatchOf, OutputOf, Setup};
-use flashover_core::surgery::SurgeryModel;
+use flashover_core::surgery::{DropMode, SurgeryModel};
 use flashover_core::time::Time;
 
 use crate::augment::{AugmentationSet, Normalization};
@@ -27,6 +27,7 @@ use crate::progressive_resizing::{ProgressiveResizing, ResizeGrid, ResizeMode};
 use crate::randaugment::RandAugment;
 use crate::sam::Sam;
 use crate::selective_backprop::SelectiveBackprop;
+use crate::stochastic_depth::{DropDistribution, StochasticDepth, StochasticDepthOptions};
 use crate::surgery::{NamedSurgery, SurgeryByName};
 use crate::swa::{Anneal, Swa, SwaConfig};
 use crate::util::ImageClassBatch;
@@ -104,6 +105,15 @@ pub const ALGORITHMS: &[(&str, &[&str])] = &[
         ],
     ),
     ("ghost_batchnorm", &["ghost_batch_size"]),
+    (
+        "stochastic_depth",
+        &[
+            "stochastic_method",
+            "drop_rate",
+            "drop_distribution",
+            "drop_warmup",
+        ],
+    ),
 ];
 
 fn valid_names() -> String {
@@ -341,6 +351,40 @@ where
             // The same check as the typed algorithm's, now rather than at INIT.
             GhostBatchNorm::new(size)?;
             Box::new(SurgeryByName::new(NamedSurgery::GhostBatchNorm(size)))
+        }
+        "stochastic_depth" => {
+            let d = StochasticDepthOptions::default();
+            let options = StochasticDepthOptions {
+                method: match p.str("stochastic_method", "block") {
+                    "block" => DropMode::Block,
+                    "sample" => DropMode::Sample,
+                    other => {
+                        return Err(AlgorithmError::param(
+                            "stochastic_depth",
+                            "stochastic_method",
+                            other,
+                            "block or sample",
+                        ))
+                    }
+                },
+                drop_rate: p.f64("drop_rate", d.drop_rate)?,
+                distribution: match p.str("drop_distribution", "linear") {
+                    "linear" => DropDistribution::Linear,
+                    "uniform" => DropDistribution::Uniform,
+                    other => {
+                        return Err(AlgorithmError::param(
+                            "stochastic_depth",
+                            "drop_distribution",
+                            other,
+                            "linear or uniform",
+                        ))
+                    }
+                },
+                drop_warmup: p.f64("drop_warmup", d.drop_warmup)?,
+            };
+            // The same checks as the typed algorithm's, now rather than at INIT.
+            StochasticDepth::new(options)?;
+            Box::new(SurgeryByName::new(NamedSurgery::StochasticDepth(options)))
         }
         other => {
             return Err(AlgorithmError::UnknownAlgorithm {

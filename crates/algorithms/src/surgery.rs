@@ -19,14 +19,19 @@ use serde_json::Value;
 use crate::blurpool::{blur_convs, blur_pools, BlurPoolOptions};
 use crate::error::{AlgorithmError, Result};
 use crate::ghost_batchnorm::{apply_ghost_batchnorm, check_size, describe};
+use crate::stochastic_depth::{
+    apply_stochastic_depth, settle, DrawInputs, Draws, StochasticDepthOptions,
+};
 
 /// A surgery and its settings.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum NamedSurgery {
     /// BlurPool.
     BlurPool(BlurPoolOptions),
     /// GhostBatchNorm with this ghost batch size.
     GhostBatchNorm(usize),
+    /// StochasticDepth.
+    StochasticDepth(StochasticDepthOptions),
 }
 
 impl NamedSurgery {
@@ -35,6 +40,7 @@ impl NamedSurgery {
         match self {
             NamedSurgery::BlurPool(_) => "blurpool",
             NamedSurgery::GhostBatchNorm(_) => "ghost_batchnorm",
+            NamedSurgery::StochasticDepth(_) => "stochastic_depth",
         }
     }
 
@@ -42,11 +48,13 @@ impl NamedSurgery {
         match self {
             NamedSurgery::BlurPool(o) => o.describe(),
             NamedSurgery::GhostBatchNorm(g) => describe(*g),
+            NamedSurgery::StochasticDepth(o) => o.describe(),
         }
     }
 
-    /// Applies the surgery to `model`, or says which capability it lacks.
-    pub fn apply_to(&self, model: &mut dyn SurgeryModel) -> Result<SurgeryRecord> {
+    /// Applies the surgery to `model` (at `fraction` of training done), or says which
+    /// capability it lacks.
+    pub fn apply_to(&self, model: &mut dyn SurgeryModel, fraction: f64) -> Result<SurgeryRecord> {
         let lacks = |needs: &'static str| AlgorithmError::ModelLacks {
             algorithm: self.name(),
             needs,
@@ -78,6 +86,12 @@ impl NamedSurgery {
                     .ok_or_else(|| lacks("surgery-ready batch norms"))?;
                 apply_ghost_batchnorm(norms, *size)
             }
+            NamedSurgery::StochasticDepth(options) => {
+                let blocks = model
+                    .residual_surgery()
+                    .ok_or_else(|| lacks("surgery-ready residual blocks"))?;
+                apply_stochastic_depth(blocks, options, fraction)
+            }
         }
     }
 }
@@ -86,6 +100,7 @@ impl NamedSurgery {
 #[derive(Debug, Clone)]
 pub struct SurgeryByName {
     surgery: NamedSurgery,
+    draws: Draws,
     applied: Option<SurgeryRecord>,
 }
 
@@ -94,6 +109,7 @@ impl SurgeryByName {
     pub fn new(surgery: NamedSurgery) -> Self {
         Self {
             surgery,
+            draws: Draws::default(),
             applied: None,
         }
     }
@@ -108,18 +124,54 @@ where
     }
 
     fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        event == Event::Init
+        match self.surgery {
+            NamedSurgery::StochasticDepth(_) => {
+                matches!(
+                    event,
+                    Event::Init | Event::AfterLoad | Event::BeforeForward | Event::BatchEnd
+                )
+            }
+            _ => event == Event::Init,
+        }
     }
 
     fn apply(
         &mut self,
-        _event: Event,
+        event: Event,
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
+        if let NamedSurgery::StochasticDepth(options) = self.surgery {
+            // Residual blocks are there: INIT checked it (an error there ends the build).
+            match event {
+                Event::AfterLoad | Event::BatchEnd => {
+                    let fraction = crate::util::fraction(state);
+                    state.map_model(|mut model| {
+                        if let Some(blocks) = model.residual_surgery() {
+                            settle(blocks, &options, fraction);
+                        }
+                        model
+                    });
+                    return Ok(());
+                }
+                Event::BeforeForward => {
+                    let inputs = DrawInputs::of(state);
+                    let draws = &mut self.draws;
+                    state.map_model(|mut model| {
+                        if let Some(blocks) = model.residual_surgery() {
+                            draws.before_forward(blocks, &options, &inputs);
+                        }
+                        model
+                    });
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+        let fraction = crate::util::fraction(state);
         let mut record = None;
         state.map_model(|mut model| {
-            record = Some(self.surgery.apply_to(&mut model));
+            record = Some(self.surgery.apply_to(&mut model, fraction));
             model
         });
         // Invariant: `map_model` ran the closure.

@@ -3,11 +3,12 @@
 //!
 //! Burn modules are typed structs, so nothing can be swapped into a built model the way
 //! Composer replaces `torch.nn` modules. Instead a *surgery-ready* layer carries the variants
-//! it can run as plain settings ([`ConvVariant`], [`PoolVariant`], [`NormVariant`]): a
-//! convolution can be told to blur its input, a batch norm to normalise over ghost batches.
-//! A model opts in by implementing the capability traits below, each of which walks the
+//! it can run as plain settings ([`ConvVariant`], [`PoolVariant`], [`NormVariant`],
+//! [`ResidualVariant`]): a convolution can be told to blur its input, a batch norm to
+//! normalise over ghost batches, a residual block to drop its branch as this batch's draw
+//! says. A model opts in by implementing the capability traits below, each of which walks the
 //! model's layers of one kind in module order ([`ConvSurgery`], [`PoolSurgery`],
-//! [`NormSurgery`]); an algorithm that needs a kind of layer bounds on its trait, so adding
+//! [`NormSurgery`], [`ResidualSurgery`]); an algorithm that needs a kind of layer bounds on its trait, so adding
 //! it to a model without such layers does not compile. Flashover's layers implement
 //! everything (`flashover-models`); a model built from them forwards each trait to its
 //! layers in a few lines, and a model of the user's own implements the traits itself.
@@ -99,6 +100,55 @@ pub struct NormVariant {
     pub ghost_batch_size: Option<usize>,
 }
 
+/// What a residual block is, for surgery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResidualInfo {
+    /// The block's path in the model (`blocks.4`).
+    pub path: String,
+    /// Its position among the model's residual blocks, from 0 at the input.
+    pub index: usize,
+    /// How many residual blocks the model has.
+    pub count: usize,
+}
+
+/// How stochastic depth drops a residual branch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DropMode {
+    /// The whole branch for the whole batch (Huang et al.'s block-wise method).
+    Block,
+    /// The branch of each sample independently (the sample-wise method).
+    Sample,
+}
+
+/// This batch's draw for one residual block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Keep {
+    /// Block-wise: whether the branch runs.
+    Block(bool),
+    /// Sample-wise: whether each sample's branch counts, in batch order.
+    Samples(Vec<bool>),
+}
+
+/// Stochastic depth on a residual block: in training the branch is dropped as `keep` says;
+/// in evaluation it is scaled by its survival probability `1 - rate`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DepthDrop {
+    /// How the branch is dropped.
+    pub mode: DropMode,
+    /// This block's drop probability now.
+    pub rate: f64,
+    /// The current batch's draw (set before each forward pass in training; a training pass
+    /// without one keeps the branch).
+    pub keep: Option<Keep>,
+}
+
+/// The variants a surgery-ready residual block can run. The default is the plain block.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ResidualVariant {
+    /// Stochastic depth, if applied.
+    pub drop: Option<DepthDrop>,
+}
+
 /// A model whose convolutions surgery can change.
 pub trait ConvSurgery {
     /// Calls `f` on every convolution, in module order.
@@ -109,6 +159,12 @@ pub trait ConvSurgery {
 pub trait PoolSurgery {
     /// Calls `f` on every max pool, in module order.
     fn for_each_max_pool(&mut self, f: &mut dyn FnMut(&PoolInfo, &mut PoolVariant));
+}
+
+/// A model whose residual blocks surgery can change (StochasticDepth).
+pub trait ResidualSurgery {
+    /// Calls `f` on every residual block, in module order.
+    fn for_each_residual(&mut self, f: &mut dyn FnMut(&ResidualInfo, &mut ResidualVariant));
 }
 
 /// A model whose batch norms surgery can change.
@@ -133,6 +189,10 @@ pub trait SurgeryModel {
     }
     /// The model's batch norms, if it has surgery-ready ones.
     fn norm_surgery(&mut self) -> Option<&mut dyn NormSurgery> {
+        None
+    }
+    /// The model's residual blocks, if it has surgery-ready ones.
+    fn residual_surgery(&mut self) -> Option<&mut dyn ResidualSurgery> {
         None
     }
 }

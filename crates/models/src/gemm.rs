@@ -2,7 +2,8 @@
 //! candle and faer use). `gemm::gemm` takes raw pointers and strides; this module checks that
 //! every element the product reads or writes lies inside the slices it was given, and that
 //! the destination's strides never map two elements to one place, then makes the one call.
-//! With `zeroed_chunks` in `kernels.rs`, it is the crate's only `unsafe`.
+//! With `zeroed_chunks` (and its helpers `zeroed_chunks2`, `fill_default`) in `kernels.rs`, it
+//! is the crate's only `unsafe`.
 //!
 //! The product always runs on the calling thread (`Parallelism::None`): the kernels split
 //! their work into pieces fixed by the shapes alone and run the pieces on rayon, so that a

@@ -195,7 +195,7 @@ where
     assert_eq!(
         a_len.div_ceil(a_chunk.max(1)),
         b_len.div_ceil(b_chunk.max(1)),
-        "two buffers cut into different numbers of chunks"
+        "two buffers cut into different numbers of chunks: {a_len} in chunks of {a_chunk}, {b_len} in chunks of {b_chunk}"
     );
     let mut a: Vec<T> = Vec::with_capacity(a_len);
     let mut b: Vec<U> = Vec::with_capacity(b_len);

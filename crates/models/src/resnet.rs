@@ -23,15 +23,16 @@ use burn::nn::conv::Conv2dConfig;
 use burn::nn::{BatchNormConfig, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorData};
 use flashover_core::loss::{classification_loss, cross_entropy};
 use flashover_core::model::{
     ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
 };
 use flashover_core::params::init_model;
 use flashover_core::surgery::{
-    ConvInfo, ConvSurgery, ConvVariant, NormInfo, NormSurgery, NormVariant, PoolInfo, PoolSurgery,
-    PoolVariant, SurgeryModel,
+    ConvInfo, ConvSurgery, ConvVariant, DepthDrop, Keep, NormInfo, NormSurgery, NormVariant,
+    PoolInfo, PoolSurgery, PoolVariant, ResidualInfo, ResidualSurgery, ResidualVariant,
+    SurgeryModel,
 };
 
 use crate::layers::{Conv2d, Linear};
@@ -56,7 +57,9 @@ pub struct ResNetConfig {
 
 impl ResNetConfig {
     /// The CIFAR ResNet of `depth = 6n + 2` layers (20, 32, 44, 56, 110, ...) with stage
-    /// widths `base_width`, twice and four times that (the paper: 16).
+    /// widths `base_width`, twice and four times that (the paper: 16), for one-channel
+    /// images and 10 classes (the bundled digits); [`ResNetConfig::with_io`] for CIFAR's
+    /// three channels or other classes.
     pub fn cifar(depth: usize, base_width: usize) -> Result<Self, String> {
         if depth < 8 || !(depth - 2).is_multiple_of(6) {
             return Err(format!(
@@ -172,6 +175,8 @@ pub struct BasicBlock<B: Backend> {
     pub norm2: BatchNorm<B>,
     /// The projection when the block changes width or resolution, else the identity.
     pub shortcut: Option<Projection<B>>,
+    /// The variant model surgery chose (default: the plain block).
+    pub variant: ResidualVariant,
 }
 
 impl<B: Backend> BasicBlock<B> {
@@ -192,22 +197,52 @@ impl<B: Backend> BasicBlock<B> {
             conv2: conv3x3(c_out, c_out, 1, d),
             norm2: batch_norm(c_out, d),
             shortcut,
+            variant: ResidualVariant::default(),
         }
     }
 }
 
 impl<B: ChannelsLastBackend> BasicBlock<B> {
-    /// The block on `x` (NHWC when `nhwc`).
+    /// The block on `x` (NHWC when `nhwc`). With stochastic depth (Huang et al., 2016), in
+    /// training a dropped branch is skipped (the block is `relu(shortcut(x))`) or, sample by
+    /// sample, zeroed; in evaluation the branch is scaled by its survival probability.
     pub fn forward(&self, x: Tensor<B, 4>, nhwc: bool) -> Tensor<B, 4> {
-        let y = relu(
-            self.norm1
-                .forward(self.conv1.forward(x.clone(), nhwc, false), nhwc),
-        );
-        let y = self.norm2.forward(self.conv2.forward(y, nhwc, false), nhwc);
+        let training = B::ad_enabled(&x.device());
+        let drop = self.variant.drop.as_ref();
+        let skip =
+            training && matches!(drop.and_then(|d| d.keep.as_ref()), Some(Keep::Block(false)));
         let shortcut = match &self.shortcut {
-            Some(p) => p.norm.forward(p.conv.forward(x, nhwc, false), nhwc),
-            None => x,
+            Some(p) => p.norm.forward(p.conv.forward(x.clone(), nhwc, false), nhwc),
+            None => x.clone(),
         };
+        if skip {
+            return relu(shortcut);
+        }
+        let y = relu(self.norm1.forward(self.conv1.forward(x, nhwc, false), nhwc));
+        let mut y = self.norm2.forward(self.conv2.forward(y, nhwc, false), nhwc);
+        match (drop, training) {
+            (Some(d), false) => y = y.mul_scalar(1.0 - d.rate),
+            (
+                Some(DepthDrop {
+                    keep: Some(Keep::Samples(keep)),
+                    ..
+                }),
+                true,
+            ) => {
+                let n = y.dims()[0];
+                assert_eq!(
+                    keep.len(),
+                    n,
+                    "stochastic depth drew {} samples for a batch of {n}",
+                    keep.len()
+                );
+                let mask: Vec<f32> = keep.iter().map(|&k| if k { 1.0 } else { 0.0 }).collect();
+                let mask =
+                    Tensor::<B, 4>::from_data(TensorData::new(mask, [n, 1, 1, 1]), &y.device());
+                y = y.mul(mask);
+            }
+            _ => {}
+        }
         relu(y.add(shortcut))
     }
 }
@@ -370,6 +405,20 @@ impl<B: Backend> NormSurgery for ResNet<B> {
     }
 }
 
+impl<B: Backend> ResidualSurgery for ResNet<B> {
+    fn for_each_residual(&mut self, f: &mut dyn FnMut(&ResidualInfo, &mut ResidualVariant)) {
+        let count = self.blocks.len();
+        for (index, b) in self.blocks.iter_mut().enumerate() {
+            let info = ResidualInfo {
+                path: format!("blocks.{index}"),
+                index,
+                count,
+            };
+            f(&info, &mut b.variant);
+        }
+    }
+}
+
 impl<B: Backend> SurgeryModel for ResNet<B> {
     fn conv_surgery(&mut self) -> Option<&mut dyn ConvSurgery> {
         Some(self)
@@ -380,6 +429,10 @@ impl<B: Backend> SurgeryModel for ResNet<B> {
     }
 
     fn norm_surgery(&mut self) -> Option<&mut dyn NormSurgery> {
+        Some(self)
+    }
+
+    fn residual_surgery(&mut self) -> Option<&mut dyn ResidualSurgery> {
         Some(self)
     }
 }

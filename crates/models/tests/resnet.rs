@@ -520,3 +520,78 @@ fn ghost_batch_norm_normalises_each_ghost_batch_and_averages_their_statistics() 
         values(plain.valid().forward(x, false))
     );
 }
+
+#[test]
+fn stochastic_depth_skips_or_masks_the_branch_in_training_and_scales_it_in_evaluation() {
+    use flashover_core::surgery::{DepthDrop, DropMode, Keep, ResidualVariant};
+    let device = Default::default();
+    // Block 1 of ResNet-8 halves the resolution: its shortcut is a projection.
+    let model: ResNet<AB> = ResNetConfig::cifar(8, 4).unwrap().init(&device, 5);
+    for (index, nhwc) in [(0usize, false), (1, false), (1, true)] {
+        let mut block = model.blocks[index].clone();
+        let c_in = block.conv1.weight.dims()[1];
+        let x = random::<AB, 4>([3, c_in, 8, 8], 21);
+        let x = if nhwc { nchw_to_nhwc(x) } else { x };
+        let back = |t: Tensor<AB, 4>| if nhwc { t.permute([0, 3, 1, 2]) } else { t };
+        let shortcut = match &block.shortcut {
+            Some(p) => p.norm.forward(p.conv.forward(x.clone(), nhwc, false), nhwc),
+            None => x.clone(),
+        };
+        let plain = values(back(block.forward(x.clone(), nhwc)));
+        block.variant = ResidualVariant {
+            drop: Some(DepthDrop {
+                mode: DropMode::Block,
+                rate: 0.3,
+                keep: Some(Keep::Block(false)),
+            }),
+        };
+        let skipped = values(back(block.forward(x.clone(), nhwc)));
+        let want = values(back(burn::tensor::activation::relu(shortcut)));
+        assert_close(&skipped, &want, "a dropped block is relu(shortcut)");
+        block.variant.drop.as_mut().unwrap().keep = Some(Keep::Block(true));
+        assert_close(
+            &values(back(block.forward(x.clone(), nhwc))),
+            &plain,
+            "a kept block",
+        );
+        // Sample-wise: sample 1's branch dropped, the others kept.
+        block.variant.drop.as_mut().unwrap().keep = Some(Keep::Samples(vec![true, false, true]));
+        let mixed = values(back(block.forward(x.clone(), nhwc)));
+        let per = plain.len() / 3;
+        assert_close(&mixed[..per], &plain[..per], "kept sample 0");
+        assert_close(
+            &mixed[per..2 * per],
+            &skipped[per..2 * per],
+            "dropped sample 1",
+        );
+        assert_close(&mixed[2 * per..], &plain[2 * per..], "kept sample 2");
+    }
+    // Evaluation: the branch scaled by its survival probability 0.7.
+    let mut block = model.blocks[0].clone();
+    block.variant = ResidualVariant {
+        drop: Some(DepthDrop {
+            mode: DropMode::Block,
+            rate: 0.3,
+            keep: None,
+        }),
+    };
+    let eval = block.valid();
+    let x = random::<B, 4>([2, 4, 6, 6], 22);
+    let branch = eval.norm2.forward(
+        eval.conv2.forward(
+            burn::tensor::activation::relu(
+                eval.norm1
+                    .forward(eval.conv1.forward(x.clone(), false, false), false),
+            ),
+            false,
+            false,
+        ),
+        false,
+    );
+    let want = burn::tensor::activation::relu(branch.mul_scalar(0.7).add(x.clone()));
+    assert_close(
+        &values(eval.forward(x, false)),
+        &values(want),
+        "evaluation scales the branch",
+    );
+}
