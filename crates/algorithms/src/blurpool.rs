@@ -27,10 +27,10 @@ use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{
-    check_surgery_record, Blur, ConvSurgery, PoolSurgery, SurgeryRecord,
-};
+use flashover_core::surgery::{Blur, ConvSurgery, PoolSurgery, SurgeryRecord};
 use serde_json::Value;
+
+use crate::surgery::Applied;
 
 /// BlurPool's settings (Composer's names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,7 +123,7 @@ pub(crate) fn blur_pools<M: PoolSurgery + ?Sized>(
 #[derive(Debug, Clone, Default)]
 pub struct BlurPool {
     options: BlurPoolOptions,
-    applied: Option<SurgeryRecord>,
+    applied: Applied,
 }
 
 impl BlurPool {
@@ -131,7 +131,7 @@ impl BlurPool {
     pub fn new(options: BlurPoolOptions) -> Self {
         Self {
             options,
-            applied: None,
+            applied: Applied::default(),
         }
     }
 
@@ -164,24 +164,14 @@ where
             record = Some(apply_blurpool(&mut model, &self.options));
             model
         });
-        if let Some(r) = &record {
-            if r.layers.is_empty() {
-                tracing::warn!(
-                    settings = %r.settings,
-                    "BlurPool changed no layer: the model has no strided convolution with enough input channels and no max pool"
-                );
-            } else {
-                tracing::info!(layers = ?r.layers, "BlurPool applied");
-            }
-        }
-        self.applied = record;
+        // Invariant: `map_model` ran the closure.
+        self.applied
+            .keep("blurpool", record.expect("the surgery ran"));
         Ok(())
     }
 
     fn state_dict(&self) -> Value {
-        self.applied
-            .as_ref()
-            .map_or(Value::Null, SurgeryRecord::to_value)
+        self.applied.state_dict()
     }
 
     fn required_on_load(&self) -> bool {
@@ -189,10 +179,7 @@ where
     }
 
     fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        let applied = self.applied.clone().unwrap_or(SurgeryRecord {
-            settings: self.options.describe(),
-            layers: Vec::new(),
-        });
-        check_surgery_record("blurpool", state, &applied)
+        self.applied
+            .check("blurpool", self.options.describe(), state)
     }
 }

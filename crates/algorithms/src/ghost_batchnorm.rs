@@ -19,10 +19,11 @@ use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{check_surgery_record, NormSurgery, SurgeryRecord};
+use flashover_core::surgery::{NormSurgery, SurgeryRecord};
 use serde_json::Value;
 
 use crate::error::{AlgorithmError, Result};
+use crate::surgery::Applied;
 
 /// Sets every batch norm of `model` to normalise over ghost batches of `ghost_batch_size`
 /// samples (the functional form; call it before building the optimizer) and returns what it
@@ -63,7 +64,7 @@ pub(crate) fn describe(ghost_batch_size: usize) -> String {
 #[derive(Debug, Clone)]
 pub struct GhostBatchNorm {
     ghost_batch_size: usize,
-    applied: Option<SurgeryRecord>,
+    applied: Applied,
 }
 
 impl GhostBatchNorm {
@@ -72,7 +73,7 @@ impl GhostBatchNorm {
         check_size(ghost_batch_size)?;
         Ok(Self {
             ghost_batch_size,
-            applied: None,
+            applied: Applied::default(),
         })
     }
 
@@ -87,7 +88,7 @@ impl Default for GhostBatchNorm {
     fn default() -> Self {
         Self {
             ghost_batch_size: 32,
-            applied: None,
+            applied: Applied::default(),
         }
     }
 }
@@ -115,26 +116,14 @@ where
             record = apply_ghost_batchnorm(&mut model, self.ghost_batch_size).map(Some);
             model
         });
-        let record = record?;
-        if let Some(r) = &record {
-            if r.layers.is_empty() {
-                tracing::warn!("GhostBatchNorm changed no layer: the model has no batch norm");
-            } else {
-                tracing::info!(
-                    layers = r.layers.len(),
-                    ghost_batch_size = self.ghost_batch_size,
-                    "GhostBatchNorm applied"
-                );
-            }
-        }
-        self.applied = record;
+        // Invariant: `map_model` ran the closure.
+        let record = record?.expect("the surgery ran");
+        self.applied.keep("ghost_batchnorm", record);
         Ok(())
     }
 
     fn state_dict(&self) -> Value {
-        self.applied
-            .as_ref()
-            .map_or(Value::Null, SurgeryRecord::to_value)
+        self.applied.state_dict()
     }
 
     fn required_on_load(&self) -> bool {
@@ -142,10 +131,7 @@ where
     }
 
     fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        let applied = self.applied.clone().unwrap_or(SurgeryRecord {
-            settings: describe(self.ghost_batch_size),
-            layers: Vec::new(),
-        });
-        check_surgery_record("ghost_batchnorm", state, &applied)
+        self.applied
+            .check("ghost_batchnorm", describe(self.ghost_batch_size), state)
     }
 }

@@ -32,12 +32,11 @@ use flashover_core::model::Batch;
 use flashover_core::rng::{derive_seed, hash_str, Rng};
 use flashover_core::setup::{BatchOf, Setup};
 use flashover_core::state::State;
-use flashover_core::surgery::{
-    check_surgery_record, DepthDrop, DropMode, Keep, ResidualSurgery, SurgeryRecord,
-};
+use flashover_core::surgery::{DepthDrop, DropMode, Keep, ResidualSurgery, SurgeryRecord};
 use serde_json::Value;
 
 use crate::error::{AlgorithmError, Result};
+use crate::surgery::Applied;
 
 /// How the drop rate is spread over the blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -264,7 +263,7 @@ pub fn settle(model: &mut dyn ResidualSurgery, options: &StochasticDepthOptions,
 pub struct StochasticDepth {
     options: StochasticDepthOptions,
     draws: Draws,
-    applied: Option<SurgeryRecord>,
+    applied: Applied,
 }
 
 impl StochasticDepth {
@@ -274,7 +273,7 @@ impl StochasticDepth {
         Ok(Self {
             options,
             draws: Draws::default(),
-            applied: None,
+            applied: Applied::default(),
         })
     }
 }
@@ -312,12 +311,7 @@ where
                 });
                 // Invariant: `map_model` ran the closure.
                 let record = record.expect("the surgery ran")?;
-                if record.layers.is_empty() {
-                    tracing::warn!(
-                        "StochasticDepth changed no layer: the model has no residual block"
-                    );
-                }
-                self.applied = Some(record);
+                self.applied.keep("stochastic_depth", record);
             }
             Event::AfterLoad | Event::BatchEnd => {
                 let fraction = crate::util::fraction(state);
@@ -339,9 +333,7 @@ where
     }
 
     fn state_dict(&self) -> Value {
-        self.applied
-            .as_ref()
-            .map_or(Value::Null, SurgeryRecord::to_value)
+        self.applied.state_dict()
     }
 
     fn required_on_load(&self) -> bool {
@@ -349,11 +341,8 @@ where
     }
 
     fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        let applied = self.applied.clone().unwrap_or(SurgeryRecord {
-            settings: self.options.describe(),
-            layers: Vec::new(),
-        });
-        check_surgery_record("stochastic_depth", state, &applied)
+        self.applied
+            .check("stochastic_depth", self.options.describe(), state)
     }
 }
 

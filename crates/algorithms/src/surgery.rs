@@ -96,12 +96,49 @@ impl NamedSurgery {
     }
 }
 
+/// What a surgery algorithm changed, shared by every surgery algorithm: logged once at
+/// `INIT`, saved as its checkpoint state, and compared with a checkpoint's on restore.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Applied(Option<SurgeryRecord>);
+
+impl Applied {
+    /// Keeps `record` and logs it (a warning when the model had no layer to change).
+    pub(crate) fn keep(&mut self, name: &str, record: SurgeryRecord) {
+        if record.layers.is_empty() {
+            tracing::warn!(settings = %record.settings, "{name} changed no layer: the model has none of the layers it changes");
+        } else {
+            tracing::info!(layers = ?record.layers, settings = %record.settings, "{name} applied");
+        }
+        self.0 = Some(record);
+    }
+
+    /// The checkpoint state: the record (`null` before `INIT`).
+    pub(crate) fn state_dict(&self) -> Value {
+        self.0.as_ref().map_or(Value::Null, SurgeryRecord::to_value)
+    }
+
+    /// Compares a checkpoint's state with what this run applied (before `INIT`: nothing, with
+    /// `settings`).
+    pub(crate) fn check(
+        &self,
+        name: &str,
+        settings: String,
+        saved: Value,
+    ) -> flashover_core::Result<()> {
+        let applied = self.0.clone().unwrap_or(SurgeryRecord {
+            settings,
+            layers: Vec::new(),
+        });
+        check_surgery_record(name, saved, &applied)
+    }
+}
+
 /// A [`NamedSurgery`] as an algorithm for any model that answers [`SurgeryModel`].
 #[derive(Debug, Clone)]
 pub struct SurgeryByName {
     surgery: NamedSurgery,
     draws: Draws,
-    applied: Option<SurgeryRecord>,
+    applied: Applied,
 }
 
 impl SurgeryByName {
@@ -110,7 +147,7 @@ impl SurgeryByName {
         Self {
             surgery,
             draws: Draws::default(),
-            applied: None,
+            applied: Applied::default(),
         }
     }
 }
@@ -176,19 +213,12 @@ where
         });
         // Invariant: `map_model` ran the closure.
         let record = record.expect("the surgery ran")?;
-        if record.layers.is_empty() {
-            tracing::warn!(settings = %record.settings, "{} changed no layer", self.surgery.name());
-        } else {
-            tracing::info!(layers = ?record.layers, "{} applied", self.surgery.name());
-        }
-        self.applied = Some(record);
+        self.applied.keep(self.surgery.name(), record);
         Ok(())
     }
 
     fn state_dict(&self) -> Value {
-        self.applied
-            .as_ref()
-            .map_or(Value::Null, SurgeryRecord::to_value)
+        self.applied.state_dict()
     }
 
     fn required_on_load(&self) -> bool {
@@ -196,10 +226,7 @@ where
     }
 
     fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        let applied = self.applied.clone().unwrap_or(SurgeryRecord {
-            settings: self.surgery.settings(),
-            layers: Vec::new(),
-        });
-        check_surgery_record(self.surgery.name(), state, &applied)
+        self.applied
+            .check(self.surgery.name(), self.surgery.settings(), state)
     }
 }
