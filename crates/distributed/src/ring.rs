@@ -23,16 +23,22 @@ pub fn chunk_bounds(len: usize, parts: usize, c: usize) -> std::ops::Range<usize
 }
 
 /// `(x - k) mod w` for ring arithmetic.
+// Used by the MPI transport (feature `mpi`) and the in-process simulation (tests).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) fn back(x: usize, k: usize, w: usize) -> usize {
     (x + w * (k / w + 1) - k) % w
 }
 
 /// The chunks rank `rank` sends and receives at reduce-scatter step `step`.
+// Used by the MPI transport (feature `mpi`) and the in-process simulation (tests).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) fn scatter_step(rank: usize, step: usize, world: usize) -> (usize, usize) {
     (back(rank, step, world), back(rank, step + 1, world))
 }
 
 /// The chunks rank `rank` sends and receives at all-gather step `step`.
+// Used by the MPI transport (feature `mpi`) and the in-process simulation (tests).
+#[cfg_attr(not(feature = "mpi"), allow(dead_code))]
 pub(crate) fn gather_step(rank: usize, step: usize, world: usize) -> (usize, usize) {
     (back(rank + 1, step, world), back(rank, step, world))
 }
