@@ -34,6 +34,7 @@ pub const ACTIVE: &[&str] = &[
     "layer_freezing:freeze_start=0",
     "channels_last",
     "blurpool",
+    "weight_standardization",
 ];
 
 /// The algorithms the CNN cannot take (it has no batch norm and no residual block);
@@ -313,6 +314,10 @@ mod resume_each {
     #[test]
     fn blurpool() {
         check(15)
+    }
+    #[test]
+    fn weight_standardization() {
+        check(16)
     }
 }
 

@@ -224,3 +224,22 @@ fn a_checkpoint_of_other_surgery_is_refused_naming_both() {
         a
     });
 }
+
+#[test]
+fn weight_standardization_reaches_all_convolutions_but_the_last_ones() {
+    use flashover::algorithms::weight_standardization::apply_weight_standardization;
+    let device = Default::default();
+    let mut r8 = ResNetConfig::cifar(8, 16).unwrap().init::<AB>(&device, 1);
+    let all = apply_weight_standardization(&mut r8, 0).layers;
+    // The stem, two per block, and the two projections, in module order.
+    assert_eq!(all.len(), 1 + 2 * 3 + 2);
+    let mut r8 = ResNetConfig::cifar(8, 16).unwrap().init::<AB>(&device, 1);
+    let some = apply_weight_standardization(&mut r8, 2).layers;
+    assert_eq!(some, all[..all.len() - 2]);
+    let mut cnn = MnistCnn::<AB>::new(&device, 1);
+    assert_eq!(
+        apply_weight_standardization(&mut cnn, 5).layers,
+        Vec::<String>::new()
+    );
+    assert_eq!(apply_weight_standardization(&mut cnn, 1).layers, ["conv1"]);
+}

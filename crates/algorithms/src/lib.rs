@@ -19,7 +19,7 @@
 //! | `swa` | [`swa`] | BATCH_START, BATCH_END |
 //! | `layer_freezing` | [`layer_freezing`] | FIT_START, EPOCH_START |
 //! | `channels_last` | [`channels_last`] | INIT |
-//! | `blurpool`, `ghost_batchnorm` (model surgery) | [`blurpool`], [`ghost_batchnorm`], [`surgery`] | INIT |
+//! | `blurpool`, `ghost_batchnorm`, `weight_standardization` (model surgery) | [`blurpool`], [`ghost_batchnorm`], [`weight_standardization`], [`surgery`] | INIT |
 //! | `stochastic_depth` (model surgery) | [`stochastic_depth`] | INIT, AFTER_LOAD, BEFORE_FORWARD, BATCH_END |
 //!
 //! Several methods rewrite the targets (label smoothing, MixUp, CutMix). Each transforms the
@@ -115,6 +115,7 @@ pub mod stochastic_depth;
 pub mod surgery;
 pub mod swa;
 mod util;
+pub mod weight_standardization;
 
 pub use error::{AlgorithmError, Result};
 pub use util::ImageClassBatch;

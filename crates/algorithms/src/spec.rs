@@ -104,6 +104,7 @@ pub const ALGORITHMS: &[(&str, &[&str])] = &[
             "min_channels",
         ],
     ),
+    ("weight_standardization", &["n_last_layers_ignore"]),
     ("ghost_batchnorm", &["ghost_batch_size"]),
     (
         "stochastic_depth",
@@ -386,6 +387,9 @@ where
             StochasticDepth::new(options)?;
             Box::new(SurgeryByName::new(NamedSurgery::StochasticDepth(options)))
         }
+        "weight_standardization" => Box::new(SurgeryByName::new(
+            NamedSurgery::WeightStandardization(p.usize("n_last_layers_ignore", 0)?),
+        )),
         other => {
             return Err(AlgorithmError::UnknownAlgorithm {
                 name: other.to_string(),
@@ -418,7 +422,7 @@ mod tests {
             e.contains("\"blur_pool\"")
                 && e.contains("label_smoothing")
                 && e.contains("layer_freezing")
-                && e.contains("blurpool, ghost_batchnorm"),
+                && e.contains("blurpool, weight_standardization, ghost_batchnorm"),
             "{e}"
         );
         let l = parse_list(

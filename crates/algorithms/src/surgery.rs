@@ -22,6 +22,7 @@ use crate::ghost_batchnorm::{apply_ghost_batchnorm, check_size, describe};
 use crate::stochastic_depth::{
     apply_stochastic_depth, settle, DrawInputs, Draws, StochasticDepthOptions,
 };
+use crate::weight_standardization::{apply_weight_standardization, describe as ws_describe};
 
 /// A surgery and its settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,6 +33,8 @@ pub enum NamedSurgery {
     GhostBatchNorm(usize),
     /// StochasticDepth.
     StochasticDepth(StochasticDepthOptions),
+    /// WeightStandardization, leaving this many last convolutions alone.
+    WeightStandardization(usize),
 }
 
 impl NamedSurgery {
@@ -41,6 +44,7 @@ impl NamedSurgery {
             NamedSurgery::BlurPool(_) => "blurpool",
             NamedSurgery::GhostBatchNorm(_) => "ghost_batchnorm",
             NamedSurgery::StochasticDepth(_) => "stochastic_depth",
+            NamedSurgery::WeightStandardization(_) => "weight_standardization",
         }
     }
 
@@ -49,6 +53,7 @@ impl NamedSurgery {
             NamedSurgery::BlurPool(o) => o.describe(),
             NamedSurgery::GhostBatchNorm(g) => describe(*g),
             NamedSurgery::StochasticDepth(o) => o.describe(),
+            NamedSurgery::WeightStandardization(n) => ws_describe(*n),
         }
     }
 
@@ -91,6 +96,12 @@ impl NamedSurgery {
                     .residual_surgery()
                     .ok_or_else(|| lacks("surgery-ready residual blocks"))?;
                 apply_stochastic_depth(blocks, options, fraction)
+            }
+            NamedSurgery::WeightStandardization(n) => {
+                let convs = model
+                    .conv_surgery()
+                    .ok_or_else(|| lacks("surgery-ready convolutions"))?;
+                Ok(apply_weight_standardization(convs, *n))
             }
         }
     }

@@ -63,6 +63,9 @@ pub struct ConvInfo {
 pub struct ConvVariant {
     /// BlurPool's anti-aliasing, if applied.
     pub blur: Option<Blur>,
+    /// Weight standardization: the convolution uses its weights standardised per output
+    /// channel (zero mean, unit variance over the input channels and the kernel).
+    pub standardize: bool,
 }
 
 /// What a max pool is, for surgery.

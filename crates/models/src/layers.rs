@@ -80,6 +80,30 @@ pub fn blur2d<B: ChannelsLastBackend>(
     }
 }
 
+/// Weight standardization (Qiao et al., "Micro-Batch Training with Batch-Channel
+/// Normalization and Weight Standardization", 2019): each output channel's weights
+/// `[in / groups, kh, kw]` shifted to zero mean and scaled to unit (biased) variance,
+/// `(w - mean) / sqrt(var + 1e-10)`, Composer's constant; the paper's code adds `1e-5` to an
+/// unbiased standard deviation instead. Gradients flow through the standardization to the
+/// raw weights, as with PyTorch's parametrizations.
+pub fn standardize_weight<B: Backend>(w: Tensor<B, 4>) -> Tensor<B, 4> {
+    let dims = w.dims();
+    let [o, i, kh, kw] = dims;
+    let n = i * kh * kw;
+    let flat = w.reshape([o, n]);
+    // Per-row statistics repeated into whole rows (flex walks broadcasts element by element).
+    let mean = flat.clone().mean_dim(1).repeat_dim(1, n);
+    let centered = flat.sub(mean);
+    let std = centered
+        .clone()
+        .square()
+        .mean_dim(1)
+        .add_scalar(1e-10)
+        .sqrt()
+        .repeat_dim(1, n);
+    centered.div(std).reshape(dims)
+}
+
 /// Channels-last convolution of NHWC `x` (see [`ChannelsLastBackend::conv2d_nhwc`]).
 pub fn conv2d_nhwc<B: ChannelsLastBackend>(
     x: Tensor<B, 4>,
@@ -284,6 +308,16 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
         }
     }
 
+    /// The weights the convolution uses: the parameter itself, or with weight
+    /// standardization its standardised form (see [`standardize_weight`]).
+    pub fn effective_weight(&self) -> Tensor<B, 4> {
+        if self.variant.standardize {
+            standardize_weight(self.weight.val())
+        } else {
+            self.weight.val()
+        }
+    }
+
     /// The plain convolution at `stride`.
     fn convolve(
         &self,
@@ -304,7 +338,7 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
                 self.dilation,
                 self.groups,
             );
-            let y = conv2d(x, self.weight.val(), bias, options);
+            let y = conv2d(x, self.effective_weight(), bias, options);
             return if relu {
                 burn::tensor::activation::relu(y)
             } else {
@@ -320,7 +354,7 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
             (pad_nhwc(x, pairs, 0.0), [0, 0])
         };
         let options = ConvOptions::new(stride, padding, self.dilation, self.groups);
-        conv2d_nhwc(x, self.weight.val(), bias, options, relu)
+        conv2d_nhwc(x, self.effective_weight(), bias, options, relu)
     }
 }
 

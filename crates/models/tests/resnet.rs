@@ -595,3 +595,55 @@ fn stochastic_depth_skips_or_masks_the_branch_in_training_and_scales_it_in_evalu
         "evaluation scales the branch",
     );
 }
+
+#[test]
+fn weight_standardization_is_the_papers_per_channel_formula() {
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::PaddingConfig2d;
+    use flashover_models::layers::{standardize_weight, Conv2d};
+    let device = Default::default();
+    let w = random::<B, 4>([3, 2, 3, 3], 31);
+    let raw = values(w.clone());
+    let got = values(standardize_weight(w));
+    for o in 0..3 {
+        let row: Vec<f64> = raw[o * 18..][..18].iter().map(|v| *v as f64).collect();
+        let mean = row.iter().sum::<f64>() / 18.0;
+        let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 18.0;
+        let want: Vec<f64> = row
+            .iter()
+            .map(|v| (v - mean) / (var + 1e-10).sqrt())
+            .collect();
+        assert_close_f64(&got[o * 18..][..18], &want, "standardised channel");
+    }
+    // A standardised convolution is the plain one on standardised weights, in both layouts,
+    // and the raw weights get the gradient.
+    let conv = flashover_core::params::init_model::<AB, _>(&device, 4, |d| {
+        Conv2d::<AB>::new(
+            &Conv2dConfig::new([2, 3], [3, 3]).with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1)),
+            d,
+        )
+    });
+    let mut ws = conv.clone();
+    ws.variant.standardize = true;
+    let mut manual = conv.clone();
+    manual.weight =
+        burn::module::Param::from_tensor(standardize_weight(conv.weight.val()).detach());
+    let x = random::<AB, 4>([2, 2, 5, 5], 32);
+    for nhwc in [false, true] {
+        let input = if nhwc {
+            nchw_to_nhwc(x.clone())
+        } else {
+            x.clone()
+        };
+        assert_close(
+            &values(ws.forward(input.clone(), nhwc, false)),
+            &values(manual.forward(input, nhwc, false)),
+            "standardised convolution",
+        );
+    }
+    let grads = ws.forward(x, false, false).sum().backward();
+    assert!(
+        ws.weight.val().grad(&grads).is_some(),
+        "the raw weights get a gradient"
+    );
+}

@@ -1,0 +1,121 @@
+//! Weight standardization (Qiao, Wang, Liu, Shen and Yuille, "Micro-Batch Training with
+//! Batch-Channel Normalization and Weight Standardization", 2019; Composer's
+//! `WeightStandardization`): every convolution uses its weights standardised per output
+//! channel, `(w - mean) / sqrt(var + 1e-10)` over the input channels and the kernel, which
+//! smooths the loss landscape; the raw weights stay the parameters and receive the gradients
+//! through the standardization. See `flashover_models::layers::standardize_weight` for the
+//! constant and where it differs from the paper's code.
+//!
+//! `n_last_layers_ignore` (Composer's, default 0) leaves the last that many convolutions, in
+//! the model's module order, alone (Composer orders them by a symbolic trace of execution;
+//! module order is the order Flashover's models run them in, a projection shortcut counted
+//! after its block's two convolutions).
+//!
+//! When it helps: paired with group or batch norm at small per-device batches; it costs one
+//! pass over each convolution's weights per step.
+//!
+//! Surgery at `INIT` through the model's [`ConvSurgery`]; no parameter is added or changed.
+
+use flashover_core::callback::Algorithm;
+use flashover_core::event::Event;
+use flashover_core::logger::Logger;
+use flashover_core::setup::Setup;
+use flashover_core::state::State;
+use flashover_core::surgery::{ConvSurgery, SurgeryRecord};
+use serde_json::Value;
+
+use crate::surgery::Applied;
+
+/// The settings in the `--algorithms` syntax.
+pub(crate) fn describe(n_last_layers_ignore: usize) -> String {
+    format!("weight_standardization:n_last_layers_ignore={n_last_layers_ignore}")
+}
+
+/// Standardises the weights of every convolution of `model` but the last
+/// `n_last_layers_ignore` (the functional form; call it before building the optimizer) and
+/// returns what it changed.
+pub fn apply_weight_standardization<M: ConvSurgery + ?Sized>(
+    model: &mut M,
+    n_last_layers_ignore: usize,
+) -> SurgeryRecord {
+    let mut count = 0usize;
+    model.for_each_conv(&mut |_, _| count += 1);
+    let target = count.saturating_sub(n_last_layers_ignore);
+    let mut layers = Vec::new();
+    model.for_each_conv(&mut |info, variant| {
+        if layers.len() < target {
+            variant.standardize = true;
+            layers.push(info.path.clone());
+        }
+    });
+    SurgeryRecord {
+        settings: describe(n_last_layers_ignore),
+        layers,
+    }
+}
+
+/// The WeightStandardization algorithm: [`apply_weight_standardization`] at `INIT`.
+#[derive(Debug, Clone, Default)]
+pub struct WeightStandardization {
+    n_last_layers_ignore: usize,
+    applied: Applied,
+}
+
+impl WeightStandardization {
+    /// Standardization of all convolutions but the last `n_last_layers_ignore`.
+    pub fn new(n_last_layers_ignore: usize) -> Self {
+        Self {
+            n_last_layers_ignore,
+            applied: Applied::default(),
+        }
+    }
+}
+
+impl<S: Setup> Algorithm<S> for WeightStandardization
+where
+    S::Model: ConvSurgery,
+{
+    fn name(&self) -> &str {
+        "weight_standardization"
+    }
+
+    fn matches(&self, event: Event, _state: &State<S>) -> bool {
+        event == Event::Init
+    }
+
+    fn apply(
+        &mut self,
+        _event: Event,
+        state: &mut State<S>,
+        _logger: &mut Logger,
+    ) -> flashover_core::Result<()> {
+        let mut record = None;
+        state.map_model(|mut model| {
+            record = Some(apply_weight_standardization(
+                &mut model,
+                self.n_last_layers_ignore,
+            ));
+            model
+        });
+        // Invariant: `map_model` ran the closure.
+        self.applied
+            .keep("weight_standardization", record.expect("the surgery ran"));
+        Ok(())
+    }
+
+    fn state_dict(&self) -> Value {
+        self.applied.state_dict()
+    }
+
+    fn required_on_load(&self) -> bool {
+        true
+    }
+
+    fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
+        self.applied.check(
+            "weight_standardization",
+            describe(self.n_last_layers_ignore),
+            state,
+        )
+    }
+}
