@@ -200,12 +200,6 @@ impl<B: Backend> EvalModel<B> for CharLm<B> {
     type Output = ClassificationOutput<B>;
 
     fn forward_eval(&self, batch: &TokenBatch<B>) -> ClassificationOutput<B> {
-        let logits = self.logits(batch.tokens.clone());
-        let targets = flat(&batch.targets);
-        ClassificationOutput {
-            loss: cross_entropy(logits.clone(), targets.clone()),
-            logits,
-            targets,
-        }
+        ClassificationOutput::scored(self.logits(batch.tokens.clone()), flat(&batch.targets))
     }
 }

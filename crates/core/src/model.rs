@@ -201,6 +201,18 @@ impl<B: Backend> Logits<B> for Tensor<B, 2> {
     }
 }
 
+impl<B: Backend> ClassificationOutput<B> {
+    /// `logits` scored against class indices `targets` with the mean cross-entropy: what a
+    /// classifier's `forward_eval` returns.
+    pub fn scored(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Self {
+        Self {
+            loss: crate::loss::cross_entropy(logits.clone(), targets.clone()),
+            logits,
+            targets,
+        }
+    }
+}
+
 impl<B: Backend> Logits<B> for ClassificationOutput<B> {
     fn logits(&self) -> &Tensor<B, 2> {
         &self.logits

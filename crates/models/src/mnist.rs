@@ -7,7 +7,7 @@ use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::adaptive_avg_pool2d;
 use burn::tensor::Tensor;
-use flashover_core::loss::{classification_loss, cross_entropy};
+use flashover_core::loss::classification_loss;
 use flashover_core::model::{
     ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
 };
@@ -143,13 +143,7 @@ impl<B: ChannelsLastBackend> EvalModel<B> for MnistCnn<B> {
     type Output = ClassificationOutput<B>;
 
     fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
-        let logits = self.logits(batch.inputs.clone());
-        let loss = cross_entropy(logits.clone(), batch.targets.clone());
-        ClassificationOutput {
-            loss,
-            logits,
-            targets: batch.targets.clone(),
-        }
+        ClassificationOutput::scored(self.logits(batch.inputs.clone()), batch.targets.clone())
     }
 }
 

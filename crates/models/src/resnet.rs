@@ -24,7 +24,7 @@ use burn::nn::{BatchNormConfig, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use flashover_core::loss::{classification_loss, cross_entropy};
+use flashover_core::loss::classification_loss;
 use flashover_core::model::{
     ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
 };
@@ -356,13 +356,7 @@ impl<B: ChannelsLastBackend> EvalModel<B> for ResNet<B> {
     type Output = ClassificationOutput<B>;
 
     fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
-        let logits = self.logits(batch.inputs.clone());
-        let loss = cross_entropy(logits.clone(), batch.targets.clone());
-        ClassificationOutput {
-            loss,
-            logits,
-            targets: batch.targets.clone(),
-        }
+        ClassificationOutput::scored(self.logits(batch.inputs.clone()), batch.targets.clone())
     }
 }
 

@@ -17,27 +17,13 @@ use flashover_core::model::{HasMemoryFormat, MemoryFormat};
 use flashover_models::norm::BatchNorm;
 use flashover_models::{ResNet, ResNetConfig};
 
+mod common;
+use common::random;
+
 type B = Flex;
 type AB = Autodiff<Flex>;
 
 const TOL: f32 = 1e-4;
-
-/// Values uniform in [-1, 1) from `seed` alone (SplitMix64).
-fn random<Bk: Backend, const D: usize>(shape: [usize; D], seed: u64) -> Tensor<Bk, D> {
-    let n: usize = shape.iter().product();
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
-    let values: Vec<f32> = (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect();
-    Tensor::from_data(TensorData::new(values, shape), &Default::default())
-}
 
 fn values<Bk: Backend, const D: usize>(t: Tensor<Bk, D>) -> Vec<f32> {
     t.into_data().to_vec::<f32>().unwrap()
