@@ -35,6 +35,8 @@ pub const ACTIVE: &[&str] = &[
     "channels_last",
     "blurpool",
     "weight_standardization",
+    "squeeze_excite:min_channels=16:latent_channels=0.25",
+    "gyro_dropout:sigma=8:tau=4",
 ];
 
 /// The algorithms the CNN cannot take (it has no batch norm and no residual block);
@@ -318,6 +320,14 @@ mod resume_each {
     #[test]
     fn weight_standardization() {
         check(16)
+    }
+    #[test]
+    fn squeeze_excite() {
+        check(17)
+    }
+    #[test]
+    fn gyro_dropout() {
+        check(18)
     }
 }
 

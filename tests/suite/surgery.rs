@@ -1,4 +1,4 @@
-//! Model surgery across the crates: BlurPool, GhostBatchNorm and StochasticDepth change the layers their
+//! Model surgery across the crates: the surgery algorithms change the layers their
 //! definitions name (on the ResNets and the CNN), in code and by name; a surgery needing
 //! layers the model lacks is an error naming them; every surgery resumes bit-exactly in a new
 //! process; a checkpoint shaped by other surgery (or none) is refused with both descriptions.
@@ -6,7 +6,7 @@
 use burn::backend::{Autodiff, Flex};
 use flashover::algorithms::blurpool::{apply_blurpool, BlurPoolOptions};
 use flashover::algorithms::ghost_batchnorm::apply_ghost_batchnorm;
-use flashover::algorithms::surgery::NamedSurgery;
+use flashover::algorithms::surgery::{NamedSurgery, RunAt};
 use flashover::core::surgery::SurgeryModel;
 use flashover::models::{MnistCnn, ResNetConfig};
 use flashover_tests::*;
@@ -55,6 +55,16 @@ fn blurpool_blurs_the_strided_convolutions_with_enough_channels_and_every_max_po
     assert!(apply_blurpool(&mut cnn, &options).layers.is_empty());
 }
 
+/// The start of a 100-batch run with seed 1.
+fn run_at() -> RunAt {
+    RunAt {
+        fraction: 0.0,
+        seed: 1,
+        batches: Some(100),
+        max_duration: flashover::core::time::Time::Batch(100),
+    }
+}
+
 #[test]
 fn ghost_batchnorm_reaches_every_batch_norm_and_needs_some() {
     let device = Default::default();
@@ -70,7 +80,7 @@ fn ghost_batchnorm_reaches_every_batch_norm_and_needs_some() {
     // By name, on a model without batch norms: an error naming what is missing.
     let mut cnn = MnistCnn::<AB>::new(&device, 1);
     let err = NamedSurgery::GhostBatchNorm(16)
-        .apply_to(&mut cnn as &mut dyn SurgeryModel, 0.0)
+        .apply_to(&mut cnn as &mut dyn SurgeryModel, &run_at())
         .unwrap_err()
         .to_string();
     assert!(
@@ -156,6 +166,8 @@ fn each_surgery_resumes_exactly_and_changes_the_result() {
         "ghost_batchnorm:ghost_batch_size=8",
         "stochastic_depth:drop_rate=0.5",
         "stochastic_depth:stochastic_method=sample:drop_warmup=0.3",
+        "squeeze_excite:min_channels=32:latent_channels=8",
+        "gyro_dropout:sigma=16:tau=4",
         // Selective backprop scores whole batches in training mode outside the step: never
         // with a stale draw (of another batch size), the same in a resumed run.
         "selective_backprop:start=0:end=1:interrupt=3,stochastic_depth:stochastic_method=sample",
@@ -242,4 +254,88 @@ fn weight_standardization_reaches_all_convolutions_but_the_last_ones() {
         Vec::<String>::new()
     );
     assert_eq!(apply_weight_standardization(&mut cnn, 1).layers, ["conv1"]);
+}
+
+#[test]
+fn squeeze_excite_and_gyro_dropout_reach_their_layers_in_code_and_by_name() {
+    use flashover::algorithms::gyro_dropout::{Gyro, GyroDropoutOptions};
+    use flashover::algorithms::squeeze_excite::{apply_squeeze_excite, SqueezeExciteOptions};
+    let device = Default::default();
+    // ResNet-20 at widths 16, 32, 64: Composer's defaults (min 128) reach nothing; at 64,
+    // every convolution of the last stage but the first block's 3x3 (32 in) and projection.
+    let mut r20 = ResNetConfig::cifar(20, 16).unwrap().init::<AB>(&device, 1);
+    let none = apply_squeeze_excite(&mut r20, &SqueezeExciteOptions::default(), 1);
+    assert!(none.layers.is_empty());
+    let options = SqueezeExciteOptions::new(0.25, 64).unwrap();
+    let record = apply_squeeze_excite(&mut r20, &options, 1);
+    assert_eq!(
+        record.layers,
+        [
+            "blocks.6.conv2",
+            "blocks.7.conv1",
+            "blocks.7.conv2",
+            "blocks.8.conv1",
+            "blocks.8.conv2"
+        ]
+    );
+    assert_eq!(
+        record.settings,
+        "squeeze_excite:latent_channels=0.25:min_channels=64"
+    );
+    let hidden = r20.blocks[7]
+        .conv1
+        .excite
+        .as_ref()
+        .unwrap()
+        .reduce
+        .weight
+        .dims();
+    assert_eq!(hidden, [64, 16], "a quarter of 64 channels");
+    // By name: the same layers and settings.
+    let mut r20b = ResNetConfig::cifar(20, 16).unwrap().init::<AB>(&device, 1);
+    let (by_name, gyro) = NamedSurgery::SqueezeExcite(options)
+        .apply_to(&mut r20b as &mut dyn SurgeryModel, &run_at())
+        .unwrap();
+    assert!(gyro.is_none());
+    assert_eq!(by_name, record);
+    // Gyro dropout reaches the classifier's input of either model.
+    let mut cnn = MnistCnn::<AB>::new(&device, 1);
+    let (g, record) = Gyro::apply(&mut cnn, GyroDropoutOptions::default(), 1, 500);
+    assert_eq!(record.layers, ["fc2"]);
+    assert_eq!(g.period(), 16, "floor(500 / 256) * 16");
+    let (record, gyro) = NamedSurgery::GyroDropout(GyroDropoutOptions::default())
+        .apply_to(&mut r20 as &mut dyn SurgeryModel, &run_at())
+        .unwrap();
+    assert_eq!(record.layers, ["head"]);
+    assert_eq!(gyro.unwrap().period(), 1, "100 batches, fewer than sigma");
+    // A run whose length is not in batches has no schedule to pick masks on.
+    let mut tokens = run_at();
+    tokens.batches = None;
+    tokens.max_duration = flashover::core::time::Time::Token(1000);
+    let err = NamedSurgery::GyroDropout(GyroDropoutOptions::default())
+        .apply_to(&mut cnn as &mut dyn SurgeryModel, &tokens)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("max_duration") && err.contains("1000tok"),
+        "{err}"
+    );
+    // Bad settings by name are named.
+    let out = run_mnist(&short_args(&["--algorithms", "gyro_dropout:p=1"]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("`p`") && out.stderr.contains("[0, 1)"),
+        "{}",
+        out.stderr
+    );
+    let out = run_mnist(&short_args(&[
+        "--algorithms",
+        "squeeze_excite:latent_channels=2.5",
+    ]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("latent_channels") && out.stderr.contains("2.5"),
+        "{}",
+        out.stderr
+    );
 }

@@ -20,7 +20,9 @@
 //! | `layer_freezing` | [`layer_freezing`] | FIT_START, EPOCH_START |
 //! | `channels_last` | [`channels_last`] | INIT |
 //! | `blurpool`, `ghost_batchnorm`, `weight_standardization` (model surgery) | [`blurpool`], [`ghost_batchnorm`], [`weight_standardization`], [`surgery`] | INIT |
+//! | `squeeze_excite` (model surgery, adds parameters) | [`squeeze_excite`] | INIT |
 //! | `stochastic_depth` (model surgery) | [`stochastic_depth`] | INIT, AFTER_LOAD, BEFORE_FORWARD, BATCH_END |
+//! | `gyro_dropout` (model surgery) | [`gyro_dropout`] | INIT, AFTER_LOAD, BEFORE_FORWARD, BATCH_END |
 //!
 //! Several methods rewrite the targets (label smoothing, MixUp, CutMix). Each transforms the
 //! distribution already in the batch, in the order the algorithms were added, and undoes its
@@ -99,6 +101,7 @@ pub mod ema;
 pub mod error;
 pub mod ghost_batchnorm;
 pub mod gradient_clipping;
+pub mod gyro_dropout;
 pub mod image;
 pub mod label_smoothing;
 pub mod layer_freezing;
@@ -111,6 +114,7 @@ pub mod sam;
 pub mod selective_backprop;
 pub mod seq_length_warmup;
 pub mod spec;
+pub mod squeeze_excite;
 pub mod stochastic_depth;
 pub mod surgery;
 pub mod swa;

@@ -20,6 +20,7 @@ use crate::ema::Ema;
 use crate::error::{AlgorithmError, Result};
 use crate::ghost_batchnorm::GhostBatchNorm;
 use crate::gradient_clipping::{ClippingType, GradientClipping};
+use crate::gyro_dropout::GyroDropoutOptions;
 use crate::label_smoothing::LabelSmoothing;
 use crate::layer_freezing::LayerFreezing;
 use crate::mixup::MixUp;
@@ -27,6 +28,7 @@ use crate::progressive_resizing::{ProgressiveResizing, ResizeGrid, ResizeMode};
 use crate::randaugment::RandAugment;
 use crate::sam::Sam;
 use crate::selective_backprop::SelectiveBackprop;
+use crate::squeeze_excite::SqueezeExciteOptions;
 use crate::stochastic_depth::{DropDistribution, StochasticDepth, StochasticDepthOptions};
 use crate::surgery::{NamedSurgery, SurgeryByName};
 use crate::swa::{Anneal, Swa, SwaConfig};
@@ -105,6 +107,8 @@ pub const ALGORITHMS: &[(&str, &[&str])] = &[
         ],
     ),
     ("weight_standardization", &["n_last_layers_ignore"]),
+    ("squeeze_excite", &["latent_channels", "min_channels"]),
+    ("gyro_dropout", &["p", "sigma", "tau"]),
     ("ghost_batchnorm", &["ghost_batch_size"]),
     (
         "stochastic_depth",
@@ -390,6 +394,25 @@ where
         "weight_standardization" => Box::new(SurgeryByName::new(
             NamedSurgery::WeightStandardization(p.usize("n_last_layers_ignore", 0)?),
         )),
+        "squeeze_excite" => {
+            let d = SqueezeExciteOptions::default();
+            Box::new(SurgeryByName::new(NamedSurgery::SqueezeExcite(
+                SqueezeExciteOptions::new(
+                    p.f64("latent_channels", d.latent_channels)?,
+                    p.usize("min_channels", d.min_channels)?,
+                )?,
+            )))
+        }
+        "gyro_dropout" => {
+            let d = GyroDropoutOptions::default();
+            Box::new(SurgeryByName::new(NamedSurgery::GyroDropout(
+                GyroDropoutOptions::new(
+                    p.f64("p", d.p)?,
+                    p.usize("sigma", d.sigma)?,
+                    p.usize("tau", d.tau)?,
+                )?,
+            )))
+        }
         other => {
             return Err(AlgorithmError::UnknownAlgorithm {
                 name: other.to_string(),
@@ -422,7 +445,9 @@ mod tests {
             e.contains("\"blur_pool\"")
                 && e.contains("label_smoothing")
                 && e.contains("layer_freezing")
-                && e.contains("blurpool, weight_standardization, ghost_batchnorm"),
+                && e.contains(
+                    "weight_standardization, squeeze_excite, gyro_dropout, ghost_batchnorm"
+                ),
             "{e}"
         );
         let l = parse_list(

@@ -13,12 +13,15 @@ use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{check_surgery_record, SurgeryModel, SurgeryRecord};
+use flashover_core::surgery::{check_surgery_record, DropoutSurgery, SurgeryModel, SurgeryRecord};
+use flashover_core::time::Time;
 use serde_json::Value;
 
 use crate::blurpool::{blur_convs, blur_pools, BlurPoolOptions};
 use crate::error::{AlgorithmError, Result};
 use crate::ghost_batchnorm::{apply_ghost_batchnorm, check_size, describe};
+use crate::gyro_dropout::{gyro_event, gyro_matches, run_batches, Gyro, GyroDropoutOptions};
+use crate::squeeze_excite::{apply_squeeze_excite, SqueezeExciteOptions};
 use crate::stochastic_depth::{
     apply_stochastic_depth, settle, DrawInputs, Draws, StochasticDepthOptions,
 };
@@ -35,6 +38,38 @@ pub enum NamedSurgery {
     StochasticDepth(StochasticDepthOptions),
     /// WeightStandardization, leaving this many last convolutions alone.
     WeightStandardization(usize),
+    /// SqueezeExcite.
+    SqueezeExcite(SqueezeExciteOptions),
+    /// GyroDropout.
+    GyroDropout(GyroDropoutOptions),
+}
+
+/// What a surgery reads of the run at `INIT`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RunAt {
+    /// Fraction of training done.
+    pub fraction: f64,
+    /// The run's seed.
+    pub seed: u64,
+    /// Training batches in the run, where its length converts to batches.
+    pub batches: Option<u64>,
+    /// The run's length as configured.
+    pub max_duration: Time,
+}
+
+impl RunAt {
+    /// What `state` says.
+    pub fn of<S: Setup>(state: &State<S>) -> Self {
+        Self {
+            fraction: crate::util::fraction(state),
+            seed: state.seed,
+            batches: state
+                .progress()
+                .to_batches(state.max_duration)
+                .map(|b| b.ceil() as u64),
+            max_duration: state.max_duration,
+        }
+    }
 }
 
 impl NamedSurgery {
@@ -45,6 +80,8 @@ impl NamedSurgery {
             NamedSurgery::GhostBatchNorm(_) => "ghost_batchnorm",
             NamedSurgery::StochasticDepth(_) => "stochastic_depth",
             NamedSurgery::WeightStandardization(_) => "weight_standardization",
+            NamedSurgery::SqueezeExcite(_) => "squeeze_excite",
+            NamedSurgery::GyroDropout(_) => "gyro_dropout",
         }
     }
 
@@ -54,12 +91,32 @@ impl NamedSurgery {
             NamedSurgery::GhostBatchNorm(g) => describe(*g),
             NamedSurgery::StochasticDepth(o) => o.describe(),
             NamedSurgery::WeightStandardization(n) => ws_describe(*n),
+            NamedSurgery::SqueezeExcite(o) => o.describe(),
+            NamedSurgery::GyroDropout(o) => o.describe(),
         }
     }
 
-    /// Applies the surgery to `model` (at `fraction` of training done), or says which
-    /// capability it lacks.
-    pub fn apply_to(&self, model: &mut dyn SurgeryModel, fraction: f64) -> Result<SurgeryRecord> {
+    /// Applies the surgery to `model` in the run `run` describes, or says which capability
+    /// it lacks. GyroDropout also returns its masks and schedule, for the training steps.
+    pub fn apply_to(
+        &self,
+        model: &mut dyn SurgeryModel,
+        run: &RunAt,
+    ) -> Result<(SurgeryRecord, Option<Gyro>)> {
+        if let NamedSurgery::GyroDropout(options) = self {
+            let batches = run_batches(run)?;
+            let sites = model.dropout_surgery().ok_or(AlgorithmError::ModelLacks {
+                algorithm: "gyro_dropout",
+                needs: "surgery-ready dropout sites",
+            })?;
+            let (gyro, record) = Gyro::apply(sites, *options, run.seed, batches);
+            return Ok((record, Some(gyro)));
+        }
+        self.apply_stateless(model, run).map(|r| (r, None))
+    }
+
+    fn apply_stateless(&self, model: &mut dyn SurgeryModel, run: &RunAt) -> Result<SurgeryRecord> {
+        let fraction = run.fraction;
         let lacks = |needs: &'static str| AlgorithmError::ModelLacks {
             algorithm: self.name(),
             needs,
@@ -103,6 +160,13 @@ impl NamedSurgery {
                     .ok_or_else(|| lacks("surgery-ready convolutions"))?;
                 Ok(apply_weight_standardization(convs, *n))
             }
+            NamedSurgery::SqueezeExcite(options) => {
+                let convs = model
+                    .excite_surgery()
+                    .ok_or_else(|| lacks("convolutions that take squeeze-and-excitation blocks"))?;
+                Ok(apply_squeeze_excite(convs, options, run.seed))
+            }
+            NamedSurgery::GyroDropout(_) => unreachable!("apply_to handles gyro dropout"),
         }
     }
 }
@@ -149,6 +213,7 @@ impl Applied {
 pub struct SurgeryByName {
     surgery: NamedSurgery,
     draws: Draws,
+    gyro: Option<Gyro>,
     applied: Applied,
 }
 
@@ -158,6 +223,7 @@ impl SurgeryByName {
         Self {
             surgery,
             draws: Draws::default(),
+            gyro: None,
             applied: Applied::default(),
         }
     }
@@ -179,6 +245,7 @@ where
                     Event::Init | Event::AfterLoad | Event::BeforeForward | Event::BatchEnd
                 )
             }
+            NamedSurgery::GyroDropout(_) => gyro_matches(event),
             _ => event == Event::Init,
         }
     }
@@ -216,14 +283,21 @@ where
                 _ => {}
             }
         }
-        let fraction = crate::util::fraction(state);
-        let mut record = None;
+        if let (NamedSurgery::GyroDropout(options), false) = (self.surgery, event == Event::Init) {
+            let sites: fn(&mut S::Model) -> Option<&mut dyn DropoutSurgery> =
+                |m| m.dropout_surgery();
+            gyro_event(options, &mut self.gyro, event, state, sites)?;
+            return Ok(());
+        }
+        let run = RunAt::of(state);
+        let mut result = None;
         state.map_model(|mut model| {
-            record = Some(self.surgery.apply_to(&mut model, fraction));
+            result = Some(self.surgery.apply_to(&mut model, &run));
             model
         });
         // Invariant: `map_model` ran the closure.
-        let record = record.expect("the surgery ran")?;
+        let (record, gyro) = result.expect("the surgery ran")?;
+        self.gyro = gyro;
         self.applied.keep(self.surgery.name(), record);
         Ok(())
     }

@@ -8,14 +8,17 @@
 //! normalise over ghost batches, a residual block to drop its branch as this batch's draw
 //! says. A model opts in by implementing the capability traits below, each of which walks the
 //! model's layers of one kind in module order ([`ConvSurgery`], [`PoolSurgery`],
-//! [`NormSurgery`], [`ResidualSurgery`]); an algorithm that needs a kind of layer bounds on its trait, so adding
+//! [`NormSurgery`], [`ResidualSurgery`], [`DropoutSurgery`]); an algorithm that needs a kind of layer bounds on its trait, so adding
 //! it to a model without such layers does not compile. Flashover's layers implement
 //! everything (`flashover-models`); a model built from them forwards each trait to its
 //! layers in a few lines, and a model of the user's own implements the traits itself.
 //!
 //! Surgery runs at `INIT`, before the optimizer has seen a parameter and before a checkpoint
 //! is restored; parameters keep their ids and names (settings carry no parameters), so
-//! checkpoints, EMA, SWA and layer freezing see the same parameters. A layer whose settings
+//! checkpoints, EMA, SWA and layer freezing see the same parameters. The surgeries that add
+//! parameters (SqueezeExcite's blocks, [`ExciteSurgery`]) add them at `INIT` too, under new
+//! names next to the layer they follow, drawn from the run's seed alone: a checkpoint of
+//! the run has them, and its restore finds them already in place. A layer whose settings
 //! are the defaults runs exactly as before: one comparison per layer and forward pass.
 //!
 //! Every surgery algorithm saves what it did (which layers, with which settings) as its
@@ -152,6 +155,37 @@ pub struct ResidualVariant {
     pub drop: Option<DepthDrop>,
 }
 
+/// Where a model accepts dropout, for surgery (GyroDropout): in Flashover's models the
+/// input of the classifier head.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DropoutInfo {
+    /// The path of the layer whose input is dropped (`head`, `fc2`).
+    pub path: String,
+    /// Features per sample at that point.
+    pub features: usize,
+}
+
+/// Gyro dropout at one dropout site: in training the features of the batch's samples are
+/// kept as `masks` says, and the kept ones scaled by `1 / (1 - p)`; in evaluation nothing is
+/// dropped.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GyroMasks {
+    /// The drop probability the masks were drawn with.
+    pub p: f64,
+    /// The current batch's masks, `rows` of `features` keep flags each, row after row:
+    /// sample `i` of `n` uses row `i * rows / n` (the batch cut into `rows` nearly equal
+    /// consecutive parts). Set before each training forward pass; a training pass without
+    /// masks drops nothing.
+    pub keep: Option<(usize, Vec<bool>)>,
+}
+
+/// The variants a surgery-ready dropout site can run. The default drops nothing.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DropoutVariant {
+    /// Gyro dropout, if applied.
+    pub gyro: Option<GyroMasks>,
+}
+
 /// A model whose convolutions surgery can change.
 pub trait ConvSurgery {
     /// Calls `f` on every convolution, in module order.
@@ -168,6 +202,28 @@ pub trait PoolSurgery {
 pub trait ResidualSurgery {
     /// Calls `f` on every residual block, in module order.
     fn for_each_residual(&mut self, f: &mut dyn FnMut(&ResidualInfo, &mut ResidualVariant));
+}
+
+/// A model whose dropout sites surgery can change (GyroDropout).
+pub trait DropoutSurgery {
+    /// Calls `f` on every dropout site, in module order.
+    fn for_each_dropout(&mut self, f: &mut dyn FnMut(&DropoutInfo, &mut DropoutVariant));
+}
+
+/// A model that can take squeeze-and-excitation blocks after its convolutions
+/// (SqueezeExcite). Unlike the settings above, the blocks carry parameters: the model builds
+/// them, so that their type stays the model's own.
+pub trait ExciteSurgery {
+    /// Adds a block after every convolution, in module order, for which `latent` returns a
+    /// hidden width, with weights drawn from a generator seeded by
+    /// `derive_seed(&[seed, index])` (`index` counting the convolutions from 0), so that
+    /// every rank of a data-parallel run builds the same blocks. A convolution that already
+    /// has a block keeps it. Returns the paths of the convolutions given a block.
+    fn add_squeeze_excite(
+        &mut self,
+        latent: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
+        seed: u64,
+    ) -> Vec<String>;
 }
 
 /// A model whose batch norms surgery can change.
@@ -196,6 +252,14 @@ pub trait SurgeryModel {
     }
     /// The model's residual blocks, if it has surgery-ready ones.
     fn residual_surgery(&mut self) -> Option<&mut dyn ResidualSurgery> {
+        None
+    }
+    /// The model's dropout sites, if it has surgery-ready ones.
+    fn dropout_surgery(&mut self) -> Option<&mut dyn DropoutSurgery> {
+        None
+    }
+    /// The model's squeeze-and-excitation capability, if it has one.
+    fn excite_surgery(&mut self) -> Option<&mut dyn ExciteSurgery> {
         None
     }
 }

@@ -16,7 +16,10 @@ use burn::tensor::module::{avg_pool2d, conv2d, linear, max_pool2d};
 use burn::tensor::ops::{ConvOptions, PadMode, PaddedConvOptions};
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
-use flashover_core::surgery::{Blur, ConvInfo, ConvVariant, PoolInfo, PoolVariant};
+use flashover_core::rng::{derive_seed, Rng};
+use flashover_core::surgery::{
+    Blur, ConvInfo, ConvVariant, DropoutVariant, GyroMasks, PoolInfo, PoolVariant,
+};
 
 use crate::ops::ChannelsLastBackend;
 
@@ -183,6 +186,96 @@ pub fn dense<B: ChannelsLastBackend>(
     Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
+/// Gyro dropout's masking (see `flashover_core::surgery::GyroMasks`) of `x: [n, features]`:
+/// sample `i` keeps the features row `i * rows / n` of the masks keeps, scaled by
+/// `1 / (1 - p)`; without masks (a forward pass outside the training step), `x` unchanged.
+pub fn gyro_dropout<B: Backend>(x: Tensor<B, 2>, masks: &GyroMasks) -> Tensor<B, 2> {
+    let Some((rows, keep)) = &masks.keep else {
+        return x;
+    };
+    let [n, features] = x.dims();
+    assert_eq!(
+        keep.len(),
+        rows * features,
+        "gyro dropout masks of {} flags for {rows} rows of {features} features",
+        keep.len()
+    );
+    let scale = (1.0 / (1.0 - masks.p)) as f32;
+    let mut mask = Vec::with_capacity(n * features);
+    for i in 0..n {
+        let row = i * rows / n;
+        let flags = &keep[row * features..(row + 1) * features];
+        mask.extend(flags.iter().map(|&k| if k { scale } else { 0.0 }));
+    }
+    let mask = Tensor::<B, 2>::from_data(TensorData::new(mask, [n, features]), &x.device());
+    x.mul(mask)
+}
+
+/// A squeeze-and-excitation block (Hu, Shen and Sun, "Squeeze-and-Excitation Networks",
+/// CVPR 2018): the feature map's channels averaged over the image (squeeze), a two-layer
+/// perceptron without biases `sigmoid(relu(s · reduce) · expand)` (excitation), and every
+/// channel scaled by its output. Composer's `SqueezeExcite2d`.
+#[derive(Module, Debug)]
+pub struct SqueezeExcite<B: Backend> {
+    /// `[channels, latent]`, no bias.
+    pub reduce: Linear<B>,
+    /// `[latent, channels]`, no bias.
+    pub expand: Linear<B>,
+}
+
+impl<B: Backend> SqueezeExcite<B> {
+    /// A block for `channels` channels with a hidden layer of `latent` units, initialised as
+    /// PyTorch's `Linear` (uniform in `+-1 / sqrt(fan_in)`) from a generator seeded by
+    /// `seed`: the same block on every backend and every rank.
+    pub fn new(channels: usize, latent: usize, seed: u64, device: &B::Device) -> Self {
+        let mut rng = Rng::new(seed);
+        let mut dense = |d_in: usize, d_out: usize| {
+            let bound = 1.0 / (d_in as f64).sqrt();
+            let w: Vec<f32> = (0..d_in * d_out)
+                .map(|_| rng.uniform(-bound, bound) as f32)
+                .collect();
+            Linear {
+                weight: Param::from_tensor(Tensor::from_data(
+                    TensorData::new(w, [d_in, d_out]),
+                    device,
+                )),
+                bias: None,
+                input_dropout: DropoutVariant::default(),
+            }
+        };
+        let reduce = dense(channels, latent);
+        let expand = dense(latent, channels);
+        Self { reduce, expand }
+    }
+}
+
+impl<B: ChannelsLastBackend> SqueezeExcite<B> {
+    /// The block on `x` (NHWC when `channels_last`, else NCHW).
+    pub fn forward(&self, x: Tensor<B, 4>, channels_last: bool) -> Tensor<B, 4> {
+        let dims = x.dims();
+        let (n, c, hw) = if channels_last {
+            (dims[0], dims[3], dims[1] * dims[2])
+        } else {
+            (dims[0], dims[1], dims[2] * dims[3])
+        };
+        let squeezed = if channels_last {
+            x.clone().reshape([n, hw, c]).mean_dim(1).reshape([n, c])
+        } else {
+            x.clone().reshape([n, c, hw]).mean_dim(2).reshape([n, c])
+        };
+        let hidden = self.reduce.forward(squeezed, channels_last, true);
+        let scale =
+            burn::tensor::activation::sigmoid(self.expand.forward(hidden, channels_last, false));
+        // The scale repeated to the map's shape (flex walks broadcasts element by element).
+        let scale = if channels_last {
+            scale.reshape([n, 1, c]).repeat_dim(1, hw)
+        } else {
+            scale.reshape([n, c, 1]).repeat_dim(2, hw)
+        };
+        x.mul(scale.reshape(dims))
+    }
+}
+
 /// A dense layer with Burn's parameters (names, shapes, initialisation, record) that runs
 /// through Burn's `linear` or the fast path's [`dense`].
 #[derive(Module, Debug)]
@@ -191,6 +284,8 @@ pub struct Linear<B: Backend> {
     pub weight: Param<Tensor<B, 2>>,
     /// `[d_output]`.
     pub bias: Option<Param<Tensor<B, 1>>>,
+    /// Dropout on the layer's input that model surgery chose (default: none).
+    pub input_dropout: DropoutVariant,
 }
 
 impl<B: Backend> Linear<B> {
@@ -206,6 +301,7 @@ impl<B: Backend> From<burn::nn::Linear<B>> for Linear<B> {
         Self {
             weight: l.weight,
             bias: l.bias,
+            input_dropout: DropoutVariant::default(),
         }
     }
 }
@@ -213,7 +309,13 @@ impl<B: Backend> From<burn::nn::Linear<B>> for Linear<B> {
 impl<B: ChannelsLastBackend> Linear<B> {
     /// The layer on `x: [rows, d_input]`, followed by a ReLU when `relu`: through the fast
     /// path's [`dense`] (ReLU fused) when `fast`, else exactly as Burn's `Linear` and `relu`.
+    /// With gyro dropout on the input, training passes first apply this batch's masks (see
+    /// [`gyro_dropout`]).
     pub fn forward(&self, x: Tensor<B, 2>, fast: bool, relu: bool) -> Tensor<B, 2> {
+        let x = match &self.input_dropout.gyro {
+            Some(g) if B::ad_enabled(&x.device()) => gyro_dropout(x, g),
+            _ => x,
+        };
         let bias = self.bias.as_ref().map(|b| b.val());
         if fast {
             return dense(x, self.weight.val(), bias, relu);
@@ -246,6 +348,8 @@ pub struct Conv2d<B: Backend> {
     pub padding: PaddingConfig2d,
     /// The variant model surgery chose (default: the plain convolution).
     pub variant: ConvVariant,
+    /// The squeeze-and-excitation block SqueezeExcite's surgery put after the convolution.
+    pub excite: Option<SqueezeExcite<B>>,
 }
 
 impl<B: Backend> Conv2d<B> {
@@ -280,6 +384,7 @@ impl<B: Backend> From<burn::nn::conv::Conv2d<B>> for Conv2d<B> {
             groups: c.groups,
             padding: c.padding,
             variant: ConvVariant::default(),
+            excite: None,
         }
     }
 }
@@ -288,23 +393,32 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
     /// The convolution of `x`, NHWC when `channels_last` (else NCHW), followed by a ReLU when
     /// `relu` (fused into the kernel on the fast path).
     /// With BlurPool's variant the input is blurred first, or the convolution runs at stride
-    /// 1 and its output is blurred with the layer's stride (see [`blur2d`]).
+    /// 1 and its output is blurred with the layer's stride (see [`blur2d`]). With a
+    /// squeeze-and-excitation block, the block rescales the convolution's output before the
+    /// ReLU.
     pub fn forward(&self, x: Tensor<B, 4>, channels_last: bool, relu: bool) -> Tensor<B, 4> {
-        match self.variant.blur {
-            None => self.convolve(x, self.stride, channels_last, relu),
+        let fuse = relu && self.excite.is_none();
+        let maybe_relu = |y: Tensor<B, 4>, on: bool| {
+            if on {
+                burn::tensor::activation::relu(y)
+            } else {
+                y
+            }
+        };
+        let y = match self.variant.blur {
+            None => self.convolve(x, self.stride, channels_last, fuse),
             Some(Blur::First) => {
                 let x = blur2d(x, [1, 1], channels_last);
-                self.convolve(x, self.stride, channels_last, relu)
+                self.convolve(x, self.stride, channels_last, fuse)
             }
             Some(Blur::Last) => {
                 let y = self.convolve(x, [1, 1], channels_last, false);
-                let y = blur2d(y, self.stride, channels_last);
-                if relu {
-                    burn::tensor::activation::relu(y)
-                } else {
-                    y
-                }
+                maybe_relu(blur2d(y, self.stride, channels_last), fuse)
             }
+        };
+        match &self.excite {
+            None => y,
+            Some(se) => maybe_relu(se.forward(y, channels_last), relu),
         }
     }
 
@@ -356,6 +470,31 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
         let options = ConvOptions::new(stride, padding, self.dilation, self.groups);
         conv2d_nhwc(x, self.effective_weight(), bias, options, relu)
     }
+}
+
+/// [`ExciteSurgery`](flashover_core::surgery::ExciteSurgery) over a model's convolutions
+/// listed in module order with their paths: what Flashover's models forward the trait to.
+/// Block `index` (the convolution's position in the list) is drawn from
+/// `derive_seed(&[seed, index])`.
+pub fn add_squeeze_excite<'a, B: Backend>(
+    convs: impl IntoIterator<Item = (String, &'a mut Conv2d<B>)>,
+    latent: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
+    seed: u64,
+) -> Vec<String> {
+    let mut added = Vec::new();
+    for (index, (path, conv)) in convs.into_iter().enumerate() {
+        if conv.excite.is_some() {
+            continue;
+        }
+        let info = conv.info(&path);
+        if let Some(width) = latent(&info) {
+            let device = conv.weight.device();
+            let seed = derive_seed(&[seed, index as u64]);
+            conv.excite = Some(SqueezeExcite::new(info.out_channels, width, seed, &device));
+            added.push(path);
+        }
+    }
+    added
 }
 
 /// 2-D max pooling (Burn's `MaxPool2d`, without `ceil_mode`) in either layout.

@@ -13,10 +13,11 @@ use flashover_core::model::{
 };
 use flashover_core::params::init_model;
 use flashover_core::surgery::{
-    ConvInfo, ConvSurgery, ConvVariant, PoolInfo, PoolSurgery, PoolVariant, SurgeryModel,
+    ConvInfo, ConvSurgery, ConvVariant, DropoutInfo, DropoutSurgery, DropoutVariant, ExciteSurgery,
+    PoolInfo, PoolSurgery, PoolVariant, SurgeryModel,
 };
 
-use crate::layers::{nhwc_to_nchw, Conv2d, Linear, MaxPool2d};
+use crate::layers::{add_squeeze_excite, nhwc_to_nchw, Conv2d, Linear, MaxPool2d};
 use crate::ops::ChannelsLastBackend;
 use crate::{channels_last, TrainBackend};
 
@@ -147,14 +148,47 @@ impl<B: ChannelsLastBackend> EvalModel<B> for MnistCnn<B> {
     }
 }
 
-/// Surgery (`flashover_core::surgery`) reaches the two convolutions and the max pool, which
-/// both stages share (one layer, so one variant for both). The CNN has no batch norm, so the
+/// Surgery (`flashover_core::surgery`) reaches the two convolutions, the classifier's input
+/// and the max pool, which both stages share (one layer, so one variant for both). The CNN has no batch norm, so the
 /// norm surgeries do not compile for it.
+impl<B: Backend> MnistCnn<B> {
+    /// The two convolutions with their paths.
+    fn convs_mut(&mut self) -> [(String, &mut Conv2d<B>); 2] {
+        [
+            ("conv1".to_string(), &mut self.conv1),
+            ("conv2".to_string(), &mut self.conv2),
+        ]
+    }
+}
+
 impl<B: Backend> ConvSurgery for MnistCnn<B> {
     fn for_each_conv(&mut self, f: &mut dyn FnMut(&ConvInfo, &mut ConvVariant)) {
-        for (path, conv) in [("conv1", &mut self.conv1), ("conv2", &mut self.conv2)] {
-            f(&conv.info(path), &mut conv.variant);
+        for (path, conv) in self.convs_mut() {
+            f(&conv.info(&path), &mut conv.variant);
         }
+    }
+}
+
+impl<B: Backend> ExciteSurgery for MnistCnn<B> {
+    fn add_squeeze_excite(
+        &mut self,
+        latent: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
+        seed: u64,
+    ) -> Vec<String> {
+        add_squeeze_excite(self.convs_mut(), latent, seed)
+    }
+}
+
+/// GyroDropout's site: the classifier's input, the hidden layer's 128 features (where
+/// VGG-style networks have their dropout).
+impl<B: Backend> DropoutSurgery for MnistCnn<B> {
+    fn for_each_dropout(&mut self, f: &mut dyn FnMut(&DropoutInfo, &mut DropoutVariant)) {
+        let [features, _] = self.fc2.weight.dims();
+        let info = DropoutInfo {
+            path: "fc2".into(),
+            features,
+        };
+        f(&info, &mut self.fc2.input_dropout);
     }
 }
 
@@ -170,6 +204,14 @@ impl<B: Backend> SurgeryModel for MnistCnn<B> {
     }
 
     fn pool_surgery(&mut self) -> Option<&mut dyn PoolSurgery> {
+        Some(self)
+    }
+
+    fn dropout_surgery(&mut self) -> Option<&mut dyn DropoutSurgery> {
+        Some(self)
+    }
+
+    fn excite_surgery(&mut self) -> Option<&mut dyn ExciteSurgery> {
         Some(self)
     }
 }

@@ -30,12 +30,12 @@ use flashover_core::model::{
 };
 use flashover_core::params::init_model;
 use flashover_core::surgery::{
-    ConvInfo, ConvSurgery, ConvVariant, DepthDrop, Keep, NormInfo, NormSurgery, NormVariant,
-    PoolInfo, PoolSurgery, PoolVariant, ResidualInfo, ResidualSurgery, ResidualVariant,
-    SurgeryModel,
+    ConvInfo, ConvSurgery, ConvVariant, DepthDrop, DropoutInfo, DropoutSurgery, DropoutVariant,
+    ExciteSurgery, Keep, NormInfo, NormSurgery, NormVariant, PoolInfo, PoolSurgery, PoolVariant,
+    ResidualInfo, ResidualSurgery, ResidualVariant, SurgeryModel,
 };
 
-use crate::layers::{Conv2d, Linear};
+use crate::layers::{add_squeeze_excite, Conv2d, Linear};
 use crate::norm::BatchNorm;
 use crate::ops::ChannelsLastBackend;
 use crate::{channels_last, TrainBackend};
@@ -362,20 +362,50 @@ impl<B: ChannelsLastBackend> EvalModel<B> for ResNet<B> {
 
 /// Surgery (`flashover_core::surgery`) reaches every convolution (the stem, each block's two
 /// and each projection) and every batch norm, in module order, with their paths in the
-/// model's record (`blocks.3.conv1`). The ResNet has no max pool: BlurPool blurs its strided
+/// model's record (`blocks.3.conv1`), and the classifier's input as a dropout site. The ResNet has no max pool: BlurPool blurs its strided
 /// convolutions only.
-impl<B: Backend> ConvSurgery for ResNet<B> {
-    fn for_each_conv(&mut self, f: &mut dyn FnMut(&ConvInfo, &mut ConvVariant)) {
-        let mut visit =
-            |conv: &mut Conv2d<B>, path: String| f(&conv.info(&path), &mut conv.variant);
-        visit(&mut self.stem, "stem".into());
+impl<B: Backend> ResNet<B> {
+    /// Every convolution with its path, in module order.
+    fn convs_mut(&mut self) -> Vec<(String, &mut Conv2d<B>)> {
+        let mut convs = vec![("stem".to_string(), &mut self.stem)];
         for (i, b) in self.blocks.iter_mut().enumerate() {
-            visit(&mut b.conv1, format!("blocks.{i}.conv1"));
-            visit(&mut b.conv2, format!("blocks.{i}.conv2"));
+            convs.push((format!("blocks.{i}.conv1"), &mut b.conv1));
+            convs.push((format!("blocks.{i}.conv2"), &mut b.conv2));
             if let Some(p) = &mut b.shortcut {
-                visit(&mut p.conv, format!("blocks.{i}.shortcut.conv"));
+                convs.push((format!("blocks.{i}.shortcut.conv"), &mut p.conv));
             }
         }
+        convs
+    }
+}
+
+impl<B: Backend> ConvSurgery for ResNet<B> {
+    fn for_each_conv(&mut self, f: &mut dyn FnMut(&ConvInfo, &mut ConvVariant)) {
+        for (path, conv) in self.convs_mut() {
+            f(&conv.info(&path), &mut conv.variant);
+        }
+    }
+}
+
+impl<B: Backend> ExciteSurgery for ResNet<B> {
+    fn add_squeeze_excite(
+        &mut self,
+        latent: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
+        seed: u64,
+    ) -> Vec<String> {
+        add_squeeze_excite(self.convs_mut(), latent, seed)
+    }
+}
+
+/// GyroDropout's site: the classifier's input, the globally averaged features.
+impl<B: Backend> DropoutSurgery for ResNet<B> {
+    fn for_each_dropout(&mut self, f: &mut dyn FnMut(&DropoutInfo, &mut DropoutVariant)) {
+        let [features, _] = self.head.weight.dims();
+        let info = DropoutInfo {
+            path: "head".into(),
+            features,
+        };
+        f(&info, &mut self.head.input_dropout);
     }
 }
 
@@ -427,6 +457,14 @@ impl<B: Backend> SurgeryModel for ResNet<B> {
     }
 
     fn residual_surgery(&mut self) -> Option<&mut dyn ResidualSurgery> {
+        Some(self)
+    }
+
+    fn dropout_surgery(&mut self) -> Option<&mut dyn DropoutSurgery> {
+        Some(self)
+    }
+
+    fn excite_surgery(&mut self) -> Option<&mut dyn ExciteSurgery> {
         Some(self)
     }
 }

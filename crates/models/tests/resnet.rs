@@ -633,3 +633,213 @@ fn weight_standardization_is_the_papers_per_channel_formula() {
         "the raw weights get a gradient"
     );
 }
+
+/// Squeeze-and-excitation by hand: channel means, `relu(s W1)`, `sigmoid(. W2)`, each
+/// channel scaled; through the block alone and after a convolution (before its ReLU), in
+/// both layouts, with the block's initialisation in PyTorch's bounds.
+#[test]
+fn squeeze_excite_scales_each_channel_by_the_papers_formula() {
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::PaddingConfig2d;
+    use flashover_models::layers::{Conv2d, SqueezeExcite};
+    let device = Default::default();
+    let (n, c, h, w, latent) = (2usize, 4usize, 3usize, 5usize, 3usize);
+    let se = SqueezeExcite::<B>::new(c, latent, 9, &device);
+    let w1 = values(se.reduce.weight.val());
+    let w2 = values(se.expand.weight.val());
+    assert_eq!(se.reduce.weight.dims(), [c, latent]);
+    assert_eq!(se.expand.weight.dims(), [latent, c]);
+    assert!(se.reduce.bias.is_none() && se.expand.bias.is_none());
+    let b1 = 1.0 / (c as f32).sqrt();
+    let b2 = 1.0 / (latent as f32).sqrt();
+    assert!(w1.iter().all(|v| v.abs() <= b1) && w2.iter().all(|v| v.abs() <= b2));
+    assert_eq!(
+        values(
+            SqueezeExcite::<B>::new(c, latent, 9, &device)
+                .reduce
+                .weight
+                .val()
+        ),
+        w1,
+        "the seed alone decides the block"
+    );
+    let x = random::<B, 4>([n, c, h, w], 41);
+    let xs = values(x.clone());
+    let mut want = vec![0.0f64; xs.len()];
+    for s in 0..n {
+        let mean: Vec<f64> = (0..c)
+            .map(|ch| {
+                xs[(s * c + ch) * h * w..][..h * w]
+                    .iter()
+                    .map(|&v| v as f64)
+                    .sum::<f64>()
+                    / (h * w) as f64
+            })
+            .collect();
+        let hidden: Vec<f64> = (0..latent)
+            .map(|j| {
+                (0..c)
+                    .map(|i| mean[i] * w1[i * latent + j] as f64)
+                    .sum::<f64>()
+                    .max(0.0)
+            })
+            .collect();
+        for ch in 0..c {
+            let z: f64 = (0..latent).map(|j| hidden[j] * w2[j * c + ch] as f64).sum();
+            let scale = 1.0 / (1.0 + (-z).exp());
+            for k in 0..h * w {
+                let i = (s * c + ch) * h * w + k;
+                want[i] = xs[i] as f64 * scale;
+            }
+        }
+    }
+    assert_close_f64(
+        &values(se.forward(x.clone(), false)),
+        &want,
+        "channels-first",
+    );
+    let nhwc = se
+        .forward(nchw_to_nhwc(x.clone()), true)
+        .permute([0, 3, 1, 2]);
+    assert_close_f64(&values(nhwc), &want, "channels-last");
+
+    // After a convolution: the block rescales its output, then the ReLU.
+    let mut conv = Conv2d::<B>::new(
+        &Conv2dConfig::new([2, c], [3, 3]).with_padding(PaddingConfig2d::Same),
+        &device,
+    );
+    let input = random::<B, 4>([n, 2, h, w], 42);
+    let pre = conv.forward(input.clone(), false, false);
+    conv.excite = Some(se.clone());
+    let want = burn::tensor::activation::relu(se.forward(pre, false));
+    for nhwc in [false, true] {
+        let x = if nhwc {
+            nchw_to_nhwc(input.clone())
+        } else {
+            input.clone()
+        };
+        let got = conv.forward(x, nhwc, true);
+        let got = if nhwc { got.permute([0, 3, 1, 2]) } else { got };
+        assert_close(&values(got), &values(want.clone()), "conv, block, relu");
+    }
+}
+
+/// Squeeze-and-excitation surgery on the ResNet: blocks where Composer's rule puts them,
+/// with the parameters they add, the same on a second build from the same seed, and a
+/// forward and backward pass through them.
+#[test]
+fn squeeze_excite_surgery_adds_blocks_after_the_wide_convolutions() {
+    use flashover_core::surgery::ExciteSurgery;
+    let device = Default::default();
+    let mut model: ResNet<AB> = ResNetConfig::cifar(8, 4).unwrap().init(&device, 5);
+    let before = model.num_params();
+    // Widths 4, 8, 16: blocks after convolutions with at least 8 channels in and out.
+    let added = model.add_squeeze_excite(
+        &mut |conv| (conv.in_channels.min(conv.out_channels) >= 8).then_some(2),
+        77,
+    );
+    assert_eq!(
+        added,
+        [
+            "blocks.1.conv2",
+            "blocks.2.conv1",
+            "blocks.2.conv2",
+            "blocks.2.shortcut.conv"
+        ]
+    );
+    let extra = 2 * (8 * 2) + 2 * (16 * 2) * 3;
+    assert_eq!(model.num_params(), before + extra);
+    let again = model.add_squeeze_excite(&mut |_| Some(2), 77);
+    assert_eq!(
+        again,
+        [
+            "stem",
+            "blocks.0.conv1",
+            "blocks.0.conv2",
+            "blocks.1.conv1",
+            "blocks.1.shortcut.conv"
+        ],
+        "a convolution with a block keeps it"
+    );
+    let mut twin: ResNet<AB> = ResNetConfig::cifar(8, 4).unwrap().init(&device, 5);
+    twin.add_squeeze_excite(
+        &mut |conv| (conv.in_channels.min(conv.out_channels) >= 8).then_some(2),
+        77,
+    );
+    let w = |m: &ResNet<AB>| {
+        values(
+            m.blocks[2]
+                .conv1
+                .excite
+                .as_ref()
+                .unwrap()
+                .expand
+                .weight
+                .val(),
+        )
+    };
+    assert_eq!(w(&twin), w(&model));
+    let x = random::<AB, 4>([2, 1, 12, 12], 3);
+    let loss = model.logits(x).sum();
+    let grads = loss.backward();
+    let se = model.blocks[2].conv1.excite.as_ref().unwrap();
+    let g = se.reduce.weight.grad(&grads).expect("the block is trained");
+    assert!(values(g).iter().any(|v| *v != 0.0));
+}
+
+/// Gyro dropout's masking: sample `i` of `n` uses mask row `i * rows / n`, kept features
+/// scaled by `1 / (1 - p)`; evaluation and a training pass without masks leave the input
+/// alone.
+#[test]
+fn gyro_dropout_masks_parts_of_the_batch_and_scales_the_kept_features() {
+    use flashover_core::surgery::GyroMasks;
+    use flashover_models::layers::gyro_dropout;
+    let x = random::<B, 2>([5, 3], 51);
+    let xs = values(x.clone());
+    // Two rows: samples 0-2 use row 0 (5 * 0 / 2 .. ), samples 3-4 row 1.
+    let keep = vec![true, false, true, false, true, true];
+    let masks = GyroMasks {
+        p: 0.2,
+        keep: Some((2, keep.clone())),
+    };
+    let got = values(gyro_dropout(x.clone(), &masks));
+    for i in 0..5 {
+        let row = i * 2 / 5;
+        for f in 0..3 {
+            let want = if keep[row * 3 + f] {
+                xs[i * 3 + f] / 0.8
+            } else {
+                0.0
+            };
+            assert!(
+                (got[i * 3 + f] - want).abs() < 1e-6,
+                "sample {i} feature {f}"
+            );
+        }
+    }
+    let none = GyroMasks { p: 0.2, keep: None };
+    assert_eq!(values(gyro_dropout(x, &none)), xs);
+    // Through the ResNet head: only training passes are masked.
+    use flashover_core::surgery::{DropoutSurgery, DropoutVariant};
+    let device = Default::default();
+    let mut model: ResNet<AB> = ResNetConfig::cifar(8, 4).unwrap().init(&device, 5);
+    let mut sites = Vec::new();
+    model.for_each_dropout(&mut |info, variant: &mut DropoutVariant| {
+        sites.push((info.path.clone(), info.features));
+        variant.gyro = Some(GyroMasks {
+            p: 0.5,
+            keep: Some((1, vec![false; info.features])),
+        });
+    });
+    assert_eq!(sites, [("head".to_string(), 16)]);
+    let images = random::<AB, 4>([2, 1, 8, 8], 4);
+    let logits = values(model.logits(images.clone()));
+    let bias = values(model.head.bias.as_ref().unwrap().val());
+    assert_close(
+        &logits[..10],
+        &bias,
+        "every feature dropped: the bias alone",
+    );
+    let eval = values(model.valid().logits(images.inner()));
+    assert!(eval[..10] != bias[..], "evaluation drops nothing");
+}
