@@ -37,6 +37,7 @@ pub const ACTIVE: &[&str] = &[
     "weight_standardization",
     "squeeze_excite:min_channels=16:latent_channels=0.25",
     "gyro_dropout:sigma=8:tau=4",
+    "factorize:min_channels=16:latent_channels=4:min_features=64:latent_features=16",
 ];
 
 /// The algorithms the CNN cannot take (it has no batch norm and no residual block);
@@ -328,6 +329,10 @@ mod resume_each {
     #[test]
     fn gyro_dropout() {
         check(18)
+    }
+    #[test]
+    fn factorize() {
+        check(19)
     }
 }
 

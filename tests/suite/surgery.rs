@@ -168,6 +168,7 @@ fn each_surgery_resumes_exactly_and_changes_the_result() {
         "stochastic_depth:stochastic_method=sample:drop_warmup=0.3",
         "squeeze_excite:min_channels=32:latent_channels=8",
         "gyro_dropout:sigma=16:tau=4",
+        "factorize:min_channels=32:latent_channels=8",
         // Selective backprop scores whole batches in training mode outside the step: never
         // with a stale draw (of another batch size), the same in a resumed run.
         "selective_backprop:start=0:end=1:interrupt=3,stochastic_depth:stochastic_method=sample",
@@ -338,4 +339,69 @@ fn squeeze_excite_and_gyro_dropout_reach_their_layers_in_code_and_by_name() {
         "{}",
         out.stderr
     );
+}
+
+#[test]
+fn factorize_reaches_the_wide_layers_and_cuts_the_flops() {
+    use flashover::algorithms::factorize::{apply_factorize, FactorizeOptions};
+    use flashover::core::model::TrainModel;
+    let device = Default::default();
+    let mut cnn = MnistCnn::<AB>::new(&device, 1);
+    let before = cnn.flops_per_sample().unwrap();
+    // Composer's defaults (256 wide) reach nothing here.
+    let (none, _) = apply_factorize(&mut cnn, &FactorizeOptions::default());
+    assert!(none.layers.is_empty());
+    let options = FactorizeOptions {
+        min_channels: 16,
+        latent_channels: 4.0,
+        min_features: 64,
+        latent_features: 16.0,
+        ..Default::default()
+    };
+    let (record, report) = apply_factorize(&mut cnn, &options);
+    // conv1 has one input channel; fc2 ten outputs.
+    assert_eq!(record.layers, ["conv2", "fc1"]);
+    assert_eq!(
+        report.layers,
+        [
+            ("conv2".to_string(), 4, 16 * 9 * 32, 4 * 16 * 9 + 32 * 4),
+            ("fc1".to_string(), 16, 1568 * 128, 16 * 1568 + 128 * 16),
+        ]
+    );
+    let after = cnn.flops_per_sample().unwrap();
+    let saved = 3.0
+        * 2.0
+        * ((16 * 9 * 32 - (4 * 16 * 9 + 32 * 4)) as f64 * 196.0
+            + (1568 * 128 - (16 * 1568 + 128 * 16)) as f64);
+    assert!(
+        (before - after - saved).abs() < 1.0,
+        "{before} - {after} vs {saved}"
+    );
+    // A second pass leaves factored layers alone.
+    assert!(apply_factorize(&mut cnn, &options).0.layers.is_empty());
+    // By name on a ResNet: the 3x3 convolutions 32 wide or more.
+    let mut r8 = ResNetConfig::cifar(8, 16).unwrap().init::<AB>(&device, 1);
+    let by_name = FactorizeOptions {
+        min_channels: 32,
+        latent_channels: 8.0,
+        ..Default::default()
+    };
+    let (record, _) = NamedSurgery::Factorize(by_name)
+        .apply_to(&mut r8 as &mut dyn SurgeryModel, &run_at())
+        .unwrap();
+    assert_eq!(
+        record.layers,
+        [
+            "blocks.1.conv2",
+            "blocks.2.conv1",
+            "blocks.2.conv2",
+            "blocks.2.shortcut.conv"
+        ],
+    );
+    let out = run_mnist(&short_args(&[
+        "--algorithms",
+        "factorize:latent_features=0",
+    ]));
+    assert!(!out.status.success());
+    assert!(out.stderr.contains("latent_features"), "{}", out.stderr);
 }

@@ -22,6 +22,7 @@
 //! | `blurpool`, `ghost_batchnorm`, `weight_standardization` (model surgery) | [`blurpool`], [`ghost_batchnorm`], [`weight_standardization`], [`surgery`] | INIT |
 //! | `squeeze_excite` (model surgery, adds parameters) | [`squeeze_excite`] | INIT |
 //! | `stochastic_depth` (model surgery) | [`stochastic_depth`] | INIT, AFTER_LOAD, BEFORE_FORWARD, BATCH_END |
+//! | `factorize` (model surgery, replaces parameters) | [`factorize`] | INIT |
 //! | `gyro_dropout` (model surgery) | [`gyro_dropout`] | INIT, AFTER_LOAD, BEFORE_FORWARD, BATCH_END |
 //!
 //! Several methods rewrite the targets (label smoothing, MixUp, CutMix). Each transforms the
@@ -99,6 +100,7 @@ pub mod cutmix;
 pub mod cutout;
 pub mod ema;
 pub mod error;
+pub mod factorize;
 pub mod ghost_batchnorm;
 pub mod gradient_clipping;
 pub mod gyro_dropout;

@@ -18,6 +18,7 @@ use crate::cutmix::CutMix;
 use crate::cutout::CutOut;
 use crate::ema::Ema;
 use crate::error::{AlgorithmError, Result};
+use crate::factorize::FactorizeOptions;
 use crate::ghost_batchnorm::GhostBatchNorm;
 use crate::gradient_clipping::{ClippingType, GradientClipping};
 use crate::gyro_dropout::GyroDropoutOptions;
@@ -109,6 +110,17 @@ pub const ALGORITHMS: &[(&str, &[&str])] = &[
     ("weight_standardization", &["n_last_layers_ignore"]),
     ("squeeze_excite", &["latent_channels", "min_channels"]),
     ("gyro_dropout", &["p", "sigma", "tau"]),
+    (
+        "factorize",
+        &[
+            "factorize_convs",
+            "factorize_linears",
+            "min_channels",
+            "latent_channels",
+            "min_features",
+            "latent_features",
+        ],
+    ),
     ("ghost_batchnorm", &["ghost_batch_size"]),
     (
         "stochastic_depth",
@@ -412,6 +424,19 @@ where
                     p.usize("tau", d.tau)?,
                 )?,
             )))
+        }
+        "factorize" => {
+            let d = FactorizeOptions::default();
+            let options = FactorizeOptions {
+                factorize_convs: p.bool("factorize_convs", d.factorize_convs)?,
+                factorize_linears: p.bool("factorize_linears", d.factorize_linears)?,
+                min_channels: p.usize("min_channels", d.min_channels)?,
+                latent_channels: p.f64("latent_channels", d.latent_channels)?,
+                min_features: p.usize("min_features", d.min_features)?,
+                latent_features: p.f64("latent_features", d.latent_features)?,
+            }
+            .check()?;
+            Box::new(SurgeryByName::new(NamedSurgery::Factorize(options)))
         }
         other => {
             return Err(AlgorithmError::UnknownAlgorithm {

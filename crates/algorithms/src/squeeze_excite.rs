@@ -31,8 +31,9 @@ use flashover_core::state::State;
 use flashover_core::surgery::{ConvInfo, ExciteSurgery, SurgeryRecord};
 use serde_json::Value;
 
-use crate::error::{AlgorithmError, Result};
+use crate::error::Result;
 use crate::surgery::Applied;
+use crate::util::check_latent;
 
 /// SqueezeExcite's settings (Composer's names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -55,16 +56,7 @@ impl Default for SqueezeExciteOptions {
 impl SqueezeExciteOptions {
     /// The settings, checked: `latent_channels` a fraction in `(0, 1)` or a whole count.
     pub fn new(latent_channels: f64, min_channels: usize) -> Result<Self> {
-        let fraction = latent_channels > 0.0 && latent_channels < 1.0;
-        let count = latent_channels >= 1.0 && latent_channels.fract() == 0.0;
-        if !(fraction || count) || !latent_channels.is_finite() {
-            return Err(AlgorithmError::param(
-                "squeeze_excite",
-                "latent_channels",
-                latent_channels,
-                "a fraction of the channels in (0, 1) or a whole number of channels >= 1",
-            ));
-        }
+        check_latent("squeeze_excite", "latent_channels", latent_channels)?;
         Ok(Self {
             latent_channels,
             min_channels,

@@ -11,6 +11,7 @@
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
+use flashover_core::model::TrainModel;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::surgery::{check_surgery_record, DropoutSurgery, SurgeryModel, SurgeryRecord};
@@ -19,6 +20,7 @@ use serde_json::Value;
 
 use crate::blurpool::{blur_convs, blur_pools, BlurPoolOptions};
 use crate::error::{AlgorithmError, Result};
+use crate::factorize::{apply_factorize, log_flops, log_report, FactorizeOptions};
 use crate::ghost_batchnorm::{apply_ghost_batchnorm, check_size, describe};
 use crate::gyro_dropout::{gyro_event, gyro_matches, run_batches, Gyro, GyroDropoutOptions};
 use crate::squeeze_excite::{apply_squeeze_excite, SqueezeExciteOptions};
@@ -42,6 +44,8 @@ pub enum NamedSurgery {
     SqueezeExcite(SqueezeExciteOptions),
     /// GyroDropout.
     GyroDropout(GyroDropoutOptions),
+    /// Factorize.
+    Factorize(FactorizeOptions),
 }
 
 /// What a surgery reads of the run at `INIT`.
@@ -82,6 +86,7 @@ impl NamedSurgery {
             NamedSurgery::WeightStandardization(_) => "weight_standardization",
             NamedSurgery::SqueezeExcite(_) => "squeeze_excite",
             NamedSurgery::GyroDropout(_) => "gyro_dropout",
+            NamedSurgery::Factorize(_) => "factorize",
         }
     }
 
@@ -93,6 +98,7 @@ impl NamedSurgery {
             NamedSurgery::WeightStandardization(n) => ws_describe(*n),
             NamedSurgery::SqueezeExcite(o) => o.describe(),
             NamedSurgery::GyroDropout(o) => o.describe(),
+            NamedSurgery::Factorize(o) => o.describe(),
         }
     }
 
@@ -165,6 +171,14 @@ impl NamedSurgery {
                     .excite_surgery()
                     .ok_or_else(|| lacks("convolutions that take squeeze-and-excitation blocks"))?;
                 Ok(apply_squeeze_excite(convs, options, run.seed))
+            }
+            NamedSurgery::Factorize(options) => {
+                let layers = model
+                    .factor_surgery()
+                    .ok_or_else(|| lacks("convolutions or dense layers that can be factored"))?;
+                let (record, report) = apply_factorize(layers, options);
+                log_report(&report);
+                Ok(record)
             }
             NamedSurgery::GyroDropout(_) => unreachable!("apply_to handles gyro dropout"),
         }
@@ -290,6 +304,7 @@ where
             return Ok(());
         }
         let run = RunAt::of(state);
+        let flops_before = state.model().flops_per_sample();
         let mut result = None;
         state.map_model(|mut model| {
             result = Some(self.surgery.apply_to(&mut model, &run));
@@ -297,6 +312,9 @@ where
         });
         // Invariant: `map_model` ran the closure.
         let (record, gyro) = result.expect("the surgery ran")?;
+        if let NamedSurgery::Factorize(_) = self.surgery {
+            log_flops(flops_before, state.model().flops_per_sample());
+        }
         self.gyro = gyro;
         self.applied.keep(self.surgery.name(), record);
         Ok(())

@@ -36,6 +36,27 @@ pub(crate) fn permutation(rng: &mut Rng, n: usize) -> Vec<usize> {
     p
 }
 
+/// Checks a latent width given as a fraction in `(0, 1)` or a whole count `>= 1` (the
+/// convention of SqueezeExcite's and Factorize's widths).
+pub(crate) fn check_latent(
+    algorithm: &'static str,
+    name: &'static str,
+    value: f64,
+) -> crate::error::Result<()> {
+    let fraction = value > 0.0 && value < 1.0;
+    let count = value >= 1.0 && value.is_finite() && value.fract() == 0.0;
+    if fraction || count {
+        Ok(())
+    } else {
+        Err(crate::error::AlgorithmError::param(
+            algorithm,
+            name,
+            value,
+            "a fraction in (0, 1) or a whole number >= 1",
+        ))
+    }
+}
+
 /// Fraction of the run done at the current batch.
 pub(crate) fn fraction<S: Setup>(state: &State<S>) -> f64 {
     state.progress().fraction(&state.timestamp)

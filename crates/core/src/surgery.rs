@@ -18,7 +18,9 @@
 //! checkpoints, EMA, SWA and layer freezing see the same parameters. The surgeries that add
 //! parameters (SqueezeExcite's blocks, [`ExciteSurgery`]) add them at `INIT` too, under new
 //! names next to the layer they follow, drawn from the run's seed alone: a checkpoint of
-//! the run has them, and its restore finds them already in place. A layer whose settings
+//! the run has them, and its restore finds them already in place. Factorize
+//! ([`FactorSurgery`]) replaces a layer's weight by two factors computed from it: the weight
+//! keeps its name and id, emptied, and the factors are new parameters. A layer whose settings
 //! are the defaults runs exactly as before: one comparison per layer and forward pass.
 //!
 //! Every surgery algorithm saves what it did (which layers, with which settings) as its
@@ -59,6 +61,17 @@ pub struct ConvInfo {
     pub stride: [usize; 2],
     /// Channel groups.
     pub groups: usize,
+}
+
+/// What a dense layer is, for surgery (Factorize).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinearInfo {
+    /// The layer's path in the model.
+    pub path: String,
+    /// Input features.
+    pub in_features: usize,
+    /// Output features.
+    pub out_features: usize,
 }
 
 /// The variants a surgery-ready convolution can run. The default is the plain layer.
@@ -226,6 +239,21 @@ pub trait ExciteSurgery {
     ) -> Vec<String>;
 }
 
+/// A model whose convolutions and dense layers can be factored (Factorize). Like
+/// [`ExciteSurgery`], it changes parameters: the model replaces them itself.
+pub trait FactorSurgery {
+    /// Replaces every convolution for which `conv_rank` returns a rank, then every dense layer
+    /// for which `linear_rank` does, each in module order, by two factors of that rank
+    /// initialised from the truncated SVD of its weights (the weight parameter keeps its name
+    /// and id, empty; the factors are new parameters). Layers already factored, and grouped
+    /// convolutions, are not offered. Returns the paths of the layers factored.
+    fn factorize(
+        &mut self,
+        conv_rank: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
+        linear_rank: &mut dyn FnMut(&LinearInfo) -> Option<usize>,
+    ) -> Vec<String>;
+}
+
 /// A model whose batch norms surgery can change.
 pub trait NormSurgery {
     /// Calls `f` on every batch norm, in module order.
@@ -260,6 +288,10 @@ pub trait SurgeryModel {
     }
     /// The model's squeeze-and-excitation capability, if it has one.
     fn excite_surgery(&mut self) -> Option<&mut dyn ExciteSurgery> {
+        None
+    }
+    /// The model's factorization capability, if it has one.
+    fn factor_surgery(&mut self) -> Option<&mut dyn FactorSurgery> {
         None
     }
 }

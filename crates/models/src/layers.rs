@@ -18,9 +18,10 @@ use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use flashover_core::rng::{derive_seed, Rng};
 use flashover_core::surgery::{
-    Blur, ConvInfo, ConvVariant, DropoutVariant, GyroMasks, PoolInfo, PoolVariant,
+    Blur, ConvInfo, ConvVariant, DropoutVariant, GyroMasks, LinearInfo, PoolInfo, PoolVariant,
 };
 
+use crate::lowrank::truncated_svd;
 use crate::ops::ChannelsLastBackend;
 
 /// Padding `((top, bottom), (left, right))` of `config` for an `h x w` input (Burn's rule:
@@ -241,6 +242,7 @@ impl<B: Backend> SqueezeExcite<B> {
                 )),
                 bias: None,
                 input_dropout: DropoutVariant::default(),
+                factors: None,
             }
         };
         let reduce = dense(channels, latent);
@@ -286,12 +288,90 @@ pub struct Linear<B: Backend> {
     pub bias: Option<Param<Tensor<B, 1>>>,
     /// Dropout on the layer's input that model surgery chose (default: none).
     pub input_dropout: DropoutVariant,
+    /// Factorize's two factors, when the layer is factored (its `weight` is then empty).
+    pub factors: Option<LinearFactors<B>>,
+}
+
+/// A dense layer's low-rank factors: `x · first · second`.
+#[derive(Module, Debug)]
+pub struct LinearFactors<B: Backend> {
+    /// `[d_input, rank]`.
+    pub first: Param<Tensor<B, 2>>,
+    /// `[rank, d_output]`.
+    pub second: Param<Tensor<B, 2>>,
+}
+
+/// A convolution's low-rank factors: the layer's convolution into `rank` channels, then a
+/// 1x1 convolution to the output channels.
+#[derive(Module, Debug)]
+pub struct ConvFactors<B: Backend> {
+    /// `[rank, in_channels, kernel_h, kernel_w]`.
+    pub first: Param<Tensor<B, 4>>,
+    /// `[out_channels, rank, 1, 1]`.
+    pub second: Param<Tensor<B, 4>>,
 }
 
 impl<B: Backend> Linear<B> {
     /// The layer `config` describes, initialised as Burn initialises its own.
     pub fn new(config: &LinearConfig, device: &B::Device) -> Self {
         config.init::<B>(device).into()
+    }
+
+    /// `[d_input, d_output]`, factored or not.
+    pub fn dims(&self) -> [usize; 2] {
+        match &self.factors {
+            None => self.weight.dims(),
+            Some(f) => [f.first.dims()[0], f.second.dims()[1]],
+        }
+    }
+
+    /// Multiply-adds per input row.
+    pub fn macs(&self) -> usize {
+        match &self.factors {
+            None => self.weight.dims().iter().product(),
+            Some(f) => {
+                f.first.dims().iter().product::<usize>() + f.second.dims().iter().product::<usize>()
+            }
+        }
+    }
+
+    /// What the model's surgery sees of this layer, at `path`.
+    pub fn info(&self, path: &str) -> LinearInfo {
+        let [in_features, out_features] = self.dims();
+        LinearInfo {
+            path: path.to_string(),
+            in_features,
+            out_features,
+        }
+    }
+
+    /// Replaces the weight by two factors of rank `rank` from its truncated SVD (see
+    /// [`truncated_svd`]); the weight parameter keeps its id but becomes empty (`[0, 0]`).
+    /// Panics on a factored layer or a rank above `min(d_input, d_output)`.
+    pub fn factorize(&mut self, rank: usize) {
+        assert!(self.factors.is_none(), "the layer is already factored");
+        let [i, o] = self.weight.dims();
+        let device = self.weight.device();
+        let w = self
+            .weight
+            .val()
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>();
+        // Invariant: converted to f32 just above.
+        let w = w.expect("f32 weights");
+        let (p, q) = truncated_svd(&w, i, o, rank);
+        let param = |v: Vec<f32>, shape: [usize; 2]| {
+            Param::from_tensor(Tensor::from_data(TensorData::new(v, shape), &device))
+        };
+        self.factors = Some(LinearFactors {
+            first: param(p, [i, rank]),
+            second: param(q, [rank, o]),
+        });
+        self.weight = Param::initialized(
+            self.weight.id,
+            Tensor::zeros([0, 0], &device).require_grad(),
+        );
     }
 }
 
@@ -302,6 +382,7 @@ impl<B: Backend> From<burn::nn::Linear<B>> for Linear<B> {
             weight: l.weight,
             bias: l.bias,
             input_dropout: DropoutVariant::default(),
+            factors: None,
         }
     }
 }
@@ -317,10 +398,15 @@ impl<B: ChannelsLastBackend> Linear<B> {
             _ => x,
         };
         let bias = self.bias.as_ref().map(|b| b.val());
+        let (x, weight) = match &self.factors {
+            None => (x, self.weight.val()),
+            Some(f) if fast => (dense(x, f.first.val(), None, false), f.second.val()),
+            Some(f) => (linear(x, f.first.val(), None), f.second.val()),
+        };
         if fast {
-            return dense(x, self.weight.val(), bias, relu);
+            return dense(x, weight, bias, relu);
         }
-        let y = linear(x, self.weight.val(), bias);
+        let y = linear(x, weight, bias);
         if relu {
             burn::tensor::activation::relu(y)
         } else {
@@ -350,6 +436,8 @@ pub struct Conv2d<B: Backend> {
     pub variant: ConvVariant,
     /// The squeeze-and-excitation block SqueezeExcite's surgery put after the convolution.
     pub excite: Option<SqueezeExcite<B>>,
+    /// Factorize's two factors, when the layer is factored (its `weight` is then empty).
+    pub factors: Option<ConvFactors<B>>,
 }
 
 impl<B: Backend> Conv2d<B> {
@@ -358,9 +446,63 @@ impl<B: Backend> Conv2d<B> {
         config.init::<B>(device).into()
     }
 
+    /// `[out_channels, in_channels / groups, kernel_h, kernel_w]`, factored or not.
+    pub fn weight_dims(&self) -> [usize; 4] {
+        match &self.factors {
+            None => self.weight.dims(),
+            Some(f) => {
+                let [_, i, kh, kw] = f.first.dims();
+                [f.second.dims()[0], i, kh, kw]
+            }
+        }
+    }
+
+    /// Multiply-adds per output position.
+    pub fn macs_per_position(&self) -> usize {
+        match &self.factors {
+            None => self.weight.dims().iter().product(),
+            Some(f) => {
+                f.first.dims().iter().product::<usize>() + f.second.dims().iter().product::<usize>()
+            }
+        }
+    }
+
+    /// Replaces the kernel by two factors of rank `rank` from the truncated SVD of the
+    /// weights as an `out x (in * kh * kw)` matrix (see [`truncated_svd`]): a convolution
+    /// into `rank` channels with the layer's kernel, stride and padding, then a 1x1
+    /// convolution with the layer's bias. The weight parameter keeps its id but becomes
+    /// empty (`[0, in, kh, kw]`). Panics on a factored or grouped layer, or a rank above
+    /// `min(out, in * kh * kw)`.
+    pub fn factorize(&mut self, rank: usize) {
+        assert!(self.factors.is_none(), "the layer is already factored");
+        assert_eq!(self.groups, 1, "a grouped convolution cannot be factored");
+        let [o, i, kh, kw] = self.weight.dims();
+        let device = self.weight.device();
+        let w = self
+            .weight
+            .val()
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>();
+        // Invariant: converted to f32 just above.
+        let w = w.expect("f32 weights");
+        let (p, q) = truncated_svd(&w, o, i * kh * kw, rank);
+        let param = |v: Vec<f32>, shape: [usize; 4]| {
+            Param::from_tensor(Tensor::from_data(TensorData::new(v, shape), &device))
+        };
+        self.factors = Some(ConvFactors {
+            first: param(q, [rank, i, kh, kw]),
+            second: param(p, [o, rank, 1, 1]),
+        });
+        self.weight = Param::initialized(
+            self.weight.id,
+            Tensor::zeros([0, i, kh, kw], &device).require_grad(),
+        );
+    }
+
     /// What the model's surgery sees of this layer, at `path`.
     pub fn info(&self, path: &str) -> ConvInfo {
-        let [out_channels, in_per_group, kh, kw] = self.weight.dims();
+        let [out_channels, in_per_group, kh, kw] = self.weight_dims();
         ConvInfo {
             path: path.to_string(),
             in_channels: in_per_group * self.groups,
@@ -385,6 +527,7 @@ impl<B: Backend> From<burn::nn::conv::Conv2d<B>> for Conv2d<B> {
             padding: c.padding,
             variant: ConvVariant::default(),
             excite: None,
+            factors: None,
         }
     }
 }
@@ -423,12 +566,33 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
     }
 
     /// The weights the convolution uses: the parameter itself, or with weight
-    /// standardization its standardised form (see [`standardize_weight`]).
+    /// standardization its standardised form (see [`standardize_weight`]). For a factored
+    /// layer, the product of its factors (standardization applies to the first).
     pub fn effective_weight(&self) -> Tensor<B, 4> {
+        let Some(f) = &self.factors else {
+            return self.kernel();
+        };
+        let [r, i, kh, kw] = f.first.dims();
+        let o = f.second.dims()[0];
+        let first = self.kernel().reshape([r, i * kh * kw]);
+        f.second
+            .val()
+            .reshape([o, r])
+            .matmul(first)
+            .reshape([o, i, kh, kw])
+    }
+
+    /// The first convolution's kernel (the weight, or the first factor), standardised when
+    /// the variant says so.
+    fn kernel(&self) -> Tensor<B, 4> {
+        let w = match &self.factors {
+            None => self.weight.val(),
+            Some(f) => f.first.val(),
+        };
         if self.variant.standardize {
-            standardize_weight(self.weight.val())
+            standardize_weight(w)
         } else {
-            self.weight.val()
+            w
         }
     }
 
@@ -452,7 +616,18 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
                 self.dilation,
                 self.groups,
             );
-            let y = conv2d(x, self.effective_weight(), bias, options);
+            let y = match &self.factors {
+                None => conv2d(x, self.kernel(), bias, options),
+                Some(f) => {
+                    let y = conv2d(x, self.kernel(), None, options);
+                    conv2d(
+                        y,
+                        f.second.val(),
+                        bias,
+                        ConvOptions::new([1, 1], [0, 0], [1, 1], 1),
+                    )
+                }
+            };
             return if relu {
                 burn::tensor::activation::relu(y)
             } else {
@@ -468,7 +643,14 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
             (pad_nhwc(x, pairs, 0.0), [0, 0])
         };
         let options = ConvOptions::new(stride, padding, self.dilation, self.groups);
-        conv2d_nhwc(x, self.effective_weight(), bias, options, relu)
+        match &self.factors {
+            None => conv2d_nhwc(x, self.kernel(), bias, options, relu),
+            Some(f) => {
+                let y = conv2d_nhwc(x, self.kernel(), None, options, false);
+                let pointwise = ConvOptions::new([1, 1], [0, 0], [1, 1], 1);
+                conv2d_nhwc(y, f.second.val(), bias, pointwise, relu)
+            }
+        }
     }
 }
 
@@ -495,6 +677,37 @@ pub fn add_squeeze_excite<'a, B: Backend>(
         }
     }
     added
+}
+
+/// [`FactorSurgery`](flashover_core::surgery::FactorSurgery) over a model's convolutions and
+/// dense layers listed in module order with their paths: what Flashover's models forward
+/// the trait to. Layers already factored are skipped.
+pub fn factorize_layers<'a, B: Backend>(
+    convs: impl IntoIterator<Item = (String, &'a mut Conv2d<B>)>,
+    linears: impl IntoIterator<Item = (String, &'a mut Linear<B>)>,
+    conv_rank: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
+    linear_rank: &mut dyn FnMut(&LinearInfo) -> Option<usize>,
+) -> Vec<String> {
+    let mut factored = Vec::new();
+    for (path, conv) in convs {
+        if conv.factors.is_some() || conv.groups != 1 {
+            continue;
+        }
+        if let Some(rank) = conv_rank(&conv.info(&path)) {
+            conv.factorize(rank);
+            factored.push(path);
+        }
+    }
+    for (path, layer) in linears {
+        if layer.factors.is_some() {
+            continue;
+        }
+        if let Some(rank) = linear_rank(&layer.info(&path)) {
+            layer.factorize(rank);
+            factored.push(path);
+        }
+    }
+    factored
 }
 
 /// 2-D max pooling (Burn's `MaxPool2d`, without `ceil_mode`) in either layout.

@@ -20,6 +20,7 @@
 pub mod gemm;
 pub mod kernels;
 pub mod layers;
+pub mod lowrank;
 mod mnist;
 pub mod norm;
 pub mod ops;

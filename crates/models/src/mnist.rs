@@ -14,10 +14,12 @@ use flashover_core::model::{
 use flashover_core::params::init_model;
 use flashover_core::surgery::{
     ConvInfo, ConvSurgery, ConvVariant, DropoutInfo, DropoutSurgery, DropoutVariant, ExciteSurgery,
-    PoolInfo, PoolSurgery, PoolVariant, SurgeryModel,
+    FactorSurgery, LinearInfo, PoolInfo, PoolSurgery, PoolVariant, SurgeryModel,
 };
 
-use crate::layers::{add_squeeze_excite, nhwc_to_nchw, Conv2d, Linear, MaxPool2d};
+use crate::layers::{
+    add_squeeze_excite, factorize_layers, nhwc_to_nchw, Conv2d, Linear, MaxPool2d,
+};
 use crate::ops::ChannelsLastBackend;
 use crate::{channels_last, TrainBackend};
 
@@ -68,12 +70,11 @@ impl<B: Backend> MnistCnn<B> {
     /// Floating-point operations of one forward pass on one 28x28 digit, counting a
     /// multiply-add as two (biases, activations and pooling, under 1% here, left out):
     /// `2 * (9 * c1 * 28^2 + 9 * c1 * c2 * 14^2 + 49 * c2 * hidden + 10 * hidden)`.
+    /// (A factored layer counts its two factors' multiply-adds.)
     pub fn forward_flops(&self) -> f64 {
-        let [c1, _, _, _] = self.conv1.weight.dims();
-        let [c2, _, _, _] = self.conv2.weight.dims();
-        let [_, hidden] = self.fc1.weight.dims();
-        let (c1, c2, hidden) = (c1 as f64, c2 as f64, hidden as f64);
-        2.0 * (9.0 * c1 * 784.0 + 9.0 * c1 * c2 * 196.0 + 49.0 * c2 * hidden + 10.0 * hidden)
+        let conv1 = self.conv1.macs_per_position() as f64 * 784.0;
+        let conv2 = self.conv2.macs_per_position() as f64 * 196.0;
+        2.0 * (conv1 + conv2 + self.fc1.macs() as f64 + self.fc2.macs() as f64)
     }
 }
 
@@ -179,11 +180,29 @@ impl<B: Backend> ExciteSurgery for MnistCnn<B> {
     }
 }
 
+impl<B: Backend> FactorSurgery for MnistCnn<B> {
+    fn factorize(
+        &mut self,
+        conv_rank: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
+        linear_rank: &mut dyn FnMut(&LinearInfo) -> Option<usize>,
+    ) -> Vec<String> {
+        let convs = [
+            ("conv1".to_string(), &mut self.conv1),
+            ("conv2".to_string(), &mut self.conv2),
+        ];
+        let linears = [
+            ("fc1".to_string(), &mut self.fc1),
+            ("fc2".to_string(), &mut self.fc2),
+        ];
+        factorize_layers(convs, linears, conv_rank, linear_rank)
+    }
+}
+
 /// GyroDropout's site: the classifier's input, the hidden layer's 128 features (where
 /// VGG-style networks have their dropout).
 impl<B: Backend> DropoutSurgery for MnistCnn<B> {
     fn for_each_dropout(&mut self, f: &mut dyn FnMut(&DropoutInfo, &mut DropoutVariant)) {
-        let [features, _] = self.fc2.weight.dims();
+        let [features, _] = self.fc2.dims();
         let info = DropoutInfo {
             path: "fc2".into(),
             features,
@@ -212,6 +231,10 @@ impl<B: Backend> SurgeryModel for MnistCnn<B> {
     }
 
     fn excite_surgery(&mut self) -> Option<&mut dyn ExciteSurgery> {
+        Some(self)
+    }
+
+    fn factor_surgery(&mut self) -> Option<&mut dyn FactorSurgery> {
         Some(self)
     }
 }

@@ -31,11 +31,11 @@ use flashover_core::model::{
 use flashover_core::params::init_model;
 use flashover_core::surgery::{
     ConvInfo, ConvSurgery, ConvVariant, DepthDrop, DropoutInfo, DropoutSurgery, DropoutVariant,
-    ExciteSurgery, Keep, NormInfo, NormSurgery, NormVariant, PoolInfo, PoolSurgery, PoolVariant,
-    ResidualInfo, ResidualSurgery, ResidualVariant, SurgeryModel,
+    ExciteSurgery, FactorSurgery, Keep, LinearInfo, NormInfo, NormSurgery, NormVariant, PoolInfo,
+    PoolSurgery, PoolVariant, ResidualInfo, ResidualSurgery, ResidualVariant, SurgeryModel,
 };
 
-use crate::layers::{add_squeeze_excite, Conv2d, Linear};
+use crate::layers::{add_squeeze_excite, factorize_layers, Conv2d, Linear};
 use crate::norm::BatchNorm;
 use crate::ops::ChannelsLastBackend;
 use crate::{channels_last, TrainBackend};
@@ -267,14 +267,14 @@ impl<B: Backend> ResNet<B> {
     /// and pooling, about 1% here, left out).
     pub fn forward_flops(&self, h: usize, w: usize) -> f64 {
         fn conv<B: Backend>(c: &Conv2d<B>, (h, w): (usize, usize)) -> (f64, (usize, usize)) {
-            let [o, i, kh, kw] = c.weight.dims();
+            let [_, _, kh, kw] = c.weight_dims();
             let (s0, s1) = (c.stride[0], c.stride[1]);
             let pad = |k: usize| k / 2; // 'same'-style padding of the 1x1 and 3x3 kernels here
             let out = (
                 (h + 2 * pad(kh) - kh) / s0 + 1,
                 (w + 2 * pad(kw) - kw) / s1 + 1,
             );
-            let flops = 2.0 * (o * i * kh * kw) as f64 * (out.0 * out.1) as f64;
+            let flops = 2.0 * c.macs_per_position() as f64 * (out.0 * out.1) as f64;
             (flops, out)
         }
         let (mut total, mut size) = conv(&self.stem, (h, w));
@@ -287,8 +287,7 @@ impl<B: Backend> ResNet<B> {
             }
             size = s2;
         }
-        let [i, o] = self.head.weight.dims();
-        total + 2.0 * (i * o) as f64
+        total + 2.0 * self.head.macs() as f64
     }
 }
 
@@ -367,8 +366,16 @@ impl<B: ChannelsLastBackend> EvalModel<B> for ResNet<B> {
 impl<B: Backend> ResNet<B> {
     /// Every convolution with its path, in module order.
     fn convs_mut(&mut self) -> Vec<(String, &mut Conv2d<B>)> {
-        let mut convs = vec![("stem".to_string(), &mut self.stem)];
-        for (i, b) in self.blocks.iter_mut().enumerate() {
+        Self::convs_of(&mut self.stem, &mut self.blocks)
+    }
+
+    /// The convolutions of a stem and blocks with their paths, in module order.
+    fn convs_of<'a>(
+        stem: &'a mut Conv2d<B>,
+        blocks: &'a mut [BasicBlock<B>],
+    ) -> Vec<(String, &'a mut Conv2d<B>)> {
+        let mut convs = vec![("stem".to_string(), stem)];
+        for (i, b) in blocks.iter_mut().enumerate() {
             convs.push((format!("blocks.{i}.conv1"), &mut b.conv1));
             convs.push((format!("blocks.{i}.conv2"), &mut b.conv2));
             if let Some(p) = &mut b.shortcut {
@@ -397,10 +404,22 @@ impl<B: Backend> ExciteSurgery for ResNet<B> {
     }
 }
 
+impl<B: Backend> FactorSurgery for ResNet<B> {
+    fn factorize(
+        &mut self,
+        conv_rank: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
+        linear_rank: &mut dyn FnMut(&LinearInfo) -> Option<usize>,
+    ) -> Vec<String> {
+        let convs = Self::convs_of(&mut self.stem, &mut self.blocks);
+        let head = [("head".to_string(), &mut self.head)];
+        factorize_layers(convs, head, conv_rank, linear_rank)
+    }
+}
+
 /// GyroDropout's site: the classifier's input, the globally averaged features.
 impl<B: Backend> DropoutSurgery for ResNet<B> {
     fn for_each_dropout(&mut self, f: &mut dyn FnMut(&DropoutInfo, &mut DropoutVariant)) {
-        let [features, _] = self.head.weight.dims();
+        let [features, _] = self.head.dims();
         let info = DropoutInfo {
             path: "head".into(),
             features,
@@ -465,6 +484,10 @@ impl<B: Backend> SurgeryModel for ResNet<B> {
     }
 
     fn excite_surgery(&mut self) -> Option<&mut dyn ExciteSurgery> {
+        Some(self)
+    }
+
+    fn factor_surgery(&mut self) -> Option<&mut dyn FactorSurgery> {
         Some(self)
     }
 }

@@ -843,3 +843,102 @@ fn gyro_dropout_masks_parts_of_the_batch_and_scales_the_kept_features() {
     let eval = values(model.valid().logits(images.inner()));
     assert!(eval[..10] != bias[..], "evaluation drops nothing");
 }
+
+/// Factorize on a layer: the factors multiply to the truncated SVD of the weights (at full
+/// rank, the weights themselves), the factored layer computes what a plain layer with that
+/// product computes in both layouts, the weight is emptied under its id, and the factors
+/// train.
+#[test]
+fn factored_layers_are_their_truncated_svd_and_train() {
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::{LinearConfig, PaddingConfig2d};
+    use flashover_models::layers::{Conv2d, Linear};
+    let device = Default::default();
+    let config = Conv2dConfig::new([3, 5], [3, 3])
+        .with_stride([2, 1])
+        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1));
+    let plain = Conv2d::<AB>::new(&config, &device);
+    let x = random::<AB, 4>([2, 3, 7, 6], 61);
+    let want = values(plain.forward(x.clone(), false, true));
+    // Full rank: min(5, 27) = 5 reproduces the layer.
+    let mut full = plain.clone();
+    full.factorize(5);
+    assert_eq!(full.weight.dims(), [0, 3, 3, 3]);
+    assert_eq!(full.weight.id, plain.weight.id, "the weight keeps its id");
+    assert_eq!(full.weight_dims(), [5, 3, 3, 3]);
+    for nhwc in [false, true] {
+        let input = if nhwc {
+            nchw_to_nhwc(x.clone())
+        } else {
+            x.clone()
+        };
+        let got = full.forward(input, nhwc, true);
+        let got = if nhwc { got.permute([0, 3, 1, 2]) } else { got };
+        assert_close(&values(got), &want, "full rank reproduces the layer");
+    }
+    // Rank 2: the product of the factors is the rank-2 truncation, and the layer computes
+    // the convolution with it.
+    let mut low = plain.clone();
+    low.factorize(2);
+    assert_eq!(low.macs_per_position(), 2 * 27 + 5 * 2);
+    let product = low.effective_weight();
+    let w = values(plain.weight.val());
+    let (p, q) = flashover_models::lowrank::truncated_svd(&w, 5, 27, 2);
+    let mut truncation = vec![0.0f32; 5 * 27];
+    for r in 0..5 {
+        for c in 0..27 {
+            truncation[r * 27 + c] = (0..2).map(|k| p[r * 2 + k] * q[k * 27 + c]).sum();
+        }
+    }
+    assert_close(
+        &values(product.clone()),
+        &truncation,
+        "the factors' product",
+    );
+    let mut with_product = plain.clone();
+    with_product.weight = burn::module::Param::from_tensor(product.detach());
+    let want_low = values(with_product.forward(x.clone(), false, false));
+    for nhwc in [false, true] {
+        let input = if nhwc {
+            nchw_to_nhwc(x.clone())
+        } else {
+            x.clone()
+        };
+        let got = low.forward(input, nhwc, false);
+        let got = if nhwc { got.permute([0, 3, 1, 2]) } else { got };
+        assert_close(&values(got), &want_low, "rank 2");
+    }
+    let grads = low.forward(nchw_to_nhwc(x), true, true).sum().backward();
+    let f = low.factors.as_ref().unwrap();
+    assert!(f.first.grad(&grads).is_some() && f.second.grad(&grads).is_some());
+
+    // A dense layer: full rank reproduces it, rank 3 computes x P Q + b.
+    let dense = Linear::<AB>::new(&LinearConfig::new(6, 4), &device);
+    let x = random::<AB, 2>([3, 6], 62);
+    let want = values(dense.forward(x.clone(), false, false));
+    let mut full = dense.clone();
+    full.factorize(4);
+    assert_eq!(full.weight.dims(), [0, 0]);
+    assert_eq!(full.dims(), [6, 4]);
+    for fast in [false, true] {
+        assert_close(
+            &values(full.forward(x.clone(), fast, false)),
+            &want,
+            "dense, full rank",
+        );
+    }
+    let mut low = dense.clone();
+    low.factorize(3);
+    assert_eq!(low.macs(), 6 * 3 + 3 * 4);
+    let f = low.factors.as_ref().unwrap();
+    let by_hand = x
+        .clone()
+        .matmul(f.first.val())
+        .matmul(f.second.val())
+        .add(dense.bias.as_ref().unwrap().val().unsqueeze());
+    assert_close(
+        &values(low.forward(x, true, false)),
+        &values(by_hand),
+        "dense, rank 3",
+    );
+}
