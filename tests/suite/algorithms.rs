@@ -44,6 +44,10 @@ pub const ACTIVE: &[&str] = &[
 /// `surgery.rs` trains and resumes them on a ResNet.
 pub const NEED_RESNET: &[&str] = &["ghost_batchnorm", "stochastic_depth"];
 
+/// The algorithms that need a backend with an accelerated half type (not flex) and a model
+/// with group norms; `surgery.rs` checks the refusal and the layer's half-precision path.
+pub const NEED_HALF: &[&str] = &["low_precision_groupnorm"];
+
 /// 128 digits in batches of 32, three epochs (12 batches), 100 test digits.
 fn tiny(algorithms: &str) -> MnistRun {
     let mut run = short_run(128, 32, 100, "3ep");
@@ -69,6 +73,7 @@ fn every_algorithm_trains_and_changes_the_run() {
         .iter()
         .map(|a| a.split(':').next().unwrap())
         .chain(NEED_RESNET.iter().copied())
+        .chain(NEED_HALF.iter().copied())
         .collect();
     let known: Vec<&str> = flashover::algorithms::spec::ALGORITHMS
         .iter()

@@ -62,6 +62,8 @@ fn run_at() -> RunAt {
         seed: 1,
         batches: Some(100),
         max_duration: flashover::core::time::Time::Batch(100),
+        half: None,
+        backend: "flex".into(),
     }
 }
 
@@ -404,4 +406,31 @@ fn factorize_reaches_the_wide_layers_and_cuts_the_flops() {
     ]));
     assert!(!out.status.success());
     assert!(out.stderr.contains("latent_features"), "{}", out.stderr);
+}
+
+#[test]
+fn low_precision_groupnorm_is_refused_on_a_backend_without_a_fast_half_type() {
+    use flashover::algorithms::low_precision_groupnorm::accelerated_half;
+    let device = Default::default();
+    if accelerated_half::<AB>(&device).is_some() {
+        // A GPU backend with half precision: the refusal below does not apply.
+        return;
+    }
+    let out = run_mnist(&short_args(&["--algorithms", "low_precision_groupnorm"]));
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("low_precision_groupnorm")
+            && out.stderr.contains("float32")
+            && !out.stderr.contains("panicked"),
+        "{}",
+        out.stderr
+    );
+    // By name on a model without group norms, where the backend has no half type: the
+    // backend is named first (it is the reason nothing could change).
+    let mut r8 = ResNetConfig::cifar(8, 4).unwrap().init::<AB>(&device, 1);
+    let err = NamedSurgery::LowPrecisionGroupNorm
+        .apply_to(&mut r8 as &mut dyn SurgeryModel, &run_at())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("backend") && err.contains("float32"), "{err}");
 }

@@ -23,6 +23,7 @@
 //! | `squeeze_excite` (model surgery, adds parameters) | [`squeeze_excite`] | INIT |
 //! | `stochastic_depth` (model surgery) | [`stochastic_depth`] | INIT, AFTER_LOAD, BEFORE_FORWARD, BATCH_END |
 //! | `factorize` (model surgery, replaces parameters) | [`factorize`] | INIT |
+//! | `low_precision_groupnorm` (model surgery) | [`low_precision_groupnorm`] | INIT |
 //! | `gyro_dropout` (model surgery) | [`gyro_dropout`] | INIT, AFTER_LOAD, BEFORE_FORWARD, BATCH_END |
 //!
 //! Several methods rewrite the targets (label smoothing, MixUp, CutMix). Each transforms the
@@ -107,6 +108,7 @@ pub mod gyro_dropout;
 pub mod image;
 pub mod label_smoothing;
 pub mod layer_freezing;
+pub mod low_precision_groupnorm;
 pub mod mixup;
 pub mod params;
 pub mod progressive_resizing;

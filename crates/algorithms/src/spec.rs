@@ -131,6 +131,7 @@ pub const ALGORITHMS: &[(&str, &[&str])] = &[
             "drop_warmup",
         ],
     ),
+    ("low_precision_groupnorm", &[]),
 ];
 
 fn valid_names() -> String {
@@ -425,6 +426,9 @@ where
                 )?,
             )))
         }
+        "low_precision_groupnorm" => {
+            Box::new(SurgeryByName::new(NamedSurgery::LowPrecisionGroupNorm))
+        }
         "factorize" => {
             let d = FactorizeOptions::default();
             let options = FactorizeOptions {
@@ -471,7 +475,7 @@ mod tests {
                 && e.contains("label_smoothing")
                 && e.contains("layer_freezing")
                 && e.contains(
-                    "weight_standardization, squeeze_excite, gyro_dropout, ghost_batchnorm"
+                    "weight_standardization, squeeze_excite, gyro_dropout, factorize, ghost_batchnorm"
                 ),
             "{e}"
         );

@@ -8,13 +8,16 @@
 //! [`BlurPool`]: crate::blurpool::BlurPool
 //! [`GhostBatchNorm`]: crate::ghost_batchnorm::GhostBatchNorm
 
+use burn::tensor::backend::Backend;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::model::TrainModel;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{check_surgery_record, DropoutSurgery, SurgeryModel, SurgeryRecord};
+use flashover_core::surgery::{
+    check_surgery_record, DropoutSurgery, HalfType, SurgeryModel, SurgeryRecord,
+};
 use flashover_core::time::Time;
 use serde_json::Value;
 
@@ -23,6 +26,9 @@ use crate::error::{AlgorithmError, Result};
 use crate::factorize::{apply_factorize, log_flops, log_report, FactorizeOptions};
 use crate::ghost_batchnorm::{apply_ghost_batchnorm, check_size, describe};
 use crate::gyro_dropout::{gyro_event, gyro_matches, run_batches, Gyro, GyroDropoutOptions};
+use crate::low_precision_groupnorm::{
+    accelerated_half, apply_low_precision_groupnorm, describe as lp_describe, unsupported,
+};
 use crate::squeeze_excite::{apply_squeeze_excite, SqueezeExciteOptions};
 use crate::stochastic_depth::{
     apply_stochastic_depth, settle, DrawInputs, Draws, StochasticDepthOptions,
@@ -46,10 +52,12 @@ pub enum NamedSurgery {
     GyroDropout(GyroDropoutOptions),
     /// Factorize.
     Factorize(FactorizeOptions),
+    /// LowPrecisionGroupNorm (in the backend's accelerated half type).
+    LowPrecisionGroupNorm,
 }
 
 /// What a surgery reads of the run at `INIT`.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct RunAt {
     /// Fraction of training done.
     pub fraction: f64,
@@ -59,6 +67,10 @@ pub struct RunAt {
     pub batches: Option<u64>,
     /// The run's length as configured.
     pub max_duration: Time,
+    /// The half type the backend runs accelerated on the run's device, if any.
+    pub half: Option<HalfType>,
+    /// The backend's name on the run's device.
+    pub backend: String,
 }
 
 impl RunAt {
@@ -72,6 +84,8 @@ impl RunAt {
                 .to_batches(state.max_duration)
                 .map(|b| b.ceil() as u64),
             max_duration: state.max_duration,
+            half: accelerated_half::<S::Backend>(&state.device),
+            backend: <S::Backend as Backend>::name(&state.device),
         }
     }
 }
@@ -87,10 +101,11 @@ impl NamedSurgery {
             NamedSurgery::SqueezeExcite(_) => "squeeze_excite",
             NamedSurgery::GyroDropout(_) => "gyro_dropout",
             NamedSurgery::Factorize(_) => "factorize",
+            NamedSurgery::LowPrecisionGroupNorm => "low_precision_groupnorm",
         }
     }
 
-    fn settings(&self) -> String {
+    fn settings(&self, half: Option<HalfType>) -> String {
         match self {
             NamedSurgery::BlurPool(o) => o.describe(),
             NamedSurgery::GhostBatchNorm(g) => describe(*g),
@@ -99,6 +114,7 @@ impl NamedSurgery {
             NamedSurgery::SqueezeExcite(o) => o.describe(),
             NamedSurgery::GyroDropout(o) => o.describe(),
             NamedSurgery::Factorize(o) => o.describe(),
+            NamedSurgery::LowPrecisionGroupNorm => lp_describe(half),
         }
     }
 
@@ -180,6 +196,13 @@ impl NamedSurgery {
                 log_report(&report);
                 Ok(record)
             }
+            NamedSurgery::LowPrecisionGroupNorm => {
+                let half = run.half.ok_or_else(|| unsupported(run.backend.clone()))?;
+                let norms = model
+                    .group_norm_surgery()
+                    .ok_or_else(|| lacks("surgery-ready group norms"))?;
+                Ok(apply_low_precision_groupnorm(norms, half))
+            }
             NamedSurgery::GyroDropout(_) => unreachable!("apply_to handles gyro dropout"),
         }
     }
@@ -228,6 +251,8 @@ pub struct SurgeryByName {
     surgery: NamedSurgery,
     draws: Draws,
     gyro: Option<Gyro>,
+    /// The half type LowPrecisionGroupNorm chose at `INIT`.
+    half: Option<HalfType>,
     applied: Applied,
 }
 
@@ -238,6 +263,7 @@ impl SurgeryByName {
             surgery,
             draws: Draws::default(),
             gyro: None,
+            half: None,
             applied: Applied::default(),
         }
     }
@@ -304,6 +330,7 @@ where
             return Ok(());
         }
         let run = RunAt::of(state);
+        self.half = run.half;
         let flops_before = state.model().flops_per_sample();
         let mut result = None;
         state.map_model(|mut model| {
@@ -330,6 +357,6 @@ where
 
     fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
         self.applied
-            .check(self.surgery.name(), self.surgery.settings(), state)
+            .check(self.surgery.name(), self.surgery.settings(self.half), state)
     }
 }

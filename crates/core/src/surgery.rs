@@ -119,6 +119,23 @@ pub struct NormVariant {
     pub ghost_batch_size: Option<usize>,
 }
 
+/// A half-precision floating-point type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HalfType {
+    /// IEEE 754 binary16.
+    F16,
+    /// bfloat16 (float32's exponent, 8 bits of mantissa).
+    BF16,
+}
+
+/// The variants a surgery-ready group norm can run. The default computes in the
+/// activations' type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct GroupNormVariant {
+    /// LowPrecisionGroupNorm: normalise in this half type.
+    pub low_precision: Option<HalfType>,
+}
+
 /// What a residual block is, for surgery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResidualInfo {
@@ -254,6 +271,12 @@ pub trait FactorSurgery {
     ) -> Vec<String>;
 }
 
+/// A model whose group norms surgery can change (LowPrecisionGroupNorm).
+pub trait GroupNormSurgery {
+    /// Calls `f` on every group norm, in module order.
+    fn for_each_group_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut GroupNormVariant));
+}
+
 /// A model whose batch norms surgery can change.
 pub trait NormSurgery {
     /// Calls `f` on every batch norm, in module order.
@@ -292,6 +315,10 @@ pub trait SurgeryModel {
     }
     /// The model's factorization capability, if it has one.
     fn factor_surgery(&mut self) -> Option<&mut dyn FactorSurgery> {
+        None
+    }
+    /// The model's group norms, if it has surgery-ready ones.
+    fn group_norm_surgery(&mut self) -> Option<&mut dyn GroupNormSurgery> {
         None
     }
 }

@@ -1,4 +1,5 @@
-//! Batch normalisation that runs in either memory format: [`BatchNorm`], with Burn's
+//! Normalisation layers that run in either memory format: [`BatchNorm`] and [`GroupNorm`]
+//! (below). [`BatchNorm`] has Burn's
 //! parameters, running statistics and record (`gamma`, `beta`, `running_mean`, `running_var`),
 //! so a model built with it loads the weights of one built with `burn::nn::BatchNorm`.
 //!
@@ -24,8 +25,8 @@
 use burn::module::{Module, Param, RunningState};
 use burn::nn::BatchNormConfig;
 use burn::tensor::backend::Backend;
-use burn::tensor::Tensor;
-use flashover_core::surgery::{NormInfo, NormVariant};
+use burn::tensor::{FloatDType, Tensor};
+use flashover_core::surgery::{GroupNormVariant, HalfType, NormInfo, NormVariant};
 
 /// Batch normalisation over the channels of 4-D activations, NCHW or NHWC.
 #[derive(Module, Debug)]
@@ -234,4 +235,136 @@ pub fn batch_stats_nhwc<B: Backend>(x: Tensor<B, 4>) -> (Tensor<B, 1>, Tensor<B,
 fn rows<B: Backend>(v: Tensor<B, 1>, m: usize) -> Tensor<B, 2> {
     let [c] = v.dims();
     v.reshape([1, c]).repeat_dim(0, m)
+}
+
+/// Group normalisation (Wu and He, "Group Normalization", ECCV 2018) over 4-D activations,
+/// NCHW or NHWC, with Burn's parameters (`gamma`, `beta`; `burn::nn::GroupNorm`'s record
+/// names): the channels are cut into `groups` consecutive groups, and each sample's group is
+/// normalised with its own mean and biased variance over the group's channels and the whole
+/// image; then each channel is scaled and shifted. The same in training and evaluation.
+///
+/// With LowPrecisionGroupNorm's variant the activations and parameters are cast to a half
+/// type, normalised and scaled there, and the result cast back (Composer's `LPGroupNorm`
+/// under autocast); gradients flow through the casts.
+#[derive(Module, Debug)]
+pub struct GroupNorm<B: Backend> {
+    /// Scale, `[channels]`.
+    pub gamma: Param<Tensor<B, 1>>,
+    /// Shift, `[channels]`.
+    pub beta: Param<Tensor<B, 1>>,
+    /// Channel groups (dividing the channels).
+    pub groups: usize,
+    /// Added to the variance before the square root.
+    pub epsilon: f64,
+    /// The variant model surgery chose (default: computed in the activations' type).
+    pub variant: GroupNormVariant,
+}
+
+impl<B: Backend> GroupNorm<B> {
+    /// Group norm over `channels` channels in `groups` groups (scale 1, shift 0, epsilon
+    /// 1e-5, as PyTorch's and Burn's). Panics unless `groups` divides `channels`.
+    pub fn new(groups: usize, channels: usize, device: &B::Device) -> Self {
+        assert!(
+            groups >= 1 && channels.is_multiple_of(groups),
+            "{groups} groups must divide {channels} channels"
+        );
+        Self {
+            gamma: Param::from_tensor(Tensor::ones([channels], device)),
+            beta: Param::from_tensor(Tensor::zeros([channels], device)),
+            groups,
+            epsilon: 1e-5,
+            variant: GroupNormVariant::default(),
+        }
+    }
+
+    /// Channels.
+    pub fn channels(&self) -> usize {
+        self.gamma.dims()[0]
+    }
+
+    /// What the model's surgery sees of this layer, at `path`.
+    pub fn info(&self, path: &str) -> NormInfo {
+        NormInfo {
+            path: path.to_string(),
+            channels: self.channels(),
+        }
+    }
+
+    /// `x` normalised per sample and group: channels on axis 1 of NCHW, or axis 3 of NHWC
+    /// when `channels_last`.
+    pub fn forward(&self, x: Tensor<B, 4>, channels_last: bool) -> Tensor<B, 4> {
+        let (gamma, beta) = (self.gamma.val(), self.beta.val());
+        match self.variant.low_precision {
+            None => self.normalise(x, gamma, beta, channels_last),
+            Some(half) => {
+                let dtype = x.dtype();
+                let half = match half {
+                    HalfType::F16 => FloatDType::F16,
+                    HalfType::BF16 => FloatDType::BF16,
+                };
+                let y = self.normalise(
+                    x.cast(half),
+                    gamma.cast(half),
+                    beta.cast(half),
+                    channels_last,
+                );
+                y.cast(dtype)
+            }
+        }
+    }
+
+    fn normalise(
+        &self,
+        x: Tensor<B, 4>,
+        gamma: Tensor<B, 1>,
+        beta: Tensor<B, 1>,
+        channels_last: bool,
+    ) -> Tensor<B, 4> {
+        let dims = x.dims();
+        let c = self.channels();
+        let axis = if channels_last { 3 } else { 1 };
+        assert_eq!(
+            dims[axis], c,
+            "GroupNorm over {c} channels given activations {dims:?} (channels_last: {channels_last})"
+        );
+        let (n, g) = (dims[0], self.groups);
+        let per = c / g;
+        // Each sample's group as one row of `[n * g, group size]`.
+        let grouped = if channels_last {
+            let hw = dims[1] * dims[2];
+            x.reshape([n, hw, g, per])
+                .swap_dims(1, 2)
+                .reshape([n * g, hw * per])
+        } else {
+            x.reshape([n * g, per * dims[2] * dims[3]])
+        };
+        let [r, len] = grouped.dims();
+        let mean = grouped.clone().mean_dim(1).repeat_dim(1, len);
+        let centered = grouped.sub(mean);
+        let std = centered
+            .clone()
+            .square()
+            .mean_dim(1)
+            .add_scalar(self.epsilon)
+            .sqrt()
+            .repeat_dim(1, len);
+        let normed = centered.div(std);
+        debug_assert_eq!(r, n * g);
+        if channels_last {
+            let [_, h, w, _] = dims;
+            let y = normed
+                .reshape([n, g, h * w, per])
+                .swap_dims(1, 2)
+                .reshape([n * h * w, c]);
+            y.mul(rows(gamma, n * h * w))
+                .add(rows(beta, n * h * w))
+                .reshape(dims)
+        } else {
+            let shape = [1, c, 1, 1];
+            normed
+                .reshape(dims)
+                .mul(gamma.reshape(shape))
+                .add(beta.reshape(shape))
+        }
+    }
 }

@@ -942,3 +942,71 @@ fn factored_layers_are_their_truncated_svd_and_train() {
         "dense, rank 3",
     );
 }
+
+/// Group norm by hand: each sample's group of channels normalised over the group and the
+/// image with its biased variance, then scaled and shifted per channel, in both layouts; in
+/// a half type (LowPrecisionGroupNorm's variant) the result is the same to that type's
+/// precision, comes back in float32, and gradients flow through the casts.
+#[test]
+fn group_norm_is_the_papers_formula_in_both_layouts_and_in_half_precision() {
+    use flashover_core::surgery::HalfType;
+    use flashover_models::norm::GroupNorm;
+    let device = Default::default();
+    let (n, c, h, w, g) = (2usize, 6usize, 3usize, 2usize, 3usize);
+    let mut norm = GroupNorm::<AB>::new(g, c, &device);
+    norm.gamma = burn::module::Param::from_tensor(random::<AB, 1>([c], 71).add_scalar(1.0));
+    norm.beta = burn::module::Param::from_tensor(random::<AB, 1>([c], 72));
+    let (gamma, beta) = (values(norm.gamma.val()), values(norm.beta.val()));
+    let x = random::<AB, 4>([n, c, h, w], 73)
+        .mul_scalar(3.0)
+        .add_scalar(0.5);
+    let xs = values(x.clone());
+    let per = c / g;
+    let mut want = vec![0.0f64; xs.len()];
+    for s in 0..n {
+        for grp in 0..g {
+            let idx: Vec<usize> = (grp * per..(grp + 1) * per)
+                .flat_map(|ch| (0..h * w).map(move |k| (s * c + ch) * h * w + k))
+                .collect();
+            let mean = idx.iter().map(|&i| xs[i] as f64).sum::<f64>() / idx.len() as f64;
+            let var = idx
+                .iter()
+                .map(|&i| (xs[i] as f64 - mean).powi(2))
+                .sum::<f64>()
+                / idx.len() as f64;
+            for &i in &idx {
+                let ch = (i / (h * w)) % c;
+                want[i] = (xs[i] as f64 - mean) / (var + 1e-5).sqrt() * gamma[ch] as f64
+                    + beta[ch] as f64;
+            }
+        }
+    }
+    assert_close_f64(
+        &values(norm.forward(x.clone(), false)),
+        &want,
+        "channels-first",
+    );
+    let last = norm
+        .forward(nchw_to_nhwc(x.clone()), true)
+        .permute([0, 3, 1, 2]);
+    assert_close_f64(&values(last), &want, "channels-last");
+    for (half, tol) in [(HalfType::F16, 1e-2), (HalfType::BF16, 6e-2)] {
+        let mut low = norm.clone();
+        low.variant.low_precision = Some(half);
+        let y = low.forward(x.clone(), false);
+        assert_eq!(y.dtype(), x.dtype(), "cast back to the activations' type");
+        let got = values(y.clone());
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (*a as f64 - b).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < tol, "{half:?}: worst difference {worst}");
+        assert!(worst > 1e-6, "{half:?}: computed in float32 after all");
+        let grads = y.sum().backward();
+        assert!(
+            low.gamma.grad(&grads).is_some(),
+            "{half:?}: gradient through the casts"
+        );
+    }
+}
