@@ -87,14 +87,16 @@ struct Args {
     /// recipe's ratio with --recipe).
     #[arg(long)]
     scale_schedule_ratio: Option<f64>,
-    /// A preset stack of speed-up algorithms with its scale-schedule ratio: mild, medium or hot.
+    /// A preset stack of speed-up algorithms with its scale-schedule ratio: mild, medium or
+    /// hot, or for the ResNets resnet-mild, resnet-medium or resnet-hot.
     #[arg(long)]
     recipe: Option<String>,
     /// Speed-up algorithms, comma-separated, each with optional `:key=value` parameters, for
     /// example `label_smoothing,mixup:alpha=0.2,ema:half_life=100ba`. Names: label_smoothing,
     /// mixup, cutmix, cutout, colout, progressive_resizing, randaugment, augmix,
-    /// selective_backprop, gradient_clipping, ema, swa, sam, layer_freezing, channels_last.
-    /// Added after the recipe's.
+    /// selective_backprop, gradient_clipping, ema, swa, sam, layer_freezing, channels_last,
+    /// and the model surgeries blurpool, weight_standardization, squeeze_excite, gyro_dropout,
+    /// factorize, ghost_batchnorm, stochastic_depth. Added after the recipe's.
     #[arg(long, default_value = "")]
     algorithms: String,
     /// Layout of the CNN's activations: auto (channels-last on the CPU, where Flashover's

@@ -4,20 +4,25 @@
 //! accuracy against the baseline's own seconds to reach it (the same rule for both), its
 //! final accuracy, and every run's accuracy at the shortest run's training time (accuracy at
 //! equal wall time). Runs are interleaved (baseline, mild, medium, hot, baseline, ...);
-//! figures are medians over `--reps`. Training seconds exclude evaluation.
+//! figures are medians over `--reps`. Training seconds exclude evaluation. With `--model
+//! resnet8` (or another ResNet) the baseline is that ResNet and the recipes are the ResNet
+//! recipes (`resnet-mild`, `resnet-medium`, `resnet-hot`).
 //!
 //! ```text
 //! cargo run --release --example time_to_accuracy -- --reps 3
+//! cargo run --release --example time_to_accuracy -- --reps 3 --model resnet8 --max-duration 3ep
 //! ```
 
 use anyhow::Context;
 use clap::Parser;
-use flashover::algorithms::recipes::RECIPES;
+use flashover::algorithms::recipes::{Recipe, RECIPES, RESNET_RECIPES};
 use flashover::backend::COMPILED;
 use flashover::callbacks::plot::{LineChart, Series};
 use flashover::core::time::Time;
 use flashover::models::TrainBackend;
-use flashover_examples::{median_min_max, AccuracyCurve, CurvePoint, MnistRun};
+use flashover_examples::{
+    median_min_max, AccuracyCurve, CurvePoint, MnistCnn, MnistModel, MnistRun, ModelKind,
+};
 use serde_json::json;
 
 // Large per-step buffers stay with the process (see the macro).
@@ -41,10 +46,38 @@ struct Args {
     /// Also draw the curves (first repetition of each run) as a PNG here.
     #[arg(long)]
     plot: Option<std::path::PathBuf>,
+    /// The model: cnn (the main job's, with the CNN recipes) or a ResNet (resnet8, resnet20,
+    /// ..., with the ResNet recipes).
+    #[arg(long, default_value = "cnn")]
+    model: ModelKind,
+    /// The baseline's length (default: the main job's); recipes scale it by their ratio.
+    #[arg(long)]
+    max_duration: Option<Time>,
+    /// Train on only the first this many digits (quick runs).
+    #[arg(long)]
+    train_limit: Option<usize>,
+    /// A ResNet's first-stage width (default: the model's, 16); the later stages keep their
+    /// ratios to it.
+    #[arg(long)]
+    width: Option<usize>,
+}
+
+impl Args {
+    /// The recipes compared with the baseline.
+    fn recipes(&self) -> &'static [Recipe] {
+        if self.model.resnet().is_some() {
+            RESNET_RECIPES
+        } else {
+            RECIPES
+        }
+    }
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.width == Some(0) {
+        anyhow::bail!("--width must be at least 1");
+    }
     if args.reps == 0 || args.eval_every == 0 {
         anyhow::bail!(
             "--reps ({}) and --eval-every ({}) must be at least 1",
@@ -61,13 +94,38 @@ fn one<B: TrainBackend>(args: &Args, recipe: Option<&str>) -> anyhow::Result<Vec
         eval_interval: Time::Batch(args.eval_every),
         ..MnistRun::default()
     };
+    if let Some(d) = args.max_duration {
+        run.max_duration = d;
+    }
+    run.data.train_limit = args.train_limit;
     if let Some(name) = recipe {
         run = run.with_recipe(name)?;
     }
-    let curve = AccuracyCurve::default();
     let device = Default::default();
+    match args.model.resnet() {
+        None => train(&run, MnistCnn::<B>::new(&device, run.seed), &device),
+        Some(mut shape) => {
+            if let Some(w) = args.width {
+                let base = shape.widths[0];
+                shape.widths = shape.widths.iter().map(|x| x * w / base).collect();
+            }
+            train(&run, shape.init::<B>(&device, run.seed), &device)
+        }
+    }
+}
+
+/// Trains `model` as `run` says (AdamW with the main job's settings) and returns the curve.
+fn train<B: TrainBackend, M: MnistModel<B>>(
+    run: &MnistRun,
+    model: M,
+    device: &B::Device,
+) -> anyhow::Result<Vec<CurvePoint>> {
+    let optimizer = burn::optim::AdamWConfig::new()
+        .with_weight_decay(flashover_examples::defaults::WEIGHT_DECAY)
+        .init::<B, M>();
+    let curve = AccuracyCurve::default();
     let mut t = run
-        .builder::<B, _>(MnistRun::adamw::<B>(), &device)?
+        .builder_with::<B, M, _>(model, optimizer, device)?
         .callback(curve.clone())
         .build()?;
     t.fit()?;
@@ -88,7 +146,7 @@ fn accuracy_at(curve: &[CurvePoint], seconds: f64) -> f64 {
 
 fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let names: Vec<Option<&str>> = std::iter::once(None)
-        .chain(RECIPES.iter().map(|r| Some(r.name)))
+        .chain(args.recipes().iter().map(|r| Some(r.name)))
         .collect();
     let mut curves: Vec<Vec<Vec<CurvePoint>>> = vec![Vec::new(); names.len()];
     for rep in 0..args.reps {
@@ -142,7 +200,7 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         let speedup = secs.map(|s| base_seconds / s.0);
         let batches = runs[0].last().map_or(0, |p| p.batch);
         let algorithms = name
-            .and_then(|n| RECIPES.iter().find(|r| r.name == n))
+            .and_then(|n| args.recipes().iter().find(|r| r.name == n))
             .map_or("(none)".to_string(), |r| {
                 format!("{} (ssr {})", r.algorithms, r.scale_schedule_ratio)
             });
@@ -191,14 +249,18 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         });
         let chart = LineChart {
             title: format!(
-                "MNIST test accuracy against training time ({})",
-                args.backend
+                "MNIST test accuracy against training time ({}, {})",
+                args.model, args.backend
             ),
             x_label: "training seconds (evaluation excluded)".into(),
             y_label: "test accuracy".into(),
             series,
             size: (960, 600),
-            y_range: Some((0.95, 0.99)),
+            y_range: Some(if args.model.resnet().is_some() {
+                (0.90, 0.995)
+            } else {
+                (0.95, 0.99)
+            }),
         };
         chart
             .write_png(path)
@@ -219,6 +281,8 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             "target_accuracy": target,
             "equal_time_budget_seconds": budget,
             "reps": args.reps,
+            "model": args.model.name(),
+            "width": args.model.resnet().map(|s| args.width.unwrap_or(s.widths[0])),
             "eval_every_batches": args.eval_every,
             "baseline_seconds_to_target": base_seconds,
             "recipes": recipes,

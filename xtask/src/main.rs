@@ -422,6 +422,8 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             "time_to_accuracy",
             "--example",
             "scaling",
+            "--example",
+            "surgery_cost",
         ]);
         args.extend(b.cargo_args(&["-p", "flashover-examples"], &[]));
         cargo(&args)?;
@@ -480,6 +482,34 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             ]),
         )?;
         let tta_json = last_json(&tta)?;
+        // The ResNet recipes against the plain ResNet-8 (3 epochs, one thread: about 3 minutes
+        // a repetition); quick: one epoch on a quarter of the digits.
+        let resnet_plot = format!("target/bench/{}-resnet-time-to-accuracy.png", b.name());
+        let mut resnet_args = strings(&["--model", "resnet8", "--plot", &resnet_plot]);
+        resnet_args.extend(if quick {
+            strings(&[
+                "--reps",
+                "1",
+                "--max-duration",
+                "1ep",
+                "--train-limit",
+                "2048",
+                "--eval-every",
+                "8",
+            ])
+        } else {
+            strings(&["--reps", "3", "--max-duration", "3ep", "--eval-every", "25"])
+        });
+        let resnet_tta = run_example(b, "time_to_accuracy", &resnet_args)?;
+        let resnet_json = last_json(&resnet_tta)?;
+        let (cost_steps, cost_reps) = if quick { ("5", "1") } else { ("30", "5") };
+        let surgery_cost = run_example(
+            b,
+            "surgery_cost",
+            &strings(&[
+                "--model", "resnet8", "--steps", cost_steps, "--reps", cost_reps,
+            ]),
+        )?;
         let (scale_steps, scale_reps) = if quick { ("10", "1") } else { ("40", "5") };
         let scaling = run_example(
             b,
@@ -495,6 +525,9 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             "checkpoint": last_json(&checkpoint)?,
             "recipes": tta_json["recipes"],
             "time_to_accuracy": tta_json,
+            "resnet_recipes": resnet_json["recipes"],
+            "resnet_time_to_accuracy": resnet_json,
+            "surgery_step_cost": last_json(&surgery_cost)?,
             "scaling": last_json(&scaling)?,
             "distributed": distributed.as_ref().map(|d| d.0.clone()),
             "cpu_fast_path": fast_path.as_ref().map(|d| d.0.clone()),
@@ -502,7 +535,7 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
         let json_path = format!("target/bench/{}.json", b.name());
         std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
         let md = format!(
-            "# Flashover bench: {} ({})\n\n## Trainer overhead\n\n{}\n\n{}\n\n## Checkpoint I/O\n\n{}\n\n## Time to accuracy\n\n{}\n\n{}\n\nCurves: `{plot_path}`\n\n## Scaling\n\n{}\n\n## Processes (MPI)\n\n{}\n\n## CPU fast path (channels-last kernels against Burn's)\n\n{}\n",
+            "# Flashover bench: {} ({})\n\n## Trainer overhead\n\n{}\n\n{}\n\n## Checkpoint I/O\n\n{}\n\n## Time to accuracy\n\n{}\n\n{}\n\nCurves: `{plot_path}`\n\n## Time to accuracy: ResNet-8 and the ResNet recipes\n\n{}\n\n{}\n\nCurves: `{resnet_plot}`\n\n## Step cost of each model surgery (ResNet-8)\n\n{}\n\n{}\n\n## Scaling\n\n{}\n\n## Processes (MPI)\n\n{}\n\n## CPU fast path (channels-last kernels against Burn's)\n\n{}\n",
             b.name(),
             if quick { "quick" } else { "full" },
             table(&overhead),
@@ -513,6 +546,10 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             table(&checkpoint),
             tta.lines().find(|l| l.starts_with("Target:")).unwrap_or(""),
             table(&tta),
+            resnet_tta.lines().find(|l| l.starts_with("Target:")).unwrap_or(""),
+            table(&resnet_tta),
+            surgery_cost.lines().find(|l| l.contains("plain step")).unwrap_or(""),
+            table(&surgery_cost),
             table(&scaling),
             distributed
                 .as_ref()
