@@ -12,13 +12,37 @@ use flashover_tests::*;
 
 #[test]
 fn killed_at_random_points_and_resumed_gives_the_uninterrupted_result() {
+    killed_and_resumed(&[], 20261130);
+}
+
+/// Every model surgery at once on the ResNet (the ones with per-batch draws, stochastic depth
+/// and gyro dropout, and the ones that add or replace parameters, squeeze-and-excitation and
+/// factorization), and a ResNet recipe: the same after SIGKILLs as uninterrupted.
+#[test]
+fn surgery_and_the_resnet_recipes_survive_kills_bit_for_bit() {
+    killed_and_resumed(
+        &[
+            "--model",
+            "resnet8",
+            "--algorithms",
+            "blurpool,weight_standardization:n_last_layers_ignore=2,squeeze_excite:min_channels=32:latent_channels=8,gyro_dropout:sigma=16:tau=4,factorize:min_channels=32:latent_channels=8,ghost_batchnorm:ghost_batch_size=8,stochastic_depth:stochastic_method=sample:drop_rate=0.3",
+        ],
+        20261202,
+    );
+    killed_and_resumed(&["--model", "resnet8", "--recipe", "resnet-hot"], 20261203);
+}
+
+/// Kills the example (with `extra` arguments) at random points and resumes it until it
+/// finishes; the end must be the uninterrupted run's.
+fn killed_and_resumed(extra: &[&str], seed: u64) {
     // 6 epochs of 16 batches, saving after every batch, keeping the newest three.
-    let straight = summary_of(&short_args(&["--max-duration", "6ep"]));
+    let mut base = extra.to_vec();
+    base.extend(["--max-duration", "6ep"]);
+    let straight = summary_of(&short_args(&base));
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().to_str().unwrap().to_string();
-    let args = short_args(&[
-        "--max-duration",
-        "6ep",
+    let mut with_saves = base.clone();
+    with_saves.extend([
         "--save-folder",
         &folder,
         "--save-interval",
@@ -27,7 +51,8 @@ fn killed_at_random_points_and_resumed_gives_the_uninterrupted_result() {
         "3",
         "--autoresume",
     ]);
-    let mut rng = Rng::new(20261130);
+    let args = short_args(&with_saves);
+    let mut rng = Rng::new(seed);
     let mut progress = Vec::new();
     let mut kills = 0;
     for _ in 0..12 {
@@ -67,7 +92,7 @@ fn killed_at_random_points_and_resumed_gives_the_uninterrupted_result() {
     assert_eq!(
         outcome(&done),
         outcome(&straight),
-        "after {kills} kills (checkpoints seen: {progress:?})"
+        "{extra:?} after {kills} kills (checkpoints seen: {progress:?})"
     );
     // Rotation kept three checkpoints and no scratch survived the last run.
     let mut names: Vec<String> = std::fs::read_dir(dir.path())
