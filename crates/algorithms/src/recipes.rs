@@ -43,8 +43,8 @@ pub const RECIPES: &[Recipe] = &[
 
 /// The ResNet recipes, mildest first, modelled on Composer's ResNet recipes (BlurPool, label
 /// smoothing and progressive resizing, on growing budgets) and tuned on the bundled digits
-/// with ResNet-8 for 3 epochs (the benchmark's `resnet_recipes` rows). They need a model with
-/// the layers they change (the example's `--model resnet*`).
+/// with ResNet-8 for 3 epochs (the benchmark's `resnet_recipes` rows). They run on any model
+/// with surgery-ready convolutions or max pools (on the CNN, BlurPool blurs its max pool).
 ///
 /// Measured there and left out (one to three repetitions each): EMA weights (no gain at these
 /// lengths), SqueezeExcite and stochastic depth (Composer's hot recipes; here they cost

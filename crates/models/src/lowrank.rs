@@ -19,6 +19,7 @@ pub fn truncated_svd(w: &[f32], rows: usize, cols: usize, rank: usize) -> (Vec<f
     let svd = m.svd(true, true);
     // Invariant: both were asked for.
     let u = svd.u.expect("left singular vectors");
+    // Invariant: as above.
     let v_t = svd.v_t.expect("right singular vectors");
     // The largest `rank` singular values, whatever order the decomposition returned.
     let mut order: Vec<usize> = (0..svd.singular_values.len()).collect();
