@@ -3,7 +3,6 @@
 //! layers the model lacks is an error naming them; every surgery resumes bit-exactly in a new
 //! process; a checkpoint shaped by other surgery (or none) is refused with both descriptions.
 
-use burn::backend::{Autodiff, Flex};
 use flashover::algorithms::blurpool::{apply_blurpool, BlurPoolOptions};
 use flashover::algorithms::ghost_batchnorm::apply_ghost_batchnorm;
 use flashover::algorithms::surgery::{NamedSurgery, RunAt};
@@ -11,7 +10,8 @@ use flashover::core::surgery::SurgeryModel;
 use flashover::models::{MnistCnn, ResNetConfig};
 use flashover_tests::*;
 
-type AB = Autodiff<Flex>;
+/// The suite's training backend (flex by default; the GPU backends' builds compile this too).
+type AB = TB;
 
 #[test]
 fn blurpool_blurs_the_strided_convolutions_with_enough_channels_and_every_max_pool() {
