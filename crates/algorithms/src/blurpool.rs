@@ -28,9 +28,8 @@ use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::surgery::{Blur, ConvSurgery, PoolSurgery, SurgeryRecord};
-use serde_json::Value;
 
-use crate::surgery::Applied;
+use crate::surgery::{surgery_at_init, Applied};
 
 /// BlurPool's settings (Composer's names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,13 +144,7 @@ impl<S: Setup> Algorithm<S> for BlurPool
 where
     S::Model: ConvSurgery + PoolSurgery,
 {
-    fn name(&self) -> &str {
-        "blurpool"
-    }
-
-    fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        event == Event::Init
-    }
+    surgery_at_init!("blurpool", |this| this.options.describe());
 
     fn apply(
         &mut self,
@@ -159,27 +152,8 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let mut record = None;
-        state.map_model(|mut model| {
-            record = Some(apply_blurpool(&mut model, &self.options));
-            model
-        });
-        // Invariant: `map_model` ran the closure.
-        self.applied
-            .keep("blurpool", record.expect("the surgery ran"));
-        Ok(())
-    }
-
-    fn state_dict(&self) -> Value {
-        self.applied.state_dict()
-    }
-
-    fn required_on_load(&self) -> bool {
-        true
-    }
-
-    fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        self.applied
-            .check("blurpool", self.options.describe(), state)
+        self.applied.run("blurpool", state, |model| {
+            Ok(apply_blurpool(model, &self.options))
+        })
     }
 }

@@ -41,10 +41,9 @@ use flashover_core::model::TrainModel;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::surgery::{ConvInfo, FactorSurgery, LinearInfo, SurgeryRecord};
-use serde_json::Value;
 
 use crate::error::Result;
-use crate::surgery::Applied;
+use crate::surgery::{surgery_at_init, Applied};
 use crate::util::check_latent;
 
 /// Factorize's settings (Composer's names and defaults).
@@ -218,13 +217,7 @@ impl<S: Setup> Algorithm<S> for Factorize
 where
     S::Model: FactorSurgery,
 {
-    fn name(&self) -> &str {
-        "factorize"
-    }
-
-    fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        event == Event::Init
-    }
+    surgery_at_init!("factorize", |this| this.options.describe());
 
     fn apply(
         &mut self,
@@ -233,30 +226,16 @@ where
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let before = state.model().flops_per_sample();
-        let mut out = None;
-        state.map_model(|mut model| {
-            out = Some(apply_factorize(&mut model, &self.options));
-            model
-        });
-        // Invariant: `map_model` ran the closure.
-        let (record, report) = out.expect("the surgery ran");
-        log_report(&report);
+        let mut report = None;
+        self.applied.run("factorize", state, |model| {
+            let (record, layers) = apply_factorize(model, &self.options);
+            report = Some(layers);
+            Ok(record)
+        })?;
+        // Invariant: `run` ran the surgery.
+        log_report(&report.expect("the surgery ran"));
         log_flops(before, state.model().flops_per_sample());
-        self.applied.keep("factorize", record);
         Ok(())
-    }
-
-    fn state_dict(&self) -> Value {
-        self.applied.state_dict()
-    }
-
-    fn required_on_load(&self) -> bool {
-        true
-    }
-
-    fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        self.applied
-            .check("factorize", self.options.describe(), state)
     }
 }
 

@@ -20,10 +20,9 @@ use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::surgery::{NormSurgery, SurgeryRecord};
-use serde_json::Value;
 
 use crate::error::{AlgorithmError, Result};
-use crate::surgery::Applied;
+use crate::surgery::{surgery_at_init, Applied};
 
 /// Sets every batch norm of `model` to normalise over ghost batches of `ghost_batch_size`
 /// samples (the functional form; call it before building the optimizer) and returns what it
@@ -97,13 +96,7 @@ impl<S: Setup> Algorithm<S> for GhostBatchNorm
 where
     S::Model: NormSurgery,
 {
-    fn name(&self) -> &str {
-        "ghost_batchnorm"
-    }
-
-    fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        event == Event::Init
-    }
+    surgery_at_init!("ghost_batchnorm", |this| describe(this.ghost_batch_size));
 
     fn apply(
         &mut self,
@@ -111,27 +104,8 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let mut record = Ok(None);
-        state.map_model(|mut model| {
-            record = apply_ghost_batchnorm(&mut model, self.ghost_batch_size).map(Some);
-            model
-        });
-        // Invariant: `map_model` ran the closure.
-        let record = record?.expect("the surgery ran");
-        self.applied.keep("ghost_batchnorm", record);
-        Ok(())
-    }
-
-    fn state_dict(&self) -> Value {
-        self.applied.state_dict()
-    }
-
-    fn required_on_load(&self) -> bool {
-        true
-    }
-
-    fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        self.applied
-            .check("ghost_batchnorm", describe(self.ghost_batch_size), state)
+        self.applied.run("ghost_batchnorm", state, |model| {
+            Ok(apply_ghost_batchnorm(model, self.ghost_batch_size)?)
+        })
     }
 }

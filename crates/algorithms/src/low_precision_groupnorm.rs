@@ -28,10 +28,9 @@ use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::surgery::{GroupNormSurgery, HalfType, SurgeryRecord};
-use serde_json::Value;
 
 use crate::error::AlgorithmError;
-use crate::surgery::Applied;
+use crate::surgery::{surgery_at_init, Applied};
 
 /// The half type `B` runs accelerated on `device`: bf16 first, then f16; `None` where
 /// neither is.
@@ -94,13 +93,7 @@ impl<S: Setup> Algorithm<S> for LowPrecisionGroupNorm
 where
     S::Model: GroupNormSurgery,
 {
-    fn name(&self) -> &str {
-        "low_precision_groupnorm"
-    }
-
-    fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        event == Event::Init
-    }
+    surgery_at_init!("low_precision_groupnorm", |this| describe(this.half));
 
     fn apply(
         &mut self,
@@ -111,28 +104,9 @@ where
         let half = accelerated_half::<S::Backend>(&state.device)
             .ok_or_else(|| unsupported(S::Backend::name(&state.device)))?;
         self.half = Some(half);
-        let mut record = None;
-        state.map_model(|mut model| {
-            record = Some(apply_low_precision_groupnorm(&mut model, half));
-            model
-        });
-        // Invariant: `map_model` ran the closure.
-        self.applied
-            .keep("low_precision_groupnorm", record.expect("the surgery ran"));
-        Ok(())
-    }
-
-    fn state_dict(&self) -> Value {
-        self.applied.state_dict()
-    }
-
-    fn required_on_load(&self) -> bool {
-        true
-    }
-
-    fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        self.applied
-            .check("low_precision_groupnorm", describe(self.half), state)
+        self.applied.run("low_precision_groupnorm", state, |model| {
+            Ok(apply_low_precision_groupnorm(model, half))
+        })
     }
 }
 

@@ -29,10 +29,9 @@ use flashover_core::rng::{derive_seed, hash_str};
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::surgery::{ConvInfo, ExciteSurgery, SurgeryRecord};
-use serde_json::Value;
 
 use crate::error::Result;
-use crate::surgery::Applied;
+use crate::surgery::{surgery_at_init, Applied};
 use crate::util::check_latent;
 
 /// SqueezeExcite's settings (Composer's names and defaults).
@@ -127,13 +126,7 @@ impl<S: Setup> Algorithm<S> for SqueezeExcite
 where
     S::Model: ExciteSurgery,
 {
-    fn name(&self) -> &str {
-        "squeeze_excite"
-    }
-
-    fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        event == Event::Init
-    }
+    surgery_at_init!("squeeze_excite", |this| this.options.describe());
 
     fn apply(
         &mut self,
@@ -142,28 +135,9 @@ where
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let seed = state.seed;
-        let mut record = None;
-        state.map_model(|mut model| {
-            record = Some(apply_squeeze_excite(&mut model, &self.options, seed));
-            model
-        });
-        // Invariant: `map_model` ran the closure.
-        self.applied
-            .keep("squeeze_excite", record.expect("the surgery ran"));
-        Ok(())
-    }
-
-    fn state_dict(&self) -> Value {
-        self.applied.state_dict()
-    }
-
-    fn required_on_load(&self) -> bool {
-        true
-    }
-
-    fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        self.applied
-            .check("squeeze_excite", self.options.describe(), state)
+        self.applied.run("squeeze_excite", state, |model| {
+            Ok(apply_squeeze_excite(model, &self.options, seed))
+        })
     }
 }
 

@@ -243,7 +243,60 @@ impl Applied {
         });
         check_surgery_record(name, saved, &applied)
     }
+
+    /// Runs `surgery` on the state's model and keeps what it changed: the `INIT` step every
+    /// typed surgery algorithm shares.
+    pub(crate) fn run<S: Setup>(
+        &mut self,
+        name: &str,
+        state: &mut State<S>,
+        surgery: impl FnOnce(&mut S::Model) -> flashover_core::Result<SurgeryRecord>,
+    ) -> flashover_core::Result<()> {
+        let mut out = None;
+        state.map_model(|mut model| {
+            out = Some(surgery(&mut model));
+            model
+        });
+        // Invariant: `map_model` ran the closure.
+        self.keep(name, out.expect("the surgery ran")?);
+        Ok(())
+    }
 }
+
+/// The parts of a typed surgery algorithm's `Algorithm` impl that do not depend on the
+/// surgery: its name, running at `INIT` only, and its checkpoint state (the [`Applied`] record
+/// in its `applied` field, required on load and compared there with `settings`, an expression
+/// over `this`, the algorithm).
+macro_rules! surgery_at_init {
+    ($name:literal, |$this:ident| $settings:expr) => {
+        fn name(&self) -> &str {
+            $name
+        }
+
+        fn matches(
+            &self,
+            event: flashover_core::event::Event,
+            _state: &flashover_core::state::State<S>,
+        ) -> bool {
+            event == flashover_core::event::Event::Init
+        }
+
+        fn state_dict(&self) -> serde_json::Value {
+            self.applied.state_dict()
+        }
+
+        fn required_on_load(&self) -> bool {
+            true
+        }
+
+        fn load_state_dict(&mut self, state: serde_json::Value) -> flashover_core::Result<()> {
+            let $this = &*self;
+            let settings = $settings;
+            self.applied.check($name, settings, state)
+        }
+    };
+}
+pub(crate) use surgery_at_init;
 
 /// A [`NamedSurgery`] as an algorithm for any model that answers [`SurgeryModel`].
 #[derive(Debug, Clone)]

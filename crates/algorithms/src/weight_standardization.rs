@@ -22,9 +22,8 @@ use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::surgery::{ConvSurgery, SurgeryRecord};
-use serde_json::Value;
 
-use crate::surgery::Applied;
+use crate::surgery::{surgery_at_init, Applied};
 
 /// The settings in the `--algorithms` syntax.
 pub(crate) fn describe(n_last_layers_ignore: usize) -> String {
@@ -75,13 +74,9 @@ impl<S: Setup> Algorithm<S> for WeightStandardization
 where
     S::Model: ConvSurgery,
 {
-    fn name(&self) -> &str {
-        "weight_standardization"
-    }
-
-    fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        event == Event::Init
-    }
+    surgery_at_init!("weight_standardization", |this| describe(
+        this.n_last_layers_ignore
+    ));
 
     fn apply(
         &mut self,
@@ -89,33 +84,11 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let mut record = None;
-        state.map_model(|mut model| {
-            record = Some(apply_weight_standardization(
-                &mut model,
+        self.applied.run("weight_standardization", state, |model| {
+            Ok(apply_weight_standardization(
+                model,
                 self.n_last_layers_ignore,
-            ));
-            model
-        });
-        // Invariant: `map_model` ran the closure.
-        self.applied
-            .keep("weight_standardization", record.expect("the surgery ran"));
-        Ok(())
-    }
-
-    fn state_dict(&self) -> Value {
-        self.applied.state_dict()
-    }
-
-    fn required_on_load(&self) -> bool {
-        true
-    }
-
-    fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
-        self.applied.check(
-            "weight_standardization",
-            describe(self.n_last_layers_ignore),
-            state,
-        )
+            ))
+        })
     }
 }
