@@ -6,16 +6,21 @@
 //! equal wall time). Runs are interleaved (baseline, mild, medium, hot, baseline, ...);
 //! figures are medians over `--reps`. Training seconds exclude evaluation. With `--model
 //! resnet8` (or another ResNet) the baseline is that ResNet and the recipes are the ResNet
-//! recipes (`resnet-mild`, `resnet-medium`, `resnet-hot`).
+//! recipes (`resnet-mild`, `resnet-medium`, `resnet-hot`). With `--stack ALGORITHMS@RATIO`
+//! (repeatable) your own stacks replace the recipes: the algorithms in the `--algorithms`
+//! syntax, trained with that scale-schedule ratio.
 //!
 //! ```text
 //! cargo run --release --example time_to_accuracy -- --reps 3
 //! cargo run --release --example time_to_accuracy -- --reps 3 --model resnet8 --max-duration 3ep
+//! cargo run --release --example time_to_accuracy -- --reps 1 --model resnet8 --max-duration 3ep \
+//!     --stack 'blurpool,label_smoothing:smoothing=0.1@0.5'
 //! ```
 
 use anyhow::Context;
 use clap::Parser;
-use flashover::algorithms::recipes::{Recipe, RECIPES, RESNET_RECIPES};
+use flashover::algorithms::recipes::{RECIPES, RESNET_RECIPES};
+use flashover::algorithms::spec::parse_list;
 use flashover::backend::COMPILED;
 use flashover::callbacks::plot::{LineChart, Series};
 use flashover::core::time::Time;
@@ -60,16 +65,75 @@ struct Args {
     /// ratios to it.
     #[arg(long)]
     width: Option<usize>,
+    /// Compare this stack instead of the recipes: `ALGORITHMS@RATIO`, the algorithms in the
+    /// `--algorithms` syntax and a scale-schedule ratio in (0, 1] (repeatable; named stack-1,
+    /// stack-2, ...).
+    #[arg(long = "stack")]
+    stacks: Vec<String>,
+    /// The runs' seed (weights, data order and algorithms' draws); the default is the main
+    /// job's.
+    #[arg(long, default_value_t = flashover_examples::defaults::SEED)]
+    seed: u64,
+}
+
+/// One compared run: the baseline, a recipe or a `--stack`.
+#[derive(Debug, Clone)]
+struct Entry {
+    label: String,
+    /// In the `--algorithms` syntax; empty for the baseline.
+    algorithms: String,
+    scale_schedule_ratio: f64,
+}
+
+impl Entry {
+    fn describe(&self) -> String {
+        if self.algorithms.is_empty() {
+            "(none)".to_string()
+        } else {
+            format!("{} (ssr {})", self.algorithms, self.scale_schedule_ratio)
+        }
+    }
 }
 
 impl Args {
-    /// The recipes compared with the baseline.
-    fn recipes(&self) -> &'static [Recipe] {
-        if self.model.resnet().is_some() {
-            RESNET_RECIPES
-        } else {
-            RECIPES
+    /// The baseline, then the recipes (or the `--stack`s) compared with it.
+    fn entries(&self) -> anyhow::Result<Vec<Entry>> {
+        let mut entries = vec![Entry {
+            label: "baseline".into(),
+            algorithms: String::new(),
+            scale_schedule_ratio: 1.0,
+        }];
+        for (i, stack) in self.stacks.iter().enumerate() {
+            let (algorithms, ratio) = stack.rsplit_once('@').with_context(|| {
+                format!("--stack {stack:?}: expected ALGORITHMS@RATIO, e.g. 'mixup@0.5'")
+            })?;
+            let ratio: f64 = ratio
+                .parse()
+                .ok()
+                .filter(|r: &f64| *r > 0.0 && *r <= 1.0)
+                .with_context(|| {
+                    format!("--stack {stack:?}: the ratio {ratio:?} is not a number in (0, 1]")
+                })?;
+            parse_list(algorithms).with_context(|| format!("--stack {stack:?}"))?;
+            entries.push(Entry {
+                label: format!("stack-{}", i + 1),
+                algorithms: algorithms.to_string(),
+                scale_schedule_ratio: ratio,
+            });
         }
+        if self.stacks.is_empty() {
+            let recipes = if self.model.resnet().is_some() {
+                RESNET_RECIPES
+            } else {
+                RECIPES
+            };
+            entries.extend(recipes.iter().map(|r| Entry {
+                label: r.name.to_string(),
+                algorithms: r.algorithms.to_string(),
+                scale_schedule_ratio: r.scale_schedule_ratio,
+            }));
+        }
+        Ok(entries)
     }
 }
 
@@ -88,19 +152,19 @@ fn main() -> anyhow::Result<()> {
     flashover_examples::with_backend!(args.backend.as_str(), measure(&args))
 }
 
-/// One training run of `recipe` (`None`: the baseline); returns its accuracy curve.
-fn one<B: TrainBackend>(args: &Args, recipe: Option<&str>) -> anyhow::Result<Vec<CurvePoint>> {
+/// One training run of `entry`; returns its accuracy curve.
+fn one<B: TrainBackend>(args: &Args, entry: &Entry) -> anyhow::Result<Vec<CurvePoint>> {
     let mut run = MnistRun {
         eval_interval: Time::Batch(args.eval_every),
+        seed: args.seed,
         ..MnistRun::default()
     };
     if let Some(d) = args.max_duration {
         run.max_duration = d;
     }
     run.data.train_limit = args.train_limit;
-    if let Some(name) = recipe {
-        run = run.with_recipe(name)?;
-    }
+    run.algorithms = parse_list(&entry.algorithms)?;
+    run.scale_schedule_ratio = entry.scale_schedule_ratio;
     let device = Default::default();
     match args.model.resnet() {
         None => train(&run, MnistCnn::<B>::new(&device, run.seed), &device),
@@ -145,19 +209,12 @@ fn accuracy_at(curve: &[CurvePoint], seconds: f64) -> f64 {
 }
 
 fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
-    let names: Vec<Option<&str>> = std::iter::once(None)
-        .chain(args.recipes().iter().map(|r| Some(r.name)))
-        .collect();
-    let mut curves: Vec<Vec<Vec<CurvePoint>>> = vec![Vec::new(); names.len()];
+    let entries = args.entries()?;
+    let mut curves: Vec<Vec<Vec<CurvePoint>>> = vec![Vec::new(); entries.len()];
     for rep in 0..args.reps {
-        for (i, name) in names.iter().enumerate() {
-            eprintln!(
-                "rep {}/{}: {}",
-                rep + 1,
-                args.reps,
-                name.unwrap_or("baseline")
-            );
-            curves[i].push(one::<B>(args, *name)?);
+        for (i, entry) in entries.iter().enumerate() {
+            eprintln!("rep {}/{}: {}", rep + 1, args.reps, entry.label);
+            curves[i].push(one::<B>(args, entry)?);
         }
     }
     let final_acc = |c: &Vec<CurvePoint>| c.last().map_or(f64::NAN, |p| p.accuracy);
@@ -174,8 +231,8 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let mut recipes = serde_json::Map::new();
     let mut base_seconds = f64::NAN;
-    for (i, name) in names.iter().enumerate() {
-        let label = name.unwrap_or("baseline");
+    for (i, entry) in entries.iter().enumerate() {
+        let label = entry.label.as_str();
         let runs = &curves[i];
         let to: Vec<Option<f64>> = runs
             .iter()
@@ -199,11 +256,7 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         let (atb, _, _) = median_min_max(&at_budget);
         let speedup = secs.map(|s| base_seconds / s.0);
         let batches = runs[0].last().map_or(0, |p| p.batch);
-        let algorithms = name
-            .and_then(|n| args.recipes().iter().find(|r| r.name == n))
-            .map_or("(none)".to_string(), |r| {
-                format!("{} (ssr {})", r.algorithms, r.scale_schedule_ratio)
-            });
+        let algorithms = entry.describe();
         rows.push(format!(
             "| {label} | {} | {} | {} | {fin:.4} | {tot:.1} ({tot_lo:.1}-{tot_hi:.1}) | {atb:.4} | {batches} |",
             secs.map_or("not reached".to_string(), |s| format!("{:.1} ({:.1}-{:.1})", s.0, s.1, s.2)),
@@ -234,11 +287,11 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         println!("{r}");
     }
     if let Some(path) = &args.plot {
-        let mut series: Vec<Series> = names
+        let mut series: Vec<Series> = entries
             .iter()
             .zip(&curves)
-            .map(|(n, c)| Series {
-                name: n.unwrap_or("baseline").to_string(),
+            .map(|(e, c)| Series {
+                name: e.label.clone(),
                 points: c[0].iter().map(|p| (p.train_seconds, p.accuracy)).collect(),
             })
             .collect();
@@ -267,10 +320,10 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             .with_context(|| format!("drawing {}", path.display()))?;
     }
     if let Some(path) = &args.curves {
-        let all: serde_json::Map<String, serde_json::Value> = names
+        let all: serde_json::Map<String, serde_json::Value> = entries
             .iter()
             .zip(&curves)
-            .map(|(n, c)| (n.unwrap_or("baseline").to_string(), json!(c)))
+            .map(|(e, c)| (e.label.clone(), json!(c)))
             .collect();
         std::fs::write(path, serde_json::to_string(&all)?)
             .with_context(|| format!("writing {}", path.display()))?;
@@ -284,6 +337,7 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             "model": args.model.name(),
             "width": args.model.resnet().map(|s| args.width.unwrap_or(s.widths[0])),
             "eval_every_batches": args.eval_every,
+            "seed": args.seed,
             "baseline_seconds_to_target": base_seconds,
             "recipes": recipes,
         })

@@ -17,7 +17,8 @@ fn killed_at_random_points_and_resumed_gives_the_uninterrupted_result() {
 
 /// Every model surgery at once on the ResNet (the ones with per-batch draws, stochastic depth
 /// and gyro dropout, and the ones that add or replace parameters, squeeze-and-excitation and
-/// factorization), and a ResNet recipe: the same after SIGKILLs as uninterrupted.
+/// factorization), and a ResNet recipe (selective backprop on top of surgery and progressive
+/// resizing): the same after SIGKILLs as uninterrupted.
 #[test]
 fn surgery_and_the_resnet_recipes_survive_kills_bit_for_bit() {
     killed_and_resumed(
@@ -29,7 +30,10 @@ fn surgery_and_the_resnet_recipes_survive_kills_bit_for_bit() {
         ],
         20261202,
     );
-    killed_and_resumed(&["--model", "resnet8", "--recipe", "resnet-hot"], 20261203);
+    killed_and_resumed(
+        &["--model", "resnet8", "--recipe", "resnet-medium"],
+        20261203,
+    );
 }
 
 /// Kills the example (with `extra` arguments) at random points and resumes it until it
