@@ -1,8 +1,11 @@
-//! A character-level language model on the bundled Shakespeare text, for the token-batch
-//! algorithms (sequence-length warmup) and their tests: the corpus reader, a dataset of
-//! fixed-length windows, a batcher to [`TokenBatch`], and a small model.
+//! The bundled Shakespeare text for language models: the corpus reader, its split into
+//! training and validation text by whole works ([`ShakespeareSplit`]), a character tokenizer
+//! ([`CharTokenizer`]), a dataset of fixed-length windows, a batcher to [`TokenBatch`], and a
+//! small per-character model ([`CharLm`], a bigram model: it sees one character) for the
+//! token-batch algorithms' tests. The GPT itself is `flashover_models::Gpt`.
 
 use std::io::Read;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -40,33 +43,188 @@ pub struct CharCorpus {
 impl CharCorpus {
     /// Reads a gzipped text file.
     pub fn load(path: &Path) -> Result<Self> {
-        let io = |source| CoreError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
-        let file = std::fs::File::open(path).map_err(io)?;
-        let mut text = Vec::new();
-        flate2::read::GzDecoder::new(file)
-            .read_to_end(&mut text)
-            .map_err(io)?;
+        let text = read_text(path)?;
         if text.len() < 2 {
             return Err(CoreError::MalformedData {
                 path: path.to_path_buf(),
                 reason: format!("{} bytes of text; at least 2 are needed", text.len()),
             });
         }
+        let tokenizer = CharTokenizer::fit(&text);
+        // Invariant: the tokenizer was fitted on this text, so every byte is in it.
+        let tokens = tokenizer.encode(&text).expect("fitted on this text");
+        Ok(CharCorpus {
+            vocab: tokenizer.vocab,
+            tokens: Arc::new(tokens),
+        })
+    }
+}
+
+/// The text of `path`: gunzipped when it starts with gzip's magic bytes, else as it is.
+pub fn read_text(path: &Path) -> Result<Vec<u8>> {
+    let io = |source| CoreError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let raw = std::fs::read(path).map_err(io)?;
+    if !raw.starts_with(&[0x1f, 0x8b]) {
+        return Ok(raw);
+    }
+    let mut text = Vec::new();
+    flate2::read::GzDecoder::new(raw.as_slice())
+        .read_to_end(&mut text)
+        .map_err(io)?;
+    Ok(text)
+}
+
+/// A character (byte) tokenizer: one token per distinct byte of the text it was fitted on,
+/// ids in byte order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CharTokenizer {
+    /// The distinct bytes, sorted; a token id indexes this.
+    pub vocab: Vec<u8>,
+}
+
+impl CharTokenizer {
+    /// The tokenizer of `text`'s distinct bytes.
+    pub fn fit(text: &[u8]) -> Self {
         let mut seen = [false; 256];
         text.iter().for_each(|&b| seen[b as usize] = true);
-        let vocab: Vec<u8> = (0..=255u8).filter(|&b| seen[b as usize]).collect();
-        let mut id = [0u16; 256];
-        vocab
+        Self {
+            vocab: (0..=255u8).filter(|&b| seen[b as usize]).collect(),
+        }
+    }
+
+    /// `text` as token ids; the first byte outside the vocabulary is an error naming it and
+    /// its offset.
+    pub fn encode(&self, text: &[u8]) -> std::result::Result<Vec<u16>, String> {
+        let mut id = [u16::MAX; 256];
+        self.vocab
             .iter()
             .enumerate()
             .for_each(|(i, &b)| id[b as usize] = i as u16);
-        let tokens = text.iter().map(|&b| id[b as usize]).collect();
-        Ok(CharCorpus {
-            vocab,
-            tokens: Arc::new(tokens),
+        text.iter()
+            .enumerate()
+            .map(|(at, &b)| match id[b as usize] {
+                u16::MAX => Err(format!(
+                    "byte {b:#04x} ({:?}) at offset {at} is not in the tokenizer's {} characters",
+                    b as char,
+                    self.vocab.len()
+                )),
+                t => Ok(t),
+            })
+            .collect()
+    }
+
+    /// Token ids back to text (ids outside the vocabulary become `?`).
+    pub fn decode(&self, tokens: &[u16]) -> String {
+        tokens
+            .iter()
+            .map(|&t| self.vocab.get(t as usize).map_or('?', |&b| b as char))
+            .collect()
+    }
+}
+
+/// The line under each work's title in the bundled corpus.
+const BYLINE: &[u8] = b"by William Shakespeare";
+
+/// The works held out for validation: two plays, 5.3% of the text (256 kB of 4.84 MB), so
+/// that the validation loss measures plays the model has not seen a line of.
+pub const VALIDATION_WORKS: &[&str] = &["MACBETH", "THE WINTER'S TALE"];
+
+/// One work of the corpus: its title and its byte range (from its title line to the next
+/// work's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Work {
+    /// The title line.
+    pub title: String,
+    /// Its bytes in the corpus.
+    pub range: Range<usize>,
+}
+
+/// The works of the bundled corpus, in order: each starts at the title line above a
+/// "by William Shakespeare" line (one blank line may sit between them).
+pub fn works(text: &[u8]) -> Vec<Work> {
+    let mut lines = Vec::new();
+    let mut at = 0;
+    for line in text.split(|&b| b == b'\n') {
+        lines.push((at, line));
+        at += line.len() + 1;
+    }
+    let mut starts: Vec<(usize, String)> = Vec::new();
+    for (i, &(_, line)) in lines.iter().enumerate() {
+        if line != BYLINE {
+            continue;
+        }
+        let title = lines[..i].iter().rev().take(2).find(|(_, l)| !l.is_empty());
+        if let Some(&(start, title)) = title {
+            starts.push((start, String::from_utf8_lossy(title).into_owned()));
+        }
+    }
+    (0..starts.len())
+        .map(|k| Work {
+            title: starts[k].1.clone(),
+            range: starts[k].0..starts.get(k + 1).map_or(text.len(), |s| s.0),
+        })
+        .collect()
+}
+
+/// The corpus as training and validation tokens, split by whole works
+/// ([`VALIDATION_WORKS`] are the validation text), with a character tokenizer fitted on the
+/// training text.
+#[derive(Debug, Clone)]
+pub struct ShakespeareSplit {
+    /// The tokenizer.
+    pub tokenizer: CharTokenizer,
+    /// The training works, concatenated in corpus order.
+    pub train: Arc<Vec<u16>>,
+    /// The validation works, concatenated in corpus order.
+    pub validation: Arc<Vec<u16>>,
+    /// How many works each side has.
+    pub works: (usize, usize),
+}
+
+impl ShakespeareSplit {
+    /// Reads and splits the corpus at `path` (the bundled one: [`bundled_shakespeare`]).
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = read_text(path)?;
+        let malformed = |reason: String| CoreError::MalformedData {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let all = works(&text);
+        let missing: Vec<&&str> = VALIDATION_WORKS
+            .iter()
+            .filter(|v| !all.iter().any(|w| w.title == **v))
+            .collect();
+        if all.is_empty() || !missing.is_empty() {
+            return Err(malformed(format!(
+                "expected the bundled Shakespeare corpus: {} works found (titles above a \"by William Shakespeare\" line), missing the validation works {missing:?}",
+                all.len()
+            )));
+        }
+        let (mut train, mut validation) = (Vec::new(), Vec::new());
+        let (mut n_train, mut n_val) = (0, 0);
+        for w in &all {
+            if VALIDATION_WORKS.contains(&w.title.as_str()) {
+                validation.extend_from_slice(&text[w.range.clone()]);
+                n_val += 1;
+            } else {
+                train.extend_from_slice(&text[w.range.clone()]);
+                n_train += 1;
+            }
+        }
+        let tokenizer = CharTokenizer::fit(&train);
+        let encode = |t: &[u8], what: &str| {
+            tokenizer
+                .encode(t)
+                .map_err(|e| malformed(format!("the {what} text: {e}")))
+        };
+        Ok(Self {
+            train: Arc::new(encode(&train, "training")?),
+            validation: Arc::new(encode(&validation, "validation")?),
+            tokenizer,
+            works: (n_train, n_val),
         })
     }
 }
@@ -82,9 +240,14 @@ pub struct Windows {
 impl Windows {
     /// The first `limit` windows (all that fit when `None`).
     pub fn new(corpus: &CharCorpus, seq_len: usize, limit: Option<usize>) -> Self {
-        let fit = corpus.tokens.len().saturating_sub(1) / seq_len.max(1);
+        Self::over(corpus.tokens.clone(), seq_len, limit)
+    }
+
+    /// The first `limit` windows of `tokens` (all that fit when `None`).
+    pub fn over(tokens: Arc<Vec<u16>>, seq_len: usize, limit: Option<usize>) -> Self {
+        let fit = tokens.len().saturating_sub(1) / seq_len.max(1);
         Windows {
-            tokens: corpus.tokens.clone(),
+            tokens,
             seq_len,
             count: limit.map_or(fit, |l| l.min(fit)),
         }
@@ -135,10 +298,39 @@ pub fn token_loader<B: Backend>(
     seed: u64,
     device: &B::Device,
 ) -> Result<DataLoader<B, Vec<u16>, TokenBatch<B>>> {
-    let windows = Windows::new(corpus, seq_len, limit);
-    let sampler = Sampler::new(windows.len(), batch_size, true, seed)?;
-    DataLoader::new(
+    window_loader(
         "shakespeare",
+        Windows::new(corpus, seq_len, limit),
+        batch_size,
+        true,
+        seed,
+        device,
+    )
+}
+
+/// A loader of `batch_size` of `windows` at a time, in a seeded shuffled order when
+/// `shuffle` (through the trainer's sampler, so resumption is exact without replaying data).
+pub fn window_loader<B: Backend>(
+    name: &str,
+    windows: Windows,
+    batch_size: usize,
+    shuffle: bool,
+    seed: u64,
+    device: &B::Device,
+) -> Result<DataLoader<B, Vec<u16>, TokenBatch<B>>> {
+    if windows.len() == 0 {
+        return Err(CoreError::MalformedData {
+            path: PathBuf::from(name),
+            reason: format!(
+                "{} tokens hold no window of {} tokens and its next-token target",
+                windows.tokens.len(),
+                windows.seq_len + 1
+            ),
+        });
+    }
+    let sampler = Sampler::new(windows.len(), batch_size, shuffle, seed)?;
+    DataLoader::new(
+        name,
         Arc::new(windows),
         Arc::new(TokenBatcher),
         sampler,
@@ -201,5 +393,48 @@ impl<B: Backend> EvalModel<B> for CharLm<B> {
 
     fn forward_eval(&self, batch: &TokenBatch<B>) -> ClassificationOutput<B> {
         ClassificationOutput::scored(self.logits(batch.tokens.clone()), flat(&batch.targets))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bundled_corpus_splits_into_its_40_works_by_title() {
+        let text = read_text(&bundled_shakespeare()).unwrap();
+        let all = works(&text);
+        assert_eq!(all.len(), 40, "the README's count of works");
+        assert_eq!(all[0].title, "ALL'S WELL THAT ENDS WELL");
+        assert_eq!(all[0].range.start, 0);
+        // The sonnets have no blank line between title and byline.
+        assert!(all.iter().any(|w| w.title == "THE SONNETS"));
+        // Consecutive and covering: every byte belongs to exactly one work.
+        for pair in all.windows(2) {
+            assert_eq!(pair[0].range.end, pair[1].range.start);
+        }
+        assert_eq!(all.last().unwrap().range.end, text.len());
+        let split = ShakespeareSplit::load(&bundled_shakespeare()).unwrap();
+        assert_eq!(split.works, (38, 2));
+        assert_eq!(split.train.len() + split.validation.len(), text.len());
+        let share = split.validation.len() as f64 / text.len() as f64;
+        assert!((0.05..0.06).contains(&share), "validation share {share}");
+        assert_eq!(split.tokenizer.vocab.len(), 84);
+        // The validation text is Macbeth, then The Winter's Tale, exactly.
+        let decoded = split.tokenizer.decode(&split.validation[..7]);
+        assert_eq!(decoded, "MACBETH");
+    }
+
+    #[test]
+    fn the_char_tokenizer_round_trips_and_names_unknown_bytes() {
+        let t = CharTokenizer::fit(b"to be, or not to be");
+        assert_eq!(t.vocab, b" ,benort".to_vec());
+        let ids = t.encode(b"not to be").unwrap();
+        assert_eq!(t.decode(&ids), "not to be");
+        let e = t.encode(b"to bee?").unwrap_err();
+        assert!(
+            e.contains("'?'") && e.contains("offset 6") && e.contains("8 characters"),
+            "{e}"
+        );
     }
 }

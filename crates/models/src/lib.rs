@@ -8,7 +8,8 @@
 //! - [`norm`]: [`BatchNorm`](norm::BatchNorm) in either memory format, with Burn's record.
 //! - [`MnistCnn`]: the main job's CNN, built from those layers; [`ResNet`]: the residual
 //!   networks for small images ([`ResNetConfig`]: CIFAR's ResNet-20/56 family and a
-//!   ResNet-18), built from the same layers.
+//!   ResNet-18), built from the same layers; [`Gpt`]: a decoder-only transformer language
+//!   model ([`GptConfig`]), its dense layers the same `Linear`.
 //!
 //! A model's [`MemoryFormat`] picks the path: `Auto` (the default) is channels-last where the
 //! backend's channels-last kernels are its fast ones (flex) and channels-first elsewhere;
@@ -18,6 +19,7 @@
 #![warn(missing_docs)]
 
 pub mod gemm;
+mod gpt;
 pub mod kernels;
 pub mod layers;
 pub mod lowrank;
@@ -27,6 +29,7 @@ pub mod ops;
 mod resnet;
 
 pub use flashover_core::model::{HasMemoryFormat, MemoryFormat};
+pub use gpt::{Attention, Block, Gpt, GptConfig, Mlp};
 pub use mnist::MnistCnn;
 pub use ops::ChannelsLastBackend;
 pub use resnet::{BasicBlock, Projection, ResNet, ResNetConfig};

@@ -1,5 +1,5 @@
-//! Normalisation layers that run in either memory format: [`BatchNorm`] and [`GroupNorm`]
-//! (below). [`BatchNorm`] has Burn's
+//! Normalisation layers: [`BatchNorm`] and [`GroupNorm`] (below), which run in either memory
+//! format, and [`LayerNorm`] over the last axis. [`BatchNorm`] has Burn's
 //! parameters, running statistics and record (`gamma`, `beta`, `running_mean`, `running_var`),
 //! so a model built with it loads the weights of one built with `burn::nn::BatchNorm`.
 //!
@@ -366,5 +366,63 @@ impl<B: Backend> GroupNorm<B> {
                 .mul(gamma.reshape(shape))
                 .add(beta.reshape(shape))
         }
+    }
+}
+
+/// Layer normalisation (Ba, Kiros and Hinton, "Layer Normalization", 2016) over the last axis,
+/// with Burn's parameters (`gamma`, `beta`; `burn::nn::LayerNorm`'s record names): each row
+/// normalised with its own mean and biased variance, then scaled and shifted per feature:
+/// `y = (x - mean) / sqrt(var + epsilon) * gamma + beta`.
+#[derive(Module, Debug)]
+pub struct LayerNorm<B: Backend> {
+    /// Scale, `[width]`.
+    pub gamma: Param<Tensor<B, 1>>,
+    /// Shift, `[width]`.
+    pub beta: Param<Tensor<B, 1>>,
+    /// Added to the variance before the square root.
+    pub epsilon: f64,
+}
+
+impl<B: Backend> LayerNorm<B> {
+    /// Layer norm over `width` features (scale 1, shift 0, epsilon 1e-5, as PyTorch's and
+    /// Burn's).
+    pub fn new(width: usize, device: &B::Device) -> Self {
+        Self {
+            gamma: Param::from_tensor(Tensor::ones([width], device)),
+            beta: Param::from_tensor(Tensor::zeros([width], device)),
+            epsilon: 1e-5,
+        }
+    }
+
+    /// Features normalised.
+    pub fn width(&self) -> usize {
+        self.gamma.dims()[0]
+    }
+
+    /// `x` normalised over its last axis.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dims = x.dims();
+        let w = self.width();
+        assert_eq!(
+            dims[D - 1],
+            w,
+            "LayerNorm over {w} features given activations {dims:?}"
+        );
+        let n = dims[..D - 1].iter().product::<usize>();
+        let x = x.reshape([n, w]);
+        let mean = x.clone().mean_dim(1).repeat_dim(1, w);
+        let centered = x.sub(mean);
+        let std = centered
+            .clone()
+            .square()
+            .mean_dim(1)
+            .add_scalar(self.epsilon)
+            .sqrt()
+            .repeat_dim(1, w);
+        centered
+            .div(std)
+            .mul(rows(self.gamma.val(), n))
+            .add(rows(self.beta.val(), n))
+            .reshape(dims)
     }
 }

@@ -1,0 +1,536 @@
+//! A decoder-only transformer language model (GPT: Radford et al., "Improving Language
+//! Understanding by Generative Pre-Training", 2018; the block layout of GPT-2, Radford et al.,
+//! 2019): token embeddings plus learned position embeddings, `layers` pre-LayerNorm blocks of
+//! causal multi-head self-attention and a 4x-wide GELU MLP, each added to the residual
+//! stream, a final LayerNorm, and logits over the vocabulary, by default through the token
+//! embeddings themselves (weight tying, Press and Wolf, 2017).
+//!
+//! Initialisation is GPT-2's: embeddings and linear weights from N(0, 0.02), biases 0,
+//! LayerNorm scale 1 and shift 0, and the two projections that write into the residual
+//! stream (attention's output, the MLP's second layer) from N(0, 0.02 / sqrt(2 * layers)).
+//! No dropout: the bundled corpus is trained for too few tokens to overfit.
+//!
+//! The dense layers are this crate's [`Linear`] (the CPU fast path's matrix products, and
+//! what Factorize changes); attention's products and softmax are Burn's tensor ops.
+
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, LinearConfig};
+use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use flashover_core::loss::cross_entropy;
+use flashover_core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainModel};
+use flashover_core::params::init_model;
+
+use crate::layers::Linear;
+use crate::norm::LayerNorm;
+use crate::{ChannelsLastBackend, TrainBackend};
+
+/// Standard deviation of GPT-2's initial weights.
+const INIT_STD: f64 = 0.02;
+
+/// A GPT's shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GptConfig {
+    /// Distinct tokens.
+    pub vocab: usize,
+    /// Longest input, in tokens (the rows of the position embeddings).
+    pub context: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Attention heads per block (dividing `width`).
+    pub heads: usize,
+    /// Width of the residual stream.
+    pub width: usize,
+    /// Logits through the token embeddings (no separate output layer).
+    pub tie_weights: bool,
+}
+
+impl GptConfig {
+    /// A shape, checked: every size at least 1 and `heads` dividing `width`.
+    pub fn new(
+        vocab: usize,
+        context: usize,
+        layers: usize,
+        heads: usize,
+        width: usize,
+    ) -> Result<Self, String> {
+        let config = Self {
+            vocab,
+            context,
+            layers,
+            heads,
+            width,
+            tie_weights: true,
+        };
+        config.check()?;
+        Ok(config)
+    }
+
+    /// The same shape with a separate output layer when `tie` is false.
+    pub fn with_tied_weights(mut self, tie: bool) -> Self {
+        self.tie_weights = tie;
+        self
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let sizes = [
+            ("vocab", self.vocab),
+            ("context", self.context),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("width", self.width),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("a GPT's {name} must be at least 1, not 0"));
+        }
+        if !self.width.is_multiple_of(self.heads) {
+            return Err(format!(
+                "a GPT's {} heads must divide its width {}",
+                self.heads, self.width
+            ));
+        }
+        Ok(())
+    }
+
+    /// A model with this shape, its parameters drawn in field order from a generator seeded
+    /// by `seed`. Panics if the shape is invalid (see [`GptConfig::new`]).
+    pub fn init<B: Backend>(&self, device: &B::Device, seed: u64) -> Gpt<B> {
+        if let Err(e) = self.check() {
+            panic!("{e}");
+        }
+        let normal = |std: f64| Initializer::Normal { mean: 0.0, std };
+        let residual_std = INIT_STD / ((2 * self.layers) as f64).sqrt();
+        // Burn draws a layer's bias with its weights' initializer; GPT-2's biases start at 0.
+        let linear = |d_in: usize, d_out: usize, std: f64, d: &B::Device| {
+            let mut layer: Linear<B> = Linear::new(
+                &LinearConfig::new(d_in, d_out).with_initializer(normal(std)),
+                d,
+            );
+            layer.bias = Some(Param::from_tensor(Tensor::zeros([d_out], d)));
+            layer
+        };
+        init_model::<B, _>(device, seed, |d| {
+            let w = self.width;
+            Gpt {
+                token_embedding: EmbeddingConfig::new(self.vocab, w)
+                    .with_initializer(normal(INIT_STD))
+                    .init(d),
+                position_embedding: Some(normal(INIT_STD).init([self.context, w], d)),
+                blocks: (0..self.layers)
+                    .map(|_| Block {
+                        norm1: LayerNorm::new(w, d),
+                        attention: Attention {
+                            qkv: linear(w, 3 * w, INIT_STD, d),
+                            proj: linear(w, w, residual_std, d),
+                            heads: self.heads,
+                        },
+                        norm2: LayerNorm::new(w, d),
+                        mlp: Mlp {
+                            fc: linear(w, 4 * w, INIT_STD, d),
+                            proj: linear(4 * w, w, residual_std, d),
+                        },
+                    })
+                    .collect(),
+                final_norm: LayerNorm::new(w, d),
+                head: (!self.tie_weights).then(|| {
+                    Linear::new(
+                        &LinearConfig::new(w, self.vocab)
+                            .with_bias(false)
+                            .with_initializer(normal(INIT_STD)),
+                        d,
+                    )
+                }),
+                context: self.context,
+            }
+        })
+    }
+}
+
+/// Causal multi-head self-attention: `heads` heads of `width / heads` features, queries,
+/// keys and values from one `[width, 3 * width]` layer, the heads' outputs concatenated and
+/// projected back.
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    /// Queries, keys and values, `width -> 3 * width` (in that order).
+    pub qkv: Linear<B>,
+    /// Output projection, `width -> width`.
+    pub proj: Linear<B>,
+    /// Heads.
+    pub heads: usize,
+}
+
+impl<B: ChannelsLastBackend> Attention<B> {
+    /// Attention over `x: [batch, seq, width]`, each position seeing itself and the ones
+    /// before it.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, t, w] = x.dims();
+        let device = x.device();
+        let (h, fast) = (self.heads, B::CHANNELS_LAST_IS_FAST);
+        let dh = w / h;
+        let qkv = self
+            .qkv
+            .forward(x.reshape([b * t, w]), fast, false)
+            .reshape([b, t, 3, h, dh]);
+        // `[batch, heads, seq, head width]` each.
+        let part = |i: usize| {
+            qkv.clone()
+                .narrow(2, i, 1)
+                .reshape([b, t, h, dh])
+                .swap_dims(1, 2)
+        };
+        let (q, k, v) = (part(0), part(1), part(2));
+        let scores = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(1.0 / (dh as f64).sqrt())
+            .add(causal_mask::<B>(t, &device));
+        let y = softmax(scores, 3).matmul(v); // [b, h, t, dh]
+        let y = y.swap_dims(1, 2).reshape([b * t, w]);
+        self.proj.forward(y, fast, false).reshape([b, t, w])
+    }
+}
+
+/// `[1, 1, t, t]`: 0 where key `j <= i` (query `i`), minus infinity above the diagonal.
+fn causal_mask<B: Backend>(t: usize, device: &B::Device) -> Tensor<B, 4> {
+    let values: Vec<f32> = (0..t * t)
+        .map(|k| {
+            if k % t > k / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, [1, 1, t, t]), device)
+}
+
+/// The block's MLP: `width -> 4 * width`, GELU, back to `width`.
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    /// First layer.
+    pub fc: Linear<B>,
+    /// Second layer (writes into the residual stream).
+    pub proj: Linear<B>,
+}
+
+impl<B: ChannelsLastBackend> Mlp<B> {
+    /// The MLP on `x: [rows, width]`.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let fast = B::CHANNELS_LAST_IS_FAST;
+        self.proj
+            .forward(gelu(self.fc.forward(x, fast, false)), fast, false)
+    }
+}
+
+/// A pre-LayerNorm transformer block: `x + attention(norm1(x))`, then `x + mlp(norm2(x))`.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    /// Before attention.
+    pub norm1: LayerNorm<B>,
+    /// Causal self-attention.
+    pub attention: Attention<B>,
+    /// Before the MLP.
+    pub norm2: LayerNorm<B>,
+    /// The MLP.
+    pub mlp: Mlp<B>,
+}
+
+impl<B: ChannelsLastBackend> Block<B> {
+    /// The block on `x: [batch, seq, width]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, t, w] = x.dims();
+        let x = x.clone() + self.attention.forward(self.norm1.forward(x));
+        let y = self
+            .mlp
+            .forward(self.norm2.forward(x.clone()).reshape([b * t, w]));
+        x + y.reshape([b, t, w])
+    }
+}
+
+/// The GPT; see the module docs.
+#[derive(Module, Debug)]
+pub struct Gpt<B: Backend> {
+    /// `[vocab, width]`.
+    pub token_embedding: Embedding<B>,
+    /// `[context, width]`, added to the token embeddings.
+    pub position_embedding: Option<Param<Tensor<B, 2>>>,
+    /// The transformer blocks.
+    pub blocks: Vec<Block<B>>,
+    /// After the last block.
+    pub final_norm: LayerNorm<B>,
+    /// Output layer `width -> vocab`; `None` with tied weights (logits through the token
+    /// embeddings).
+    pub head: Option<Linear<B>>,
+    /// Longest input the position embeddings cover.
+    pub context: usize,
+}
+
+impl<B: ChannelsLastBackend> Gpt<B> {
+    /// Logits `[batch * seq, vocab]` (row `i * seq + j`: the distribution of the token after
+    /// position `j` of sequence `i`) for tokens `[batch, seq]`. Panics if `seq` exceeds the
+    /// context the position embeddings cover.
+    pub fn logits(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 2> {
+        let [b, t] = tokens.dims();
+        assert!(
+            t <= self.context,
+            "a sequence of {t} tokens is longer than the model's context of {}",
+            self.context
+        );
+        let mut x = self.token_embedding.forward(tokens);
+        if let Some(p) = &self.position_embedding {
+            x = x + p.val().narrow(0, 0, t).unsqueeze::<3>();
+        }
+        for block in &self.blocks {
+            x = block.forward(x);
+        }
+        let w = x.dims()[2];
+        let x = self.final_norm.forward(x).reshape([b * t, w]);
+        let fast = B::CHANNELS_LAST_IS_FAST;
+        match &self.head {
+            Some(head) => head.forward(x, fast, false),
+            None => {
+                let e = self.token_embedding.weight.val();
+                crate::layers::dense(x, e.transpose(), None, false)
+            }
+        }
+    }
+
+    /// Multiply-adds of one forward pass per token of a `seq`-token input: the dense layers
+    /// and the two attention products (averaged over positions, causal: about `seq / 2`
+    /// keys each).
+    pub fn forward_macs_per_token(&self, seq: usize) -> f64 {
+        let w = self.final_norm.width() as f64;
+        let layers = self.blocks.len() as f64;
+        let vocab = self.token_embedding.weight.dims()[0] as f64;
+        let dense = layers * 12.0 * w * w + w * vocab;
+        let attention = layers * 2.0 * w * (seq as f64 + 1.0) / 2.0;
+        dense + attention
+    }
+}
+
+fn flat<B: Backend>(t: &Tensor<B, 2, Int>) -> Tensor<B, 1, Int> {
+    let [b, s] = t.dims();
+    t.clone().reshape([b * s])
+}
+
+impl<B: TrainBackend> TrainModel<B> for Gpt<B> {
+    type Batch = TokenBatch<B>;
+    type Output = Tensor<B, 2>;
+
+    fn forward(&self, batch: &TokenBatch<B>) -> Tensor<B, 2> {
+        self.logits(batch.tokens.clone())
+    }
+
+    fn loss(&self, logits: &Tensor<B, 2>, batch: &TokenBatch<B>) -> Tensor<B, 1> {
+        cross_entropy(logits.clone(), flat(&batch.targets))
+    }
+}
+
+impl<B: ChannelsLastBackend> EvalModel<B> for Gpt<B> {
+    type Batch = TokenBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn forward_eval(&self, batch: &TokenBatch<B>) -> ClassificationOutput<B> {
+        ClassificationOutput::scored(self.logits(batch.tokens.clone()), flat(&batch.targets))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+
+    type B = Flex;
+
+    fn tiny(tie: bool) -> Gpt<B> {
+        GptConfig::new(11, 8, 2, 2, 8)
+            .unwrap()
+            .with_tied_weights(tie)
+            .init::<B>(&Default::default(), 7)
+    }
+
+    fn tokens(rows: &[&[i64]]) -> Tensor<B, 2, Int> {
+        let t = rows[0].len();
+        let v: Vec<i64> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+        Tensor::from_data(TensorData::new(v, [rows.len(), t]), &Default::default())
+    }
+
+    fn values(x: Tensor<B, 2>) -> Vec<f32> {
+        x.into_data().to_vec().unwrap()
+    }
+
+    #[test]
+    fn shapes_are_checked_and_named() {
+        assert!(GptConfig::new(10, 8, 2, 3, 8)
+            .unwrap_err()
+            .contains("3 heads must divide its width 8"));
+        assert!(GptConfig::new(10, 0, 2, 2, 8)
+            .unwrap_err()
+            .contains("context must be at least 1"));
+    }
+
+    #[test]
+    fn logits_have_one_row_per_position_and_the_future_is_not_seen() {
+        let m = tiny(true);
+        let a = values(m.logits(tokens(&[&[1, 2, 3, 4, 5]])));
+        assert_eq!(a.len(), 5 * 11);
+        // Changing the last token changes only the last position's logits.
+        let b = values(m.logits(tokens(&[&[1, 2, 3, 4, 9]])));
+        assert_eq!(a[..4 * 11], b[..4 * 11]);
+        assert_ne!(a[4 * 11..], b[4 * 11..]);
+        // A shorter input gives the same logits for the positions it has.
+        let c = values(m.logits(tokens(&[&[1, 2, 3]])));
+        for (x, y) in c.iter().zip(&a[..3 * 11]) {
+            assert!((x - y).abs() < 1e-5, "{x} against {y}");
+        }
+    }
+
+    #[test]
+    fn tied_weights_have_no_output_layer_and_the_same_seed_gives_the_same_model() {
+        let tied = tiny(true);
+        let untied = tiny(false);
+        assert!(tied.head.is_none());
+        assert_eq!(
+            untied.num_params() - tied.num_params(),
+            8 * 11,
+            "an untied model adds a width x vocab output layer"
+        );
+        let x = tokens(&[&[0, 1, 2], &[3, 4, 5]]);
+        assert_eq!(values(tied.logits(x.clone())), values(tiny(true).logits(x)));
+    }
+
+    #[test]
+    #[should_panic(expected = "longer than the model's context of 8")]
+    fn inputs_longer_than_the_context_are_refused() {
+        tiny(true).logits(tokens(&[&[0; 9]]));
+    }
+
+    /// One head, width 2: attention by hand from the layers' own weights.
+    #[test]
+    fn attention_matches_the_formula() {
+        let d = Default::default();
+        let m = GptConfig::new(3, 4, 1, 1, 2).unwrap().init::<B>(&d, 3);
+        let att = &m.blocks[0].attention;
+        let x: Vec<f32> = vec![0.5, -1.0, 2.0, 0.25, -0.75, 1.5];
+        let xt = Tensor::<B, 3>::from_data(TensorData::new(x.clone(), [1, 3, 2]), &d);
+        let got: Vec<f32> = att.forward(xt).into_data().to_vec().unwrap();
+        let w: Vec<f32> = att.qkv.weight.val().into_data().to_vec().unwrap(); // [2, 6]
+        let bq: Vec<f32> = att
+            .qkv
+            .bias
+            .as_ref()
+            .unwrap()
+            .val()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let wo: Vec<f32> = att.proj.weight.val().into_data().to_vec().unwrap(); // [2, 2]
+        let bo: Vec<f32> = att
+            .proj
+            .bias
+            .as_ref()
+            .unwrap()
+            .val()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let lin = |r: &[f32], c: usize| -> f64 {
+            (0..2)
+                .map(|i| r[i] as f64 * w[i * 6 + c] as f64)
+                .sum::<f64>()
+                + bq[c] as f64
+        };
+        let rows: Vec<&[f32]> = x.chunks(2).collect();
+        for i in 0..3 {
+            let q: Vec<f64> = (0..2).map(|c| lin(rows[i], c)).collect();
+            let s: Vec<f64> = (0..=i)
+                .map(|j| (0..2).map(|c| q[c] * lin(rows[j], 2 + c)).sum::<f64>() / 2f64.sqrt())
+                .collect();
+            let max = s.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = s.iter().map(|v| (v - max).exp()).sum();
+            let y: Vec<f64> = (0..2)
+                .map(|c| {
+                    (0..=i)
+                        .map(|j| (s[j] - max).exp() / z * lin(rows[j], 4 + c))
+                        .sum()
+                })
+                .collect();
+            for c in 0..2 {
+                let out = (0..2).map(|k| y[k] * wo[k * 2 + c] as f64).sum::<f64>() + bo[c] as f64;
+                let g = got[i * 2 + c] as f64;
+                assert!(
+                    (g - out).abs() < 1e-5,
+                    "position {i}, feature {c}: {g} against {out}"
+                );
+            }
+        }
+    }
+
+    /// Layer norm against the paper's formula, with a scale and shift that are not 1 and 0.
+    #[test]
+    fn layer_norm_matches_the_formula() {
+        let d = Default::default();
+        let mut norm = LayerNorm::<B>::new(4, &d);
+        let (gamma, beta) = ([1.5f32, -0.5, 2.0, 1.0], [0.1f32, 0.2, -0.3, 0.0]);
+        norm.gamma =
+            Param::from_tensor(Tensor::from_data(TensorData::new(gamma.to_vec(), [4]), &d));
+        norm.beta = Param::from_tensor(Tensor::from_data(TensorData::new(beta.to_vec(), [4]), &d));
+        let x = [
+            1.0f32, 2.0, 4.0, 9.0, -3.0, 0.5, 0.5, 2.0, 7.0, 7.0, 7.0, 7.5,
+        ];
+        let got: Vec<f32> = norm
+            .forward(Tensor::<B, 3>::from_data(
+                TensorData::new(x.to_vec(), [1, 3, 4]),
+                &d,
+            ))
+            .into_data()
+            .to_vec()
+            .unwrap();
+        for (r, row) in x.chunks(4).enumerate() {
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() / 4.0;
+            let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / 4.0;
+            for c in 0..4 {
+                let want =
+                    (row[c] as f64 - mean) / (var + 1e-5).sqrt() * gamma[c] as f64 + beta[c] as f64;
+                let g = got[r * 4 + c] as f64;
+                assert!(
+                    (g - want).abs() < 1e-5,
+                    "row {r}, feature {c}: {g} against {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn initial_weights_follow_gpt2() {
+        let d = Default::default();
+        let m = GptConfig::new(50, 16, 8, 4, 64).unwrap().init::<B>(&d, 1);
+        let std = |t: Tensor<B, 2>| {
+            let v: Vec<f32> = t.into_data().to_vec().unwrap();
+            let n = v.len() as f64;
+            let mean = v.iter().map(|&x| x as f64).sum::<f64>() / n;
+            (v.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n).sqrt()
+        };
+        let e = std(m.token_embedding.weight.val());
+        assert!((e - 0.02).abs() < 0.002, "embedding std {e}");
+        let fc = std(m.blocks[0].mlp.fc.weight.val());
+        assert!((fc - 0.02).abs() < 0.002, "MLP std {fc}");
+        let proj = std(m.blocks[0].mlp.proj.weight.val());
+        let want = 0.02 / 4.0; // 1 / sqrt(2 * 8 layers)
+        assert!(
+            (proj - want).abs() < 0.001,
+            "residual projection std {proj}, want {want}"
+        );
+        let bias: Vec<f32> = m.blocks[0]
+            .attention
+            .qkv
+            .bias
+            .as_ref()
+            .unwrap()
+            .val()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        assert!(bias.iter().all(|&b| b == 0.0));
+    }
+}
