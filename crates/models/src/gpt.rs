@@ -15,9 +15,9 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LinearConfig};
-use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::activation::gelu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 use flashover_core::loss::cross_entropy;
 use flashover_core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainModel};
 use flashover_core::params::init_model;
@@ -162,46 +162,25 @@ pub struct Attention<B: Backend> {
 
 impl<B: ChannelsLastBackend> Attention<B> {
     /// Attention over `x: [batch, seq, width]`, each position seeing itself and the ones
-    /// before it.
+    /// before it (through [`ChannelsLastBackend::causal_attention`]).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, t, w] = x.dims();
-        let device = x.device();
-        let (h, fast) = (self.heads, B::CHANNELS_LAST_IS_FAST);
-        let dh = w / h;
+        let fast = B::CHANNELS_LAST_IS_FAST;
         let qkv = self
             .qkv
             .forward(x.reshape([b * t, w]), fast, false)
-            .reshape([b, t, 3, h, dh]);
-        // `[batch, heads, seq, head width]` each.
-        let part = |i: usize| {
-            qkv.clone()
-                .narrow(2, i, 1)
-                .reshape([b, t, h, dh])
-                .swap_dims(1, 2)
-        };
-        let (q, k, v) = (part(0), part(1), part(2));
-        let scores = q
-            .matmul(k.swap_dims(2, 3))
-            .mul_scalar(1.0 / (dh as f64).sqrt())
-            .add(causal_mask::<B>(t, &device));
-        let y = softmax(scores, 3).matmul(v); // [b, h, t, dh]
-        let y = y.swap_dims(1, 2).reshape([b * t, w]);
+            .reshape([b, t, 3 * w]);
+        let y = causal_attention(qkv, self.heads).reshape([b * t, w]);
         self.proj.forward(y, fast, false).reshape([b, t, w])
     }
 }
 
-/// `[1, 1, t, t]`: 0 where key `j <= i` (query `i`), minus infinity above the diagonal.
-fn causal_mask<B: Backend>(t: usize, device: &B::Device) -> Tensor<B, 4> {
-    let values: Vec<f32> = (0..t * t)
-        .map(|k| {
-            if k % t > k / t {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    Tensor::from_data(TensorData::new(values, [1, 1, t, t]), device)
+/// Causal multi-head self-attention of `qkv: [batch, seq, 3 * width]` (queries, keys and
+/// values, `heads` heads side by side in each); output `[batch, seq, width]`. See
+/// [`ChannelsLastBackend::causal_attention`].
+pub fn causal_attention<B: ChannelsLastBackend>(qkv: Tensor<B, 3>, heads: usize) -> Tensor<B, 3> {
+    let out = B::causal_attention(qkv.into_primitive().tensor(), heads);
+    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(out))
 }
 
 /// The block's MLP: `width -> 4 * width`, GELU, back to `width`.
@@ -338,7 +317,8 @@ impl<B: ChannelsLastBackend> EvalModel<B> for Gpt<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::Flex;
+    use burn::backend::{Autodiff, Flex};
+    use burn::tensor::{Distribution, TensorData};
 
     type B = Flex;
 
@@ -496,6 +476,71 @@ mod tests {
                 assert!(
                     (g - want).abs() < 1e-5,
                     "row {r}, feature {c}: {g} against {want}"
+                );
+            }
+        }
+    }
+
+    /// The fast path's attention (flex) against Burn's tensor ops: output, and the gradient
+    /// through autodiff, on odd sizes.
+    #[test]
+    fn fast_attention_matches_burns_ops_and_their_gradient() {
+        use crate::ops::burn_causal_attention;
+        type AB = Autodiff<B>;
+        let d = Default::default();
+        for (b, t, w, h) in [(2, 5, 6, 2), (1, 7, 12, 3), (3, 1, 4, 1)] {
+            <B as burn::tensor::backend::Backend>::seed(&d, (b * 100 + t) as u64);
+            let x = Tensor::<B, 3>::random([b, t, 3 * w], Distribution::Normal(0.0, 1.0), &d);
+            let r = Tensor::<B, 3>::random([b, t, w], Distribution::Normal(0.0, 1.0), &d);
+            let fast: Vec<f32> = causal_attention(x.clone(), h).into_data().to_vec().unwrap();
+            let (reference, _) = burn_causal_attention::<B>(x.clone().into_primitive().tensor(), h);
+            let reference: Vec<f32> =
+                Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(reference))
+                    .into_data()
+                    .to_vec()
+                    .unwrap();
+            for (a, e) in fast.iter().zip(&reference) {
+                assert!((a - e).abs() < 1e-5, "{b}x{t}x{w}/{h}: {a} against {e}");
+            }
+            // d/dx of sum(attention(x) * r), through the op's backward and through Burn's
+            // autodiff of its own ops.
+            let grad_of = |fast: bool| -> Vec<f32> {
+                let xa = Tensor::<AB, 3>::from_data(x.to_data(), &d).require_grad();
+                let ra = Tensor::<AB, 3>::from_data(r.to_data(), &d);
+                let out = if fast {
+                    causal_attention(xa.clone(), h)
+                } else {
+                    let (o, _) =
+                        burn_causal_attention::<AB>(xa.clone().into_primitive().tensor(), h);
+                    Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(o))
+                };
+                let grads = (out * ra).sum().backward();
+                xa.grad(&grads).unwrap().into_data().to_vec().unwrap()
+            };
+            let autodiff = grad_of(false);
+            for (a, e) in grad_of(true).iter().zip(&autodiff) {
+                assert!(
+                    (a - e).abs() < 1e-4,
+                    "gradient {b}x{t}x{w}/{h}: {a} against {e}"
+                );
+            }
+            // The default backward (what GPU backends run), by Burn's tensor ops.
+            let (_, probs) = burn_causal_attention::<B>(x.clone().into_primitive().tensor(), h);
+            let default = crate::ops::burn_causal_attention_backward::<B>(
+                x.clone().into_primitive().tensor(),
+                probs,
+                r.clone().into_primitive().tensor(),
+                h,
+            );
+            let default: Vec<f32> =
+                Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(default))
+                    .into_data()
+                    .to_vec()
+                    .unwrap();
+            for (a, e) in default.iter().zip(&autodiff) {
+                assert!(
+                    (a - e).abs() < 1e-4,
+                    "default backward {b}x{t}x{w}/{h}: {a} against {e}"
                 );
             }
         }

@@ -1107,6 +1107,132 @@ pub fn avg_pool2d_backward(s: &Pool2dShape, grad: &[f32], count_include_pad: boo
     dx
 }
 
+/// The shape of a causal multi-head self-attention: `qkv` is `[batch, seq, 3 * width]`
+/// (queries, keys, values, each `heads` heads of `width / heads` side by side), the output
+/// `[batch, seq, width]`, the probabilities `[batch, heads, seq, seq]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Positions per sequence.
+    pub seq: usize,
+    /// Width of the output (and of each of queries, keys and values).
+    pub width: usize,
+    /// Heads (dividing `width`).
+    pub heads: usize,
+}
+
+impl AttentionShape {
+    fn head(&self) -> usize {
+        self.width / self.heads
+    }
+}
+
+/// Causal attention: per sequence and head, `P = softmax(Q Kᵀ / sqrt(d))` over the keys at
+/// or before each query (the later ones get probability 0), output `P V`. Returns the output
+/// and `P`. One sequence per chunk (its rows of every buffer are contiguous), the heads in
+/// order inside it, so results do not depend on the thread count.
+pub fn attention_forward(s: &AttentionShape, qkv: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (t, w, h) = (s.seq, s.width, s.heads);
+    let dh = s.head();
+    assert_eq!(
+        qkv.len(),
+        s.batch * t * 3 * w,
+        "queries, keys, values of {s:?}"
+    );
+    let scale = 1.0 / (dh as f32).sqrt();
+    zeroed_chunks2(
+        (s.batch * t * w, t * w),
+        (s.batch * h * t * t, h * t * t),
+        |b, out, probs| {
+            let x = &qkv[b * t * 3 * w..][..t * 3 * w];
+            for head in 0..h {
+                let p = &mut probs[head * t * t..][..t * t];
+                let q = MatRef::new(&x[head * dh..], t, dh, 3 * w, 1);
+                let k_t = MatRef::new(&x[w + head * dh..], dh, t, 1, 3 * w);
+                matmul(MatMut::row_major(p, t, t), q, k_t);
+                for (i, row) in p.chunks_exact_mut(t).enumerate() {
+                    let (seen, later) = row.split_at_mut(i + 1);
+                    let max = seen
+                        .iter()
+                        .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+                    let mut sum = 0.0f32;
+                    for v in seen.iter_mut() {
+                        *v = (*v * scale - max).exp();
+                        sum += *v;
+                    }
+                    seen.iter_mut().for_each(|v| *v /= sum);
+                    later.fill(0.0);
+                }
+                let v = MatRef::new(&x[2 * w + head * dh..], t, dh, 3 * w, 1);
+                matmul(
+                    MatMut::new(&mut out[head * dh..], t, dh, w, 1),
+                    MatRef::row_major(p, t, t),
+                    v,
+                );
+            }
+        },
+    )
+}
+
+/// The gradient of [`attention_forward`] with respect to `qkv`, for the output gradient
+/// `grad` and the forward's probabilities `probs`: `dV = Pᵀ dO`, `dP = dO Vᵀ`,
+/// `dS = P ∘ (dP - rowsum(P ∘ dP)) / sqrt(d)`, `dQ = dS K`, `dK = dSᵀ Q`.
+pub fn attention_backward(
+    s: &AttentionShape,
+    qkv: &[f32],
+    probs: &[f32],
+    grad: &[f32],
+) -> Vec<f32> {
+    let (t, w, h) = (s.seq, s.width, s.heads);
+    let dh = s.head();
+    assert_eq!(
+        qkv.len(),
+        s.batch * t * 3 * w,
+        "queries, keys, values of {s:?}"
+    );
+    assert_eq!(probs.len(), s.batch * h * t * t, "probabilities of {s:?}");
+    assert_eq!(grad.len(), s.batch * t * w, "output gradient of {s:?}");
+    let scale = 1.0 / (dh as f32).sqrt();
+    zeroed_chunks(s.batch * t * 3 * w, t * 3 * w, |b, dx| {
+        let x = &qkv[b * t * 3 * w..][..t * 3 * w];
+        let g = &grad[b * t * w..][..t * w];
+        let mut ds = vec![0.0f32; t * t];
+        for head in 0..h {
+            let p = &probs[(b * h + head) * t * t..][..t * t];
+            let d_out = MatRef::new(&g[head * dh..], t, dh, w, 1);
+            // dV = Pᵀ dO.
+            matmul(
+                MatMut::new(&mut dx[2 * w + head * dh..], t, dh, 3 * w, 1),
+                MatRef::new(p, t, t, 1, t),
+                d_out,
+            );
+            // dP = dO Vᵀ, then dS in place.
+            let v_t = MatRef::new(&x[2 * w + head * dh..], dh, t, 1, 3 * w);
+            matmul(MatMut::row_major(&mut ds, t, t), d_out, v_t);
+            for (row, p_row) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                let dot: f32 = row.iter().zip(p_row).map(|(d, p)| d * p).sum();
+                for (d, p) in row.iter_mut().zip(p_row) {
+                    *d = p * (*d - dot) * scale;
+                }
+            }
+            // dQ = dS K; dK = dSᵀ Q.
+            let k = MatRef::new(&x[w + head * dh..], t, dh, 3 * w, 1);
+            matmul(
+                MatMut::new(&mut dx[head * dh..], t, dh, 3 * w, 1),
+                MatRef::row_major(&ds, t, t),
+                k,
+            );
+            let q = MatRef::new(&x[head * dh..], t, dh, 3 * w, 1);
+            matmul(
+                MatMut::new(&mut dx[w + head * dh..], t, dh, 3 * w, 1),
+                MatRef::new(&ds, t, t, 1, t),
+                q,
+            );
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

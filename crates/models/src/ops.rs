@@ -176,6 +176,113 @@ pub trait ChannelsLastBackend: Backend {
     ) -> LayerGrads<Self> {
         burn_dense_backward::<Self>(x, weight, output, grad, needs)
     }
+
+    /// Causal multi-head self-attention of `qkv: [batch, seq, 3 * width]` (queries, keys
+    /// and values, each `heads` heads side by side): per head `softmax(q kᵀ / sqrt(d))` over
+    /// the positions at or before each query, times `v`; output `[batch, seq, width]`, the
+    /// heads side by side. By default Burn's tensor ops; the fast path reads the heads in
+    /// place (no transposes) and splits the sequences between threads.
+    fn causal_attention(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
+        Self::causal_attention_with_probs(qkv, heads).0
+    }
+
+    /// [`causal_attention`](Self::causal_attention) and its probabilities `[batch, heads,
+    /// seq, seq]` (0 above the diagonal), which its backward pass needs.
+    fn causal_attention_with_probs(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        burn_causal_attention::<Self>(qkv, heads)
+    }
+
+    /// The gradient of [`causal_attention`](Self::causal_attention) with respect to `qkv`,
+    /// for the output gradient `grad`.
+    fn causal_attention_backward(
+        qkv: FloatTensor<Self>,
+        probs: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        heads: usize,
+    ) -> FloatTensor<Self> {
+        burn_causal_attention_backward::<Self>(qkv, probs, grad, heads)
+    }
+}
+
+/// `qkv: [batch, seq, 3 * width]` as queries, keys and values `[batch, heads, seq, head]`.
+fn split_heads<B: Backend>(qkv: Tensor<B, 3>, heads: usize) -> [Tensor<B, 4>; 3] {
+    let [b, t, w3] = qkv.dims();
+    let dh = w3 / 3 / heads;
+    let qkv = qkv.reshape([b, t, 3, heads, dh]);
+    let part = |i: usize| {
+        qkv.clone()
+            .narrow(2, i, 1)
+            .reshape([b, t, heads, dh])
+            .swap_dims(1, 2)
+    };
+    [part(0), part(1), part(2)]
+}
+
+/// `[batch, heads, seq, head]` back to `[batch, seq, heads * head]`.
+fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
+    let [b, h, t, dh] = x.dims();
+    x.swap_dims(1, 2).reshape([b, t, h * dh])
+}
+
+/// [`ChannelsLastBackend::causal_attention_with_probs`] through Burn's tensor ops.
+pub fn burn_causal_attention<B: Backend>(
+    qkv: FloatTensor<B>,
+    heads: usize,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let qkv = tensor::<B, 3>(qkv);
+    let [_, t, w3] = qkv.dims();
+    let device = qkv.device();
+    let dh = w3 / 3 / heads;
+    let [q, k, v] = split_heads(qkv, heads);
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask =
+        Tensor::<B, 4>::from_data(burn::tensor::TensorData::new(mask, [1, 1, t, t]), &device);
+    let scores = q
+        .matmul(k.swap_dims(2, 3))
+        .mul_scalar(1.0 / (dh as f64).sqrt())
+        .add(mask);
+    let probs = burn::tensor::activation::softmax(scores, 3);
+    let out = merge_heads(probs.clone().matmul(v));
+    (primitive(out), primitive(probs))
+}
+
+/// [`ChannelsLastBackend::causal_attention_backward`] through Burn's tensor ops.
+pub fn burn_causal_attention_backward<B: Backend>(
+    qkv: FloatTensor<B>,
+    probs: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    heads: usize,
+) -> FloatTensor<B> {
+    let qkv = tensor::<B, 3>(qkv);
+    let [b, t, w3] = qkv.dims();
+    let dh = w3 / 3 / heads;
+    let [q, k, v] = split_heads(qkv, heads);
+    let p = tensor::<B, 4>(probs);
+    let d_out = tensor::<B, 3>(grad)
+        .reshape([b, t, heads, dh])
+        .swap_dims(1, 2);
+    let dv = p.clone().swap_dims(2, 3).matmul(d_out.clone());
+    let dp = d_out.matmul(v.swap_dims(2, 3));
+    let dot = (dp.clone() * p.clone()).sum_dim(3);
+    let ds = (p * (dp - dot)).mul_scalar(1.0 / (dh as f64).sqrt());
+    let dq = ds.clone().matmul(k);
+    let dk = ds.swap_dims(2, 3).matmul(q);
+    let parts: Vec<Tensor<B, 5>> = [dq, dk, dv]
+        .into_iter()
+        .map(|x| merge_heads(x).reshape([b, t, 1, heads, dh]))
+        .collect();
+    primitive(Tensor::cat(parts, 2).reshape([b, t, w3]))
 }
 
 /// NHWC to NCHW.
@@ -354,11 +461,12 @@ mod flex {
     use burn_flex::FlexTensor;
 
     use super::{
-        burn_avg_pool2d_nhwc, burn_avg_pool2d_nhwc_backward, burn_conv2d_nhwc,
-        burn_conv2d_nhwc_backward, burn_dense, burn_dense_backward, burn_max_pool2d_nhwc_backward,
-        burn_max_pool2d_nhwc_with_indices, ChannelsLastBackend, LayerGrads,
+        burn_avg_pool2d_nhwc, burn_avg_pool2d_nhwc_backward, burn_causal_attention,
+        burn_causal_attention_backward, burn_conv2d_nhwc, burn_conv2d_nhwc_backward, burn_dense,
+        burn_dense_backward, burn_max_pool2d_nhwc_backward, burn_max_pool2d_nhwc_with_indices,
+        ChannelsLastBackend, LayerGrads,
     };
-    use crate::kernels::{self, Conv2dShape, DenseShape, Pool2dShape};
+    use crate::kernels::{self, AttentionShape, Conv2dShape, DenseShape, Pool2dShape};
 
     fn is_f32(t: &FlexTensor) -> bool {
         t.dtype() == DType::F32
@@ -652,6 +760,57 @@ mod flex {
                 bias: g.bias.map(vector),
             }
         }
+
+        fn causal_attention_with_probs(
+            qkv: FloatTensor<Self>,
+            heads: usize,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            let Some(s) = attention_shape(&qkv, heads).filter(|_| is_f32(&qkv)) else {
+                return burn_causal_attention::<Self>(qkv, heads);
+            };
+            let qkv = contiguous(qkv);
+            let (out, probs) = kernels::attention_forward(&s, f32s(&qkv));
+            (
+                FlexTensor::from_data(TensorData::new(out, [s.batch, s.seq, s.width])),
+                float(probs, [s.batch, s.heads, s.seq, s.seq]),
+            )
+        }
+
+        fn causal_attention_backward(
+            qkv: FloatTensor<Self>,
+            probs: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            heads: usize,
+        ) -> FloatTensor<Self> {
+            let all_f32 = is_f32(&qkv) && is_f32(&probs) && is_f32(&grad);
+            let Some(s) = attention_shape(&qkv, heads).filter(|_| all_f32) else {
+                return burn_causal_attention_backward::<Self>(qkv, probs, grad, heads);
+            };
+            let (qkv, probs, grad) = (contiguous(qkv), contiguous(probs), contiguous(grad));
+            let dx = kernels::attention_backward(&s, f32s(&qkv), f32s(&probs), f32s(&grad));
+            FlexTensor::from_data(TensorData::new(dx, [s.batch, s.seq, 3 * s.width]))
+        }
+    }
+
+    /// The attention shape of a 3-D `qkv` whose last axis is three times a multiple of
+    /// `heads`.
+    fn attention_shape(qkv: &FlexTensor, heads: usize) -> Option<AttentionShape> {
+        let shape = qkv.shape();
+        if shape.num_dims() != 3 {
+            return None;
+        }
+        let [batch, seq, w3] = shape.dims::<3>();
+        assert!(
+            heads > 0 && w3.is_multiple_of(3 * heads),
+            "attention over {heads} heads given queries, keys and values of width {w3}: \
+             expected three times a multiple of the heads"
+        );
+        Some(AttentionShape {
+            batch,
+            seq,
+            width: w3 / 3,
+            heads,
+        })
     }
 }
 
@@ -821,6 +980,33 @@ impl<B: ChannelsLastBackend> Backward<B, 2> for DenseNoBias {
     }
 }
 
+/// What causal attention's backward pass needs.
+#[derive(Debug, Clone)]
+struct AttentionState<B: Backend> {
+    qkv: FloatTensor<B>,
+    probs: FloatTensor<B>,
+    heads: usize,
+}
+
+#[derive(Debug)]
+struct CausalAttention;
+
+impl<B: ChannelsLastBackend> Backward<B, 1> for CausalAttention {
+    type State = AttentionState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node {
+            let s = ops.state;
+            grads.register::<B>(
+                node.id,
+                B::causal_attention_backward(s.qkv, s.probs, grad, s.heads),
+            );
+        }
+    }
+}
+
 /// What a max pool's backward pass needs.
 #[derive(Debug, Clone)]
 struct MaxPoolState<B: Backend> {
@@ -934,6 +1120,25 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
                     OpsKind::UnTracked(prep) => prep.finish(forward(None)),
                 }
             }
+        }
+    }
+
+    fn causal_attention(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
+        match CausalAttention
+            .prepare::<C>([qkv.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (out, probs) = B::causal_attention_with_probs(qkv.primitive.clone(), heads);
+                let state = AttentionState::<B> {
+                    qkv: qkv.primitive,
+                    probs,
+                    heads,
+                };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::causal_attention(qkv.primitive, heads)),
         }
     }
 
