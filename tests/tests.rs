@@ -36,6 +36,8 @@
 //!   seeing every sample once, a stopped rank is named and the job ends, one rank's error
 //!   ends all, bad launches are errors, and two ranks train across a veth pair between two
 //!   network namespaces.
+//! - `language`: the GPT example on the Shakespeare corpus: it learns, its metrics agree, it
+//!   resumes bit for bit, bad shapes are errors naming them.
 //! - `tidy`: the architecture's rules, enforced: crate arrows from `cargo metadata`, a `//!`
 //!   opening every file, an invariant comment above every `unwrap`/`expect` in library code.
 
@@ -60,6 +62,8 @@ mod distributed;
 mod events;
 #[path = "suite/hardening.rs"]
 mod hardening;
+#[path = "suite/language.rs"]
+mod language;
 #[path = "suite/microbatch.rs"]
 mod microbatch;
 #[path = "suite/observe.rs"]

@@ -260,7 +260,13 @@ pub struct RunOutput {
 
 /// Runs the MNIST example with `args` (plus `--no-progress`) and parses its summary line.
 pub fn run_mnist(args: &[&str]) -> RunOutput {
-    let out = std::process::Command::new(example_bin("mnist"))
+    run_example("mnist", args)
+}
+
+/// Runs the example `name` with `args` (plus `--no-progress` and the suite's backend) and
+/// parses its summary line.
+pub fn run_example(name: &str, args: &[&str]) -> RunOutput {
+    let out = std::process::Command::new(example_bin(name))
         .args(args)
         .args(["--no-progress", "--backend", BACKEND])
         .env("RUST_LOG", "info")
