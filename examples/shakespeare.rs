@@ -13,13 +13,13 @@ use std::time::Instant;
 
 use anyhow::Context;
 use burn::data::dataset::Dataset;
-use burn::module::Module;
+use burn::module::{AutodiffModule, Module};
 use burn::optim::AdamWConfig;
 use clap::Parser;
 use flashover::backend::COMPILED;
 use flashover::core::metric::{Accuracy, LossMetric};
 use flashover::core::trainer::Evaluator;
-use flashover::models::{GptConfig, TrainBackend};
+use flashover::models::{GptConfig, Sampling, TrainBackend};
 use flashover::prelude::*;
 use flashover_examples::shakespeare::{
     bundled_shakespeare, window_loader, ShakespeareSplit, Windows,
@@ -105,6 +105,20 @@ struct Args {
     /// set), for example to resume later.
     #[arg(long)]
     stop_after: Option<Time>,
+    /// After training (or, with --autoresume on a finished run, instead of it), continue this
+    /// text with --tokens characters sampled from the model; printed before the summary and
+    /// in it as `generated`.
+    #[arg(long)]
+    generate: Option<String>,
+    /// Characters to generate.
+    #[arg(long, default_value_t = 200)]
+    tokens: usize,
+    /// Sampling temperature (0: always the most likely character).
+    #[arg(long, default_value_t = 0.8)]
+    temperature: f64,
+    /// Sample among only the K most likely characters.
+    #[arg(long)]
+    top_k: Option<usize>,
     /// The corpus (gzipped or plain text with the bundled corpus's layout).
     #[arg(long)]
     corpus: Option<PathBuf>,
@@ -134,8 +148,28 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             args.context
         );
     }
+    let sampling = Sampling {
+        tokens: args.tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        seed: args.seed,
+    };
+    sampling.check().map_err(|e| anyhow::anyhow!("{e}"))?;
     let path = args.corpus.clone().unwrap_or_else(bundled_shakespeare);
     let split = ShakespeareSplit::load(&path)?;
+    // The prompt is checked before training, not found untokenizable after it.
+    let prompt = match &args.generate {
+        Some(text) if text.is_empty() => {
+            anyhow::bail!("--generate needs a prompt of at least one character")
+        }
+        Some(text) => Some(
+            split
+                .tokenizer
+                .encode(text.as_bytes())
+                .map_err(|e| anyhow::anyhow!("--generate {text:?}: {e}"))?,
+        ),
+        None => None,
+    };
     let vocab = split.tokenizer.vocab.len();
     let config = GptConfig::new(vocab, args.context, args.layers, args.heads, args.width)
         .map_err(|e| anyhow::anyhow!("{e}"))?
@@ -175,6 +209,7 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     if !args.warmup.is_zero() {
         scheduler = scheduler.with_warmup(args.warmup);
     }
+    let gen_device = device.clone();
     let mut builder = Trainer::builder(model, optimizer, train, args.max_duration, device)
         .lr(args.lr)
         .scheduler(scheduler)
@@ -220,6 +255,15 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         .get("val")
         .context("the validation evaluator returned no metrics")?;
     let loss = *val.get("loss").context("no validation loss")?;
+    let generated = prompt.map(|p| {
+        let model = trainer.model().valid();
+        let new = model.generate(&p, &sampling, &gen_device);
+        format!(
+            "{}{}",
+            split.tokenizer.decode(&p),
+            split.tokenizer.decode(&new)
+        )
+    });
     let state = trainer.state();
     let ts = &state.timestamp;
     let train_seconds = report.as_ref().map_or(0.0, |r| r.wall.as_secs_f64());
@@ -246,6 +290,7 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         "vocab": vocab,
         "train_works": split.works.0,
         "validation_works": split.works.1,
+        "generated": generated,
         "backend": args.backend,
         "seed": args.seed,
         "max_duration": state.max_duration.to_string(),
@@ -256,6 +301,9 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     });
     use std::io::Write;
     let mut stdout = std::io::stdout().lock();
+    if let Some(text) = &generated {
+        writeln!(stdout, "{text}").context("writing the generated text to stdout")?;
+    }
     writeln!(stdout, "{summary}")
         .and_then(|_| stdout.flush())
         .context("writing the summary to stdout")?;

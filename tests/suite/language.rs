@@ -1,6 +1,7 @@
 //! The language-model main job (`examples/shakespeare.rs`): a small GPT trains on the split
 //! Shakespeare corpus and reports the language metrics consistently, resumes bit for bit in a
-//! new process, and refuses shapes it cannot build with an error naming them.
+//! new process, generates the same text from the same seed, and refuses shapes and prompts it
+//! cannot take with an error naming them.
 
 use flashover_tests::*;
 
@@ -52,7 +53,8 @@ fn summary(out: RunOutput) -> serde_json::Value {
 
 #[test]
 fn a_small_gpt_learns_shakespeare_and_reports_consistent_metrics() {
-    let s = summary(tiny(&[]));
+    let generate = ["--generate", "ROMEO:", "--tokens", "50"];
+    let s = summary(tiny(&generate));
     let loss = s["val_loss"].as_f64().unwrap();
     // The corpus's character frequencies alone (a model that ignores context) give 3.33
     // nats per character (its unigram entropy); the GPT must use the context to beat that.
@@ -71,10 +73,14 @@ fn a_small_gpt_learns_shakespeare_and_reports_consistent_metrics() {
         (Some(38), Some(2))
     );
     assert!(s["tokens_per_second"].as_f64().unwrap() > 0.0);
-    // Same seed, same bits.
-    let again = summary(tiny(&[]));
+    let text = s["generated"].as_str().unwrap();
+    assert!(text.starts_with("ROMEO:"), "{text:?}");
+    assert_eq!(text.len(), 6 + 50, "{text:?}");
+    // Same seed, same bits, same text.
+    let again = summary(tiny(&generate));
     assert_eq!(s["params_sha256"], again["params_sha256"]);
     assert_eq!(s["val_loss"], again["val_loss"]);
+    assert_eq!(s["generated"], again["generated"]);
 }
 
 #[test]
@@ -95,7 +101,23 @@ fn the_gpt_resumes_bit_for_bit_in_a_new_process() {
 }
 
 #[test]
-fn shapes_the_gpt_cannot_take_are_errors_naming_them() {
+fn shapes_and_prompts_the_gpt_cannot_take_are_errors_naming_them() {
+    // Checked before training: a character the corpus never uses, a negative temperature.
+    let out = tiny(&["--generate", "caf\u{e9}"]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("byte 0xc3") && out.stderr.contains("offset 3"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        !out.stderr.contains("evaluation"),
+        "refused before training: {}",
+        out.stderr
+    );
+    let out = tiny(&["--generate", "A", "--temperature=-1"]);
+    assert!(!out.status.success());
+    assert!(out.stderr.contains("not -1"), "{}", out.stderr);
     let out = tiny(&["--heads", "3"]);
     assert!(!out.status.success());
     assert!(

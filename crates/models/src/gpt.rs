@@ -21,6 +21,7 @@ use burn::tensor::{Int, Tensor};
 use flashover_core::loss::cross_entropy;
 use flashover_core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainModel};
 use flashover_core::params::init_model;
+use flashover_core::rng::Rng;
 
 use crate::layers::Linear;
 use crate::norm::LayerNorm;
@@ -287,6 +288,101 @@ impl<B: ChannelsLastBackend> Gpt<B> {
     }
 }
 
+/// How [`Gpt::generate`] picks each next token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampling {
+    /// Tokens to add after the prompt.
+    pub tokens: usize,
+    /// Logits are divided by this before the softmax; 0 picks the most likely token
+    /// (greedy decoding).
+    pub temperature: f64,
+    /// Sample among only this many most likely tokens (`None`: all of them).
+    pub top_k: Option<usize>,
+    /// Seed of the draws: the same seed, model and prompt give the same text.
+    pub seed: u64,
+}
+
+impl Sampling {
+    /// Checks the settings: a finite temperature of at least 0 and a top-k of at least 1.
+    pub fn check(&self) -> Result<(), String> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!(
+                "a sampling temperature must be a number >= 0 (0: greedy), not {}",
+                self.temperature
+            ));
+        }
+        if self.top_k == Some(0) {
+            return Err("top-k sampling needs k >= 1, not 0".into());
+        }
+        Ok(())
+    }
+
+    /// The next token for `logits` (one per vocabulary entry), drawing from `rng`.
+    fn pick(&self, logits: &[f32], rng: &mut Rng) -> usize {
+        let best = |v: &[f32]| {
+            // The first of the largest, so ties break by token id.
+            (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b })
+        };
+        if self.temperature == 0.0 {
+            return best(logits);
+        }
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        // Most likely first; equal logits in token order (a stable sort).
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        order.truncate(self.top_k.unwrap_or(order.len()).min(order.len()));
+        let max = logits[order[0]] as f64;
+        let weights: Vec<f64> = order
+            .iter()
+            .map(|&i| ((logits[i] as f64 - max) / self.temperature).exp())
+            .collect();
+        let mut u = rng.next_f64() * weights.iter().sum::<f64>();
+        for (&token, w) in order.iter().zip(&weights) {
+            if u < *w {
+                return token;
+            }
+            u -= w;
+        }
+        // Rounding left `u` past the last weight.
+        order[order.len() - 1]
+    }
+}
+
+impl<B: ChannelsLastBackend> Gpt<B> {
+    /// `prompt` continued by `sampling.tokens` tokens, each drawn from the model's
+    /// distribution of the next token given the text so far (its last `context` tokens).
+    /// Returns the new tokens only. Panics on an empty prompt or invalid settings (see
+    /// [`Sampling::check`]).
+    pub fn generate(&self, prompt: &[u16], sampling: &Sampling, device: &B::Device) -> Vec<u16> {
+        assert!(
+            !prompt.is_empty(),
+            "generation needs a prompt of at least one token"
+        );
+        if let Err(e) = sampling.check() {
+            panic!("{e}");
+        }
+        let mut rng = Rng::new(sampling.seed);
+        let mut text: Vec<u16> = prompt.to_vec();
+        for _ in 0..sampling.tokens {
+            let window = &text[text.len().saturating_sub(self.context)..];
+            let ids: Vec<i64> = window.iter().map(|&t| t as i64).collect();
+            let tokens = Tensor::<B, 2, Int>::from_data(
+                burn::tensor::TensorData::new(ids, [1, window.len()]),
+                device,
+            );
+            let logits = self.logits(tokens);
+            let [rows, vocab] = logits.dims();
+            let last: Vec<f32> = logits
+                .narrow(0, rows - 1, 1)
+                .into_data()
+                .to_vec()
+                .expect("float logits");
+            debug_assert_eq!(last.len(), vocab);
+            text.push(sampling.pick(&last, &mut rng) as u16);
+        }
+        text.split_off(prompt.len())
+    }
+}
+
 fn flat<B: Backend>(t: &Tensor<B, 2, Int>) -> Tensor<B, 1, Int> {
     let [b, s] = t.dims();
     t.clone().reshape([b * s])
@@ -314,7 +410,7 @@ impl<B: ChannelsLastBackend> EvalModel<B> for Gpt<B> {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "flex"))]
 mod tests {
     use super::*;
     use burn::backend::{Autodiff, Flex};
@@ -541,6 +637,95 @@ mod tests {
                 assert!(
                     (a - e).abs() < 1e-4,
                     "default backward {b}x{t}x{w}/{h}: {a} against {e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn generation_repeats_with_its_seed_and_greedy_is_the_argmax() {
+        let d = Default::default();
+        let m = tiny(true);
+        let sampling = |seed, temperature, top_k| Sampling {
+            tokens: 12,
+            temperature,
+            top_k,
+            seed,
+        };
+        let a = m.generate(&[1, 2, 3], &sampling(5, 1.0, None), &d);
+        assert_eq!(a.len(), 12);
+        assert!(a.iter().all(|&t| t < 11));
+        assert_eq!(a, m.generate(&[1, 2, 3], &sampling(5, 1.0, None), &d));
+        assert_ne!(a, m.generate(&[1, 2, 3], &sampling(6, 1.0, None), &d));
+        // Top-1 sampling is greedy decoding, whatever the seed and temperature.
+        let greedy = m.generate(&[1, 2, 3], &sampling(0, 0.0, None), &d);
+        assert_eq!(
+            greedy,
+            m.generate(&[1, 2, 3], &sampling(9, 2.0, Some(1)), &d)
+        );
+        // Greedy picks the argmax of the logits at each step.
+        let mut text = vec![1u16, 2, 3];
+        for &t in &greedy {
+            // The model's context is 8: the last 8 tokens.
+            let ids: Vec<i64> = text[text.len().saturating_sub(8)..]
+                .iter()
+                .map(|&t| t as i64)
+                .collect();
+            let n = ids.len();
+            let logits = values(m.logits(tokens(&[&ids])));
+            let last = &logits[(n - 1) * 11..];
+            let best = (0..11).fold(0, |b, i| if last[i] > last[b] { i } else { b });
+            assert_eq!(t as usize, best);
+            text.push(t);
+        }
+        // Longer than the context: the window slides.
+        assert_eq!(
+            m.generate(&[1; 8], &sampling(1, 1.0, Some(3)), &d).len(),
+            12
+        );
+        assert!(sampling(1, -1.0, None)
+            .check()
+            .unwrap_err()
+            .contains("not -1"));
+        assert!(sampling(1, 1.0, Some(0))
+            .check()
+            .unwrap_err()
+            .contains("k >= 1"));
+    }
+
+    /// Sampling draws each token with its softmax probability (at temperature T).
+    #[test]
+    fn sampling_follows_the_softmax_at_its_temperature() {
+        let logits = [0.0f32, 1.0, 2.0];
+        for (t, top_k) in [(1.0, None), (0.5, None), (1.0, Some(2))] {
+            let s = Sampling {
+                tokens: 1,
+                temperature: t,
+                top_k,
+                seed: 0,
+            };
+            let mut rng = Rng::new(11);
+            let mut counts = [0usize; 3];
+            let n = 60_000;
+            for _ in 0..n {
+                counts[s.pick(&logits, &mut rng)] += 1;
+            }
+            let kept = top_k.unwrap_or(3);
+            let w: Vec<f64> = (0..3)
+                .map(|i| {
+                    if i >= 3 - kept {
+                        (logits[i] as f64 / t).exp()
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let z: f64 = w.iter().sum();
+            for i in 0..3 {
+                let (got, want) = (counts[i] as f64 / n as f64, w[i] / z);
+                assert!(
+                    (got - want).abs() < 0.01,
+                    "T {t}, top-k {top_k:?}, token {i}: {got} against {want}"
                 );
             }
         }

@@ -29,7 +29,7 @@ pub mod ops;
 mod resnet;
 
 pub use flashover_core::model::{HasMemoryFormat, MemoryFormat};
-pub use gpt::{Attention, Block, Gpt, GptConfig, Mlp};
+pub use gpt::{Attention, Block, Gpt, GptConfig, Mlp, Sampling};
 pub use mnist::MnistCnn;
 pub use ops::ChannelsLastBackend;
 pub use resnet::{BasicBlock, Projection, ResNet, ResNetConfig};
