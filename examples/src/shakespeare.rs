@@ -369,11 +369,6 @@ impl<B: Backend> CharLm<B> {
     }
 }
 
-fn flat<B: Backend>(t: &Tensor<B, 2, Int>) -> Tensor<B, 1, Int> {
-    let [b, s] = t.dims();
-    t.clone().reshape([b * s])
-}
-
 impl<B: AutodiffBackend> TrainModel<B> for CharLm<B> {
     type Batch = TokenBatch<B>;
     type Output = Tensor<B, 2>;
@@ -383,7 +378,7 @@ impl<B: AutodiffBackend> TrainModel<B> for CharLm<B> {
     }
 
     fn loss(&self, logits: &Tensor<B, 2>, batch: &TokenBatch<B>) -> Tensor<B, 1> {
-        cross_entropy(logits.clone(), flat(&batch.targets))
+        cross_entropy(logits.clone(), batch.flat_targets())
     }
 }
 
@@ -392,7 +387,7 @@ impl<B: Backend> EvalModel<B> for CharLm<B> {
     type Output = ClassificationOutput<B>;
 
     fn forward_eval(&self, batch: &TokenBatch<B>) -> ClassificationOutput<B> {
-        ClassificationOutput::scored(self.logits(batch.tokens.clone()), flat(&batch.targets))
+        ClassificationOutput::scored(self.logits(batch.tokens.clone()), batch.flat_targets())
     }
 }
 

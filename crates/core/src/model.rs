@@ -229,6 +229,15 @@ pub struct TokenBatch<B: Backend> {
     pub targets: Tensor<B, 2, Int>,
 }
 
+impl<B: Backend> TokenBatch<B> {
+    /// The targets as one row of `batch * seq_len` ids, in the order of a language model's
+    /// `[batch * seq_len, vocab]` logits (sequence by sequence).
+    pub fn flat_targets(&self) -> Tensor<B, 1, Int> {
+        let [b, s] = self.targets.dims();
+        self.targets.clone().reshape([b * s])
+    }
+}
+
 impl<B: Backend> Batch for TokenBatch<B> {
     fn len(&self) -> usize {
         self.tokens.dims()[0]

@@ -386,11 +386,6 @@ impl<B: ChannelsLastBackend> Gpt<B> {
     }
 }
 
-fn flat<B: Backend>(t: &Tensor<B, 2, Int>) -> Tensor<B, 1, Int> {
-    let [b, s] = t.dims();
-    t.clone().reshape([b * s])
-}
-
 impl<B: TrainBackend> TrainModel<B> for Gpt<B> {
     type Batch = TokenBatch<B>;
     type Output = Tensor<B, 2>;
@@ -400,7 +395,7 @@ impl<B: TrainBackend> TrainModel<B> for Gpt<B> {
     }
 
     fn loss(&self, logits: &Tensor<B, 2>, batch: &TokenBatch<B>) -> Tensor<B, 1> {
-        cross_entropy(logits.clone(), flat(&batch.targets))
+        cross_entropy(logits.clone(), batch.flat_targets())
     }
 }
 
@@ -409,7 +404,7 @@ impl<B: ChannelsLastBackend> EvalModel<B> for Gpt<B> {
     type Output = ClassificationOutput<B>;
 
     fn forward_eval(&self, batch: &TokenBatch<B>) -> ClassificationOutput<B> {
-        ClassificationOutput::scored(self.logits(batch.tokens.clone()), flat(&batch.targets))
+        ClassificationOutput::scored(self.logits(batch.tokens.clone()), batch.flat_targets())
     }
 }
 

@@ -232,6 +232,23 @@ pub fn batch_stats_nhwc<B: Backend>(x: Tensor<B, 4>) -> (Tensor<B, 1>, Tensor<B,
 }
 
 /// `v` (`[channels]`) repeated into `m` rows, contiguous (see [`BatchNorm`]'s `normalise`).
+/// Each row of `x` minus its mean, over the square root of its biased variance plus
+/// `epsilon`: the part group and layer normalisation share. (Means are repeated across the
+/// row rather than broadcast: flex walks broadcasts element by element.)
+fn standardize_rows<B: Backend>(x: Tensor<B, 2>, epsilon: f64) -> Tensor<B, 2> {
+    let len = x.dims()[1];
+    let mean = x.clone().mean_dim(1).repeat_dim(1, len);
+    let centered = x.sub(mean);
+    let std = centered
+        .clone()
+        .square()
+        .mean_dim(1)
+        .add_scalar(epsilon)
+        .sqrt()
+        .repeat_dim(1, len);
+    centered.div(std)
+}
+
 fn rows<B: Backend>(v: Tensor<B, 1>, m: usize) -> Tensor<B, 2> {
     let [c] = v.dims();
     v.reshape([1, c]).repeat_dim(0, m)
@@ -338,18 +355,8 @@ impl<B: Backend> GroupNorm<B> {
         } else {
             x.reshape([n * g, per * dims[2] * dims[3]])
         };
-        let [r, len] = grouped.dims();
-        let mean = grouped.clone().mean_dim(1).repeat_dim(1, len);
-        let centered = grouped.sub(mean);
-        let std = centered
-            .clone()
-            .square()
-            .mean_dim(1)
-            .add_scalar(self.epsilon)
-            .sqrt()
-            .repeat_dim(1, len);
-        let normed = centered.div(std);
-        debug_assert_eq!(r, n * g);
+        let normed = standardize_rows(grouped, self.epsilon);
+        debug_assert_eq!(normed.dims()[0], n * g);
         if channels_last {
             let [_, h, w, _] = dims;
             let y = normed
@@ -409,18 +416,7 @@ impl<B: Backend> LayerNorm<B> {
             "LayerNorm over {w} features given activations {dims:?}"
         );
         let n = dims[..D - 1].iter().product::<usize>();
-        let x = x.reshape([n, w]);
-        let mean = x.clone().mean_dim(1).repeat_dim(1, w);
-        let centered = x.sub(mean);
-        let std = centered
-            .clone()
-            .square()
-            .mean_dim(1)
-            .add_scalar(self.epsilon)
-            .sqrt()
-            .repeat_dim(1, w);
-        centered
-            .div(std)
+        standardize_rows(x.reshape([n, w]), self.epsilon)
             .mul(rows(self.gamma.val(), n))
             .add(rows(self.beta.val(), n))
             .reshape(dims)
