@@ -22,7 +22,7 @@ use flashover::core::trainer::Evaluator;
 use flashover::models::{GptConfig, Sampling, TrainBackend};
 use flashover::prelude::*;
 use flashover_examples::shakespeare::{
-    bundled_shakespeare, window_loader, ShakespeareSplit, Windows,
+    bundled_shakespeare, read_text, window_loader, ShakespeareSplit, Windows,
 };
 use serde_json::json;
 
@@ -119,6 +119,11 @@ struct Args {
     /// Sample among only the K most likely characters.
     #[arg(long)]
     top_k: Option<usize>,
+    /// Also score this text (plain or gzipped) with the model, at every evaluation: its loss,
+    /// perplexity and bits per character go into the summary as `text_*`. Its characters
+    /// must be among the training text's.
+    #[arg(long)]
+    eval_text: Option<PathBuf>,
     /// The corpus (gzipped or plain text with the bundled corpus's layout).
     #[arg(long)]
     corpus: Option<PathBuf>,
@@ -202,6 +207,34 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             Box::new(Accuracy::default()),
         ],
     );
+    // The extra text is read and tokenized before training, not found unreadable after it.
+    let text_evaluator = match &args.eval_text {
+        None => None,
+        Some(path) => {
+            let bytes = read_text(path)?;
+            let tokens = split
+                .tokenizer
+                .encode(&bytes)
+                .map_err(|e| anyhow::anyhow!("--eval-text {}: {e}", path.display()))?;
+            let loader = window_loader::<B::InnerBackend>(
+                &path.display().to_string(),
+                Windows::over(std::sync::Arc::new(tokens), args.seq_len, None),
+                args.batch_size,
+                false,
+                args.seed,
+                &device,
+            )
+            .with_context(|| format!("--eval-text {}", path.display()))?;
+            Some(Evaluator::new(
+                "text",
+                loader,
+                vec![
+                    Box::new(LossMetric::default()),
+                    Box::new(Accuracy::default()),
+                ],
+            ))
+        }
+    };
     let optimizer = AdamWConfig::new()
         .with_weight_decay(args.weight_decay)
         .init::<B, _>();
@@ -219,6 +252,9 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         .logger(ConsoleLogger::new(args.log_every))
         .hyperparameter("backend", args.backend.clone())
         .hyperparameter("model", format!("{config:?}"));
+    if let Some(e) = text_evaluator {
+        builder = builder.evaluator(e);
+    }
     if !args.no_progress {
         builder = builder.logger(ProgressBar::new());
     }
@@ -264,6 +300,7 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             split.tokenizer.decode(&new)
         )
     });
+    let text_loss = metrics.get("text").and_then(|m| m.get("loss")).copied();
     let state = trainer.state();
     let ts = &state.timestamp;
     let train_seconds = report.as_ref().map_or(0.0, |r| r.wall.as_secs_f64());
@@ -291,6 +328,9 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         "train_works": split.works.0,
         "validation_works": split.works.1,
         "generated": generated,
+        "text_loss": text_loss,
+        "text_perplexity": text_loss.map(f64::exp),
+        "text_bits_per_char": text_loss.map(|l| l / std::f64::consts::LN_2),
         "backend": args.backend,
         "seed": args.seed,
         "max_duration": state.max_duration.to_string(),

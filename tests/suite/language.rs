@@ -134,3 +134,51 @@ fn shapes_and_prompts_the_gpt_cannot_take_are_errors_naming_them() {
         out.stderr
     );
 }
+
+#[test]
+fn eval_text_scores_a_file_like_the_validation_text() {
+    use flashover_examples::shakespeare::{bundled_shakespeare, ShakespeareSplit};
+    let split = ShakespeareSplit::load(&bundled_shakespeare()).unwrap();
+    // Exactly the text of TINY's 64 validation windows of 32 characters (and the last
+    // target): scored as a file, it must give the validation loss.
+    let text = split.tokenizer.decode(&split.validation[..64 * 32 + 1]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("macbeth-opening.txt");
+    std::fs::write(&file, &text).unwrap();
+    let s = summary(tiny(&["--eval-text", file.to_str().unwrap()]));
+    let (text_loss, val_loss) = (
+        s["text_loss"].as_f64().unwrap(),
+        s["val_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        (text_loss - val_loss).abs() < 1e-6,
+        "{text_loss} against {val_loss}"
+    );
+    assert!(
+        (s["text_bits_per_char"].as_f64().unwrap() - text_loss / std::f64::consts::LN_2).abs()
+            < 1e-9
+    );
+    // A character the training text never uses, and a text too short for one window: errors
+    // naming the file, before training.
+    std::fs::write(&file, "Fair is foul \u{2014} and foul is fair").unwrap();
+    let out = tiny(&["--eval-text", file.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("macbeth-opening.txt") && out.stderr.contains("offset 13"),
+        "{}",
+        out.stderr
+    );
+    std::fs::write(&file, "Fair is foul").unwrap();
+    let out = tiny(&["--eval-text", file.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("macbeth-opening.txt") && out.stderr.contains("no window of 33 tokens"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        !out.stderr.contains("evaluation"),
+        "refused before training: {}",
+        out.stderr
+    );
+}
