@@ -274,18 +274,6 @@ impl<B: ChannelsLastBackend> Gpt<B> {
             }
         }
     }
-
-    /// Multiply-adds of one forward pass per token of a `seq`-token input: the dense layers
-    /// and the two attention products (averaged over positions, causal: about `seq / 2`
-    /// keys each).
-    pub fn forward_macs_per_token(&self, seq: usize) -> f64 {
-        let w = self.final_norm.width() as f64;
-        let layers = self.blocks.len() as f64;
-        let vocab = self.token_embedding.weight.dims()[0] as f64;
-        let dense = layers * 12.0 * w * w + w * vocab;
-        let attention = layers * 2.0 * w * (seq as f64 + 1.0) / 2.0;
-        dense + attention
-    }
 }
 
 /// How [`Gpt::generate`] picks each next token.
