@@ -115,6 +115,19 @@ fn shapes_and_prompts_the_gpt_cannot_take_are_errors_naming_them() {
         "refused before training: {}",
         out.stderr
     );
+    // A corpus without the bundled one's validation plays: named, not split some other way.
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("other.txt");
+    std::fs::write(&corpus, "A PLAY\n\nby William Shakespeare\n\nEnter one.\n").unwrap();
+    let out = tiny(&["--corpus", corpus.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("other.txt")
+            && out.stderr.contains("1 works found")
+            && out.stderr.contains("MACBETH"),
+        "{}",
+        out.stderr
+    );
     let out = tiny(&["--generate", "A", "--temperature=-1"]);
     assert!(!out.status.success());
     assert!(out.stderr.contains("not -1"), "{}", out.stderr);
