@@ -282,10 +282,10 @@ impl<B: Backend> Batcher<B, Vec<u16>, TokenBatch<B>> for TokenBatcher {
             x.extend(w[..t].iter().map(|&v| v as i64));
             y.extend(w[1..].iter().map(|&v| v as i64));
         }
-        TokenBatch {
-            tokens: Tensor::from_data(TensorData::new(x, [n, t]), device),
-            targets: Tensor::from_data(TensorData::new(y, [n, t]), device),
-        }
+        TokenBatch::new(
+            Tensor::from_data(TensorData::new(x, [n, t]), device),
+            Tensor::from_data(TensorData::new(y, [n, t]), device),
+        )
     }
 }
 

@@ -25,6 +25,9 @@
 //! | `factorize` (model surgery, replaces parameters) | [`factorize`] | INIT |
 //! | `low_precision_groupnorm` (model surgery) | [`low_precision_groupnorm`] | INIT |
 //! | `gyro_dropout` (model surgery) | [`gyro_dropout`] | INIT, AFTER_LOAD, BEFORE_FORWARD, BATCH_END |
+//! | `alibi` (model surgery, removes the position embeddings) | [`alibi`] | INIT, AFTER_DATALOADER |
+//! | `gated_linear_units` (model surgery, replaces parameters) | [`gated_linear_units`] | INIT |
+//! | `low_precision_layernorm` (model surgery) | [`low_precision_layernorm`] | INIT |
 //!
 //! Several methods rewrite the targets (label smoothing, MixUp, CutMix). Each transforms the
 //! distribution already in the batch, in the order the algorithms were added, and undoes its
@@ -92,6 +95,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod alibi;
 pub mod augment;
 pub mod augmix;
 pub mod blurpool;
@@ -102,6 +106,7 @@ pub mod cutout;
 pub mod ema;
 pub mod error;
 pub mod factorize;
+pub mod gated_linear_units;
 pub mod ghost_batchnorm;
 pub mod gradient_clipping;
 pub mod gyro_dropout;
@@ -109,6 +114,7 @@ pub mod image;
 pub mod label_smoothing;
 pub mod layer_freezing;
 pub mod low_precision_groupnorm;
+pub mod low_precision_layernorm;
 pub mod mixup;
 pub mod params;
 pub mod progressive_resizing;

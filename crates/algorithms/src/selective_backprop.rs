@@ -10,6 +10,9 @@
 //! `i` of an epoch (from 0) is left whole when `(i + 1) % interrupt == 0`, the paper's and
 //! Composer's schedule, which restarts with every epoch.
 //!
+//! On a token model a sample is a sequence, scored by its mean token loss
+//! ([`sample_losses`]); Composer's version scores image classifiers only.
+//!
 //! Hyperparameters: `start` 0.5, `end` 0.9, `keep` 0.5, `interrupt` 2 (Composer's defaults).
 //! The time counters count the samples actually trained on.
 //!
@@ -20,7 +23,7 @@ use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::loss::per_sample_classification_loss;
-use flashover_core::model::{ClassTargets, Logits, SelectSamples, TrainModel};
+use flashover_core::model::{Batch, ClassTargets, Logits, SelectSamples, TrainModel};
 use flashover_core::rng::Rng;
 use flashover_core::setup::{BatchOf, OutputOf, Setup};
 use flashover_core::state::State;
@@ -73,6 +76,30 @@ pub fn select_by_loss(losses: &[f32], keep: f64, rng: &mut Rng) -> Vec<usize> {
     }
     chosen.sort_unstable();
     chosen
+}
+
+/// Each sample's loss from the loss of each row of logits: the rows themselves when there is
+/// one per sample, else the mean of each sample's consecutive rows (a token model scores
+/// `seq_len` rows per sequence, and a sequence's loss is its mean token loss). An error when
+/// the rows do not split evenly into `samples`.
+pub fn sample_losses(rows: &[f32], samples: usize) -> Result<Vec<f32>> {
+    if samples == 0 || !rows.len().is_multiple_of(samples) {
+        return Err(AlgorithmError::BadBatch {
+            algorithm: "selective_backprop",
+            reason: format!(
+                "{} rows of logits for {samples} samples: expected the same number of rows per sample",
+                rows.len()
+            ),
+        });
+    }
+    let per = rows.len() / samples;
+    if per == 1 {
+        return Ok(rows.to_vec());
+    }
+    Ok(rows
+        .chunks_exact(per)
+        .map(|c| (c.iter().map(|&v| v as f64).sum::<f64>() / per as f64) as f32)
+        .collect())
 }
 
 /// The selective-backprop algorithm; see the module docs.
@@ -155,6 +182,13 @@ where
             .iter::<f32>()
             .map(|v| v.elem::<f32>())
             .collect();
+        let losses = match sample_losses(&losses, batch.len()) {
+            Ok(l) => l,
+            Err(e) => {
+                state.batch = Some(batch);
+                return Err(e.into());
+            }
+        };
         let keep = select_by_loss(&losses, self.keep, &mut rng);
         let idx = index_tensor::<S::Backend>(&keep, &state.device);
         state.batch = Some(batch.select(idx));
@@ -166,6 +200,18 @@ where
 mod tests {
     use super::*;
     use proptest::prelude::{prop_assert, prop_assert_eq, proptest};
+
+    #[test]
+    fn a_sequence_is_scored_by_its_mean_token_loss() {
+        assert_eq!(sample_losses(&[1.0, 2.0], 2).unwrap(), [1.0, 2.0]);
+        // Two sequences of three tokens.
+        assert_eq!(
+            sample_losses(&[1.0, 2.0, 3.0, 0.0, 0.0, 3.0], 2).unwrap(),
+            [2.0, 1.0]
+        );
+        let e = sample_losses(&[1.0; 5], 2).unwrap_err().to_string();
+        assert!(e.contains("5 rows") && e.contains("2 samples"), "{e}");
+    }
 
     #[test]
     fn schedule_follows_start_end_and_interrupt() {

@@ -163,10 +163,7 @@ mod tests {
             TensorData::new(v.iter().map(|x| x + 1).collect::<Vec<_>>(), [2, 10]),
             &d,
         );
-        let batch = TokenBatch {
-            tokens: t,
-            targets: y,
-        };
+        let batch = TokenBatch::new(t, y);
         let tr = shorten(batch.clone(), 4, true);
         assert_eq!(
             tr.tokens

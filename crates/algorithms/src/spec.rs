@@ -1,13 +1,22 @@
 //! Algorithms by name: the `--algorithms` list syntax
 //! (`label_smoothing,mixup:alpha=0.2,ema:half_life=100ba`; several parameters are separated by
 //! `:` as in `cutout:num_holes=2:length=0.3`) and building the named algorithms for an
-//! image-classification model. An unknown name or parameter is an error listing the valid ones.
+//! image-classification model ([`build_image_classification`]) or a language model
+//! ([`build_language_model`]). An unknown name or parameter is an error listing the valid ones.
 
 use flashover_core::callback::Algorithm;
-use flashover_core::model::{HasMemoryFormat, Logits};
+use flashover_core::model::{ClassTargets, HasMemoryFormat, Logits, SelectSamples, SequenceBatch};
 use flashover_core::setup::{BatchOf, OutputOf, Setup};
-use flashover_core::surgery::{DropMode, SurgeryModel};
+use flashover_core::surgery::{
+    AttentionSurgery, DropMode, FactorSurgery, GluSurgery, LayerNormSurgery, SurgeryModel,
+};
 use flashover_core::time::Time;
+
+use crate::alibi::{Alibi, AlibiOptions};
+use crate::factorize::Factorize;
+use crate::gated_linear_units::{GatedLinearUnits, GluOptions};
+use crate::low_precision_layernorm::LowPrecisionLayerNorm;
+use crate::seq_length_warmup::SeqLengthWarmup;
 
 use crate::augment::{AugmentationSet, Normalization};
 use crate::augmix::{AugMix, AugMixConfig};
@@ -132,6 +141,30 @@ pub const ALGORITHMS: &[(&str, &[&str])] = &[
         ],
     ),
     ("low_precision_groupnorm", &[]),
+    (
+        "seq_length_warmup",
+        &[
+            "duration",
+            "min_seq_length",
+            "max_seq_length",
+            "step_size",
+            "truncate",
+        ],
+    ),
+    (
+        "alibi",
+        &["max_sequence_length", "train_sequence_length_scaling"],
+    ),
+    (
+        "gated_linear_units",
+        &[
+            "activation",
+            "scale_hidden",
+            "gated_layer_bias",
+            "non_gated_layer_bias",
+        ],
+    ),
+    ("low_precision_layernorm", &[]),
 ];
 
 fn valid_names() -> String {
@@ -242,9 +275,19 @@ where
     OutputOf<S>: Logits<S::Backend>,
     S::Model: HasMemoryFormat + SurgeryModel,
 {
+    if let Some(algorithm) = build_general::<S>(spec)? {
+        return Ok(algorithm);
+    }
     let p = Params { spec };
     Ok(match spec.name.as_str() {
-        "label_smoothing" => Box::new(LabelSmoothing::new(p.f64("smoothing", 0.1)?)?),
+        name if LANGUAGE_ONLY.contains(&name) => {
+            return Err(AlgorithmError::Parse {
+                input: spec.to_string(),
+                reason: format!(
+                    "{name} changes language models (token batches, attention, layer norms), not image classifiers"
+                ),
+            })
+        }
         "mixup" => Box::new(
             MixUp::new(p.f64("alpha", 0.2)?)?
                 .with_interpolate_loss(p.bool("interpolate_loss", false)?),
@@ -299,55 +342,6 @@ where
                 set: AugmentationSet::parse(p.str("augmentation_set", "all"), "augmix")?,
             },
             norm.clone(),
-        )?),
-        "selective_backprop" => Box::new(SelectiveBackprop::new(
-            p.f64("start", 0.5)?,
-            p.f64("end", 0.9)?,
-            p.f64("keep", 0.5)?,
-            p.parse("interrupt", 2u64, "a non-negative integer")?,
-        )?),
-        "gradient_clipping" => Box::new(GradientClipping::new(
-            ClippingType::parse(p.str("clipping_type", "norm"))?,
-            p.f64("clipping_threshold", 1.0)?,
-        )?),
-        "ema" => Box::new(Ema::<S::Backend>::new(
-            p.time("half_life", Time::Batch(1000))?,
-        )?),
-        "swa" => {
-            let anneal = match p.str("anneal_strategy", "linear") {
-                "linear" => Anneal::Linear,
-                "cos" => Anneal::Cos,
-                other => {
-                    return Err(AlgorithmError::param(
-                        "swa",
-                        "anneal_strategy",
-                        other,
-                        "linear or cos",
-                    ))
-                }
-            };
-            let swa_lr = match p.raw("swa_lr") {
-                None => None,
-                Some(_) => Some(p.f64("swa_lr", 0.0)?),
-            };
-            Box::new(Swa::<S::Backend>::new(SwaConfig {
-                swa_start: p.f64("swa_start", 0.7)?,
-                swa_end: p.f64("swa_end", 1.0)?,
-                update_interval: p.time("update_interval", Time::Epoch(1))?,
-                schedule_swa_lr: p.bool("schedule_swa_lr", false)?,
-                swa_lr,
-                anneal_batches: p.parse("anneal_batches", 10u64, "a non-negative integer")?,
-                anneal,
-            })?)
-        }
-        "sam" => Box::new(Sam::new(
-            p.f64("rho", 0.05)?,
-            p.f64("epsilon", 1e-12)?,
-            p.parse("interval", 1u64, "an integer >= 1")?,
-        )?),
-        "layer_freezing" => Box::new(LayerFreezing::new(
-            p.f64("freeze_start", 0.5)?,
-            p.f64("freeze_level", 1.0)?,
         )?),
         "channels_last" => Box::new(ChannelsLast),
         "blurpool" => {
@@ -429,18 +423,160 @@ where
         "low_precision_groupnorm" => {
             Box::new(SurgeryByName::new(NamedSurgery::LowPrecisionGroupNorm))
         }
-        "factorize" => {
-            let d = FactorizeOptions::default();
-            let options = FactorizeOptions {
-                factorize_convs: p.bool("factorize_convs", d.factorize_convs)?,
-                factorize_linears: p.bool("factorize_linears", d.factorize_linears)?,
-                min_channels: p.usize("min_channels", d.min_channels)?,
-                latent_channels: p.f64("latent_channels", d.latent_channels)?,
-                min_features: p.usize("min_features", d.min_features)?,
-                latent_features: p.f64("latent_features", d.latent_features)?,
-            }
-            .check()?;
-            Box::new(SurgeryByName::new(NamedSurgery::Factorize(options)))
+        "factorize" => Box::new(SurgeryByName::new(NamedSurgery::Factorize(
+            factorize_options(&p)?,
+        ))),
+        other => {
+            return Err(AlgorithmError::UnknownAlgorithm {
+                name: other.to_string(),
+                valid: valid_names(),
+            })
+        }
+    })
+}
+
+/// The algorithms that apply to any classifier, of images or of tokens (`None` for other
+/// names).
+fn build_general<S: Setup>(spec: &AlgorithmSpec) -> Result<Option<Box<dyn Algorithm<S>>>>
+where
+    BatchOf<S>: ClassTargets<S::Backend> + SelectSamples<S::Backend>,
+    OutputOf<S>: Logits<S::Backend>,
+{
+    let p = Params { spec };
+    Ok(Some(match spec.name.as_str() {
+        "label_smoothing" => Box::new(LabelSmoothing::new(p.f64("smoothing", 0.1)?)?),
+        "selective_backprop" => Box::new(SelectiveBackprop::new(
+            p.f64("start", 0.5)?,
+            p.f64("end", 0.9)?,
+            p.f64("keep", 0.5)?,
+            p.parse("interrupt", 2u64, "a non-negative integer")?,
+        )?),
+        "gradient_clipping" => Box::new(GradientClipping::new(
+            ClippingType::parse(p.str("clipping_type", "norm"))?,
+            p.f64("clipping_threshold", 1.0)?,
+        )?),
+        "ema" => Box::new(Ema::<S::Backend>::new(
+            p.time("half_life", Time::Batch(1000))?,
+        )?),
+        "swa" => {
+            let anneal = match p.str("anneal_strategy", "linear") {
+                "linear" => Anneal::Linear,
+                "cos" => Anneal::Cos,
+                other => {
+                    return Err(AlgorithmError::param(
+                        "swa",
+                        "anneal_strategy",
+                        other,
+                        "linear or cos",
+                    ))
+                }
+            };
+            let swa_lr = match p.raw("swa_lr") {
+                None => None,
+                Some(_) => Some(p.f64("swa_lr", 0.0)?),
+            };
+            Box::new(Swa::<S::Backend>::new(SwaConfig {
+                swa_start: p.f64("swa_start", 0.7)?,
+                swa_end: p.f64("swa_end", 1.0)?,
+                update_interval: p.time("update_interval", Time::Epoch(1))?,
+                schedule_swa_lr: p.bool("schedule_swa_lr", false)?,
+                swa_lr,
+                anneal_batches: p.parse("anneal_batches", 10u64, "a non-negative integer")?,
+                anneal,
+            })?)
+        }
+        "sam" => Box::new(Sam::new(
+            p.f64("rho", 0.05)?,
+            p.f64("epsilon", 1e-12)?,
+            p.parse("interval", 1u64, "an integer >= 1")?,
+        )?),
+        "layer_freezing" => Box::new(LayerFreezing::new(
+            p.f64("freeze_start", 0.5)?,
+            p.f64("freeze_level", 1.0)?,
+        )?),
+        _ => return Ok(None),
+    }))
+}
+
+/// The names only language models take.
+const LANGUAGE_ONLY: &[&str] = &[
+    "alibi",
+    "gated_linear_units",
+    "low_precision_layernorm",
+    "seq_length_warmup",
+];
+
+/// The names only image models take.
+const IMAGE_ONLY: &[&str] = &[
+    "mixup",
+    "cutmix",
+    "cutout",
+    "colout",
+    "progressive_resizing",
+    "randaugment",
+    "augmix",
+    "channels_last",
+    "blurpool",
+    "weight_standardization",
+    "squeeze_excite",
+    "gyro_dropout",
+    "ghost_batchnorm",
+    "stochastic_depth",
+    "low_precision_groupnorm",
+];
+
+/// Builds the algorithm `spec` names for a language model on token batches (Flashover's
+/// GPT, or any model with the same surgery capabilities): the general algorithms (label
+/// smoothing on every token, selective backprop by sequence, gradient clipping, EMA, SWA,
+/// SAM, layer freezing), sequence-length warmup, ALiBi, gated linear units,
+/// low-precision layer norm and Factorize on the dense layers. An image algorithm is an
+/// error naming it.
+pub fn build_language_model<S: Setup>(spec: &AlgorithmSpec) -> Result<Box<dyn Algorithm<S>>>
+where
+    BatchOf<S>: ClassTargets<S::Backend> + SelectSamples<S::Backend> + SequenceBatch<S::Backend>,
+    OutputOf<S>: Logits<S::Backend>,
+    S::Model: AttentionSurgery + GluSurgery + LayerNormSurgery + FactorSurgery,
+{
+    if let Some(algorithm) = build_general::<S>(spec)? {
+        return Ok(algorithm);
+    }
+    let p = Params { spec };
+    Ok(match spec.name.as_str() {
+        "seq_length_warmup" => Box::new(SeqLengthWarmup::<S::Backend>::new(
+            p.f64("duration", 0.3)?,
+            p.usize("min_seq_length", 8)?,
+            p.usize("max_seq_length", 1024)?,
+            p.usize("step_size", 8)?,
+            p.bool("truncate", true)?,
+        )?),
+        "alibi" => {
+            let d = AlibiOptions::default();
+            Box::new(Alibi::new(AlibiOptions::new(
+                p.usize("max_sequence_length", d.max_sequence_length)?,
+                p.f64(
+                    "train_sequence_length_scaling",
+                    d.train_sequence_length_scaling,
+                )?,
+            )?))
+        }
+        "gated_linear_units" => {
+            let d = GluOptions::default();
+            Box::new(GatedLinearUnits::new(GluOptions {
+                activation: GluOptions::activation(p.str("activation", d.activation.name()))?,
+                scale_hidden: p.bool("scale_hidden", d.scale_hidden)?,
+                gated_layer_bias: p.bool("gated_layer_bias", d.gated_layer_bias)?,
+                non_gated_layer_bias: p.bool("non_gated_layer_bias", d.non_gated_layer_bias)?,
+            }))
+        }
+        "low_precision_layernorm" => Box::new(LowPrecisionLayerNorm::default()),
+        "factorize" => Box::new(Factorize::new(factorize_options(&p)?)?),
+        name if IMAGE_ONLY.contains(&name) => {
+            return Err(AlgorithmError::Parse {
+                input: spec.to_string(),
+                reason: format!(
+                    "{name} changes image models (images, convolutions, pools, batch or group norms, residual blocks), not language models"
+                ),
+            })
         }
         other => {
             return Err(AlgorithmError::UnknownAlgorithm {
@@ -449,6 +585,20 @@ where
             })
         }
     })
+}
+
+/// Factorize's settings from its parameters, checked.
+fn factorize_options(p: &Params<'_>) -> Result<FactorizeOptions> {
+    let d = FactorizeOptions::default();
+    FactorizeOptions {
+        factorize_convs: p.bool("factorize_convs", d.factorize_convs)?,
+        factorize_linears: p.bool("factorize_linears", d.factorize_linears)?,
+        min_channels: p.usize("min_channels", d.min_channels)?,
+        latent_channels: p.f64("latent_channels", d.latent_channels)?,
+        min_features: p.usize("min_features", d.min_features)?,
+        latent_features: p.f64("latent_features", d.latent_features)?,
+    }
+    .check()
 }
 
 #[cfg(test)]

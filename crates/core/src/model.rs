@@ -221,20 +221,83 @@ impl<B: Backend> Logits<B> for ClassificationOutput<B> {
 
 /// A batch of token sequences for language modelling: `tokens[b, t]` predicts
 /// `targets[b, t]` (usually the next token).
+///
+/// As [`ClassTargets`], its classes are the targets flattened to `[batch * seq_len]`, the
+/// rows of a language model's `[batch * seq_len, vocab]` logits (sequence by sequence), and
+/// its soft targets (label smoothing) are `[batch * seq_len, vocab]`.
 #[derive(Debug, Clone)]
 pub struct TokenBatch<B: Backend> {
     /// Input token ids, `[batch, seq_len]`.
     pub tokens: Tensor<B, 2, Int>,
     /// Target token ids, `[batch, seq_len]`.
     pub targets: Tensor<B, 2, Int>,
+    /// `targets` as one row, kept in step with it.
+    flat: Tensor<B, 1, Int>,
+    /// Distributions over the vocabulary per target, when an algorithm has set them.
+    soft_targets: Option<Tensor<B, 2>>,
 }
 
 impl<B: Backend> TokenBatch<B> {
+    /// A batch of `tokens` and `targets` (`[batch, seq_len]` each). Panics if their shapes
+    /// differ.
+    pub fn new(tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Self {
+        assert_eq!(
+            tokens.dims(),
+            targets.dims(),
+            "a token batch's tokens and targets have the same shape"
+        );
+        let [b, s] = targets.dims();
+        Self {
+            tokens,
+            flat: targets.clone().reshape([b * s]),
+            targets,
+            soft_targets: None,
+        }
+    }
+
     /// The targets as one row of `batch * seq_len` ids, in the order of a language model's
     /// `[batch * seq_len, vocab]` logits (sequence by sequence).
     pub fn flat_targets(&self) -> Tensor<B, 1, Int> {
-        let [b, s] = self.targets.dims();
-        self.targets.clone().reshape([b * s])
+        self.flat.clone()
+    }
+
+    /// The rows of the flattened targets that sequences `indices` cover.
+    fn rows_of(&self, indices: &Tensor<B, 1, Int>) -> Tensor<B, 1, Int> {
+        let [_, s] = self.targets.dims();
+        let [k] = indices.dims();
+        let device = indices.device();
+        let offsets = Tensor::<B, 1, Int>::arange(0..s as i64, &device).reshape([1, s]);
+        (indices.clone().reshape([k, 1]).mul_scalar(s as i64) + offsets).reshape([k * s])
+    }
+}
+
+impl<B: Backend> ClassTargets<B> for TokenBatch<B> {
+    fn classes(&self) -> &Tensor<B, 1, Int> {
+        &self.flat
+    }
+
+    fn soft_targets(&self) -> Option<&Tensor<B, 2>> {
+        self.soft_targets.as_ref()
+    }
+
+    fn set_soft_targets(&mut self, targets: Option<Tensor<B, 2>>) {
+        self.soft_targets = targets;
+    }
+}
+
+impl<B: Backend> SelectSamples<B> for TokenBatch<B> {
+    /// Selects whole sequences.
+    fn select(self, indices: Tensor<B, 1, Int>) -> Self {
+        let soft = self
+            .soft_targets
+            .as_ref()
+            .map(|t| t.clone().select(0, self.rows_of(&indices)));
+        let mut out = TokenBatch::new(
+            self.tokens.select(0, indices.clone()),
+            self.targets.select(0, indices),
+        );
+        out.soft_targets = soft;
+        out
     }
 }
 
@@ -252,10 +315,16 @@ impl<B: Backend> Batch for TokenBatch<B> {
             .step_by(size)
             .map(|start| {
                 let len = size.min(n - start);
-                TokenBatch {
-                    tokens: self.tokens.clone().narrow(0, start, len),
-                    targets: self.targets.clone().narrow(0, start, len),
-                }
+                let [_, s] = self.targets.dims();
+                let mut part = TokenBatch::new(
+                    self.tokens.clone().narrow(0, start, len),
+                    self.targets.clone().narrow(0, start, len),
+                );
+                part.soft_targets = self
+                    .soft_targets
+                    .as_ref()
+                    .map(|t| t.clone().narrow(0, start * s, len * s));
+                part
             })
             .collect()
     }
@@ -284,21 +353,24 @@ impl<B: Backend> SequenceBatch<B> for TokenBatch<B> {
         self.tokens.dims()[1]
     }
 
+    /// Soft targets, set only between `BEFORE_LOSS` and `AFTER_LOSS`, are dropped: the
+    /// sequence algorithms run at `AFTER_DATALOADER`, before any is set.
     fn truncate(self, len: usize) -> Self {
-        TokenBatch {
-            tokens: self.tokens.narrow(1, 0, len),
-            targets: self.targets.narrow(1, 0, len),
-        }
+        TokenBatch::new(
+            self.tokens.narrow(1, 0, len),
+            self.targets.narrow(1, 0, len),
+        )
     }
 
+    /// Soft targets are dropped, as by [`truncate`](Self::truncate).
     fn fold(self, len: usize) -> Self {
         let [b, t] = self.tokens.dims();
         let pieces = t / len;
         let keep = pieces * len;
-        TokenBatch {
-            tokens: self.tokens.narrow(1, 0, keep).reshape([b * pieces, len]),
-            targets: self.targets.narrow(1, 0, keep).reshape([b * pieces, len]),
-        }
+        TokenBatch::new(
+            self.tokens.narrow(1, 0, keep).reshape([b * pieces, len]),
+            self.targets.narrow(1, 0, keep).reshape([b * pieces, len]),
+        )
     }
 }
 
@@ -352,4 +424,51 @@ pub trait HasMemoryFormat {
     fn memory_format(&self) -> MemoryFormat;
     /// The same model (same parameters) running in `format`.
     fn with_memory_format(self, format: MemoryFormat) -> Self;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::TensorData;
+
+    type B = Flex;
+
+    fn ints(v: Vec<i64>, shape: [usize; 2]) -> Tensor<B, 2, Int> {
+        Tensor::from_data(TensorData::new(v, shape), &Default::default())
+    }
+
+    fn list(t: Tensor<B, 1, Int>) -> Vec<i64> {
+        t.into_data().iter::<i64>().collect()
+    }
+
+    /// A token batch's classes follow its targets through selection, splitting and folding,
+    /// and soft targets follow their sequences' rows.
+    #[test]
+    fn token_batches_keep_their_flat_targets_and_soft_targets_in_step() {
+        let d = Default::default();
+        let tokens = ints((0..9).collect(), [3, 3]);
+        let targets = ints((10..19).collect(), [3, 3]);
+        let mut batch = TokenBatch::new(tokens, targets);
+        assert_eq!(list(batch.classes().clone()), (10..19).collect::<Vec<_>>());
+        // Soft targets: row r holds the value r in both columns.
+        let soft: Vec<f32> = (0..9).flat_map(|r| [r as f32, r as f32]).collect();
+        batch.set_soft_targets(Some(Tensor::from_data(TensorData::new(soft, [9, 2]), &d)));
+        let picked = batch
+            .clone()
+            .select(Tensor::from_data(TensorData::new(vec![2i64, 0], [2]), &d));
+        assert_eq!(list(picked.classes().clone()), [16, 17, 18, 10, 11, 12]);
+        let rows: Vec<f32> = picked.soft_targets().unwrap().to_data().to_vec().unwrap();
+        assert_eq!(rows, [6., 6., 7., 7., 8., 8., 0., 0., 1., 1., 2., 2.]);
+        let parts = batch.clone().split(2);
+        assert_eq!(list(parts[1].classes().clone()), [16, 17, 18]);
+        assert_eq!(parts[1].soft_targets().unwrap().dims(), [3, 2]);
+        let folded = TokenBatch::<B>::new(
+            ints((0..8).collect(), [2, 4]),
+            ints((10..18).collect(), [2, 4]),
+        )
+        .fold(2);
+        assert_eq!(folded.targets.dims(), [4, 2]);
+        assert_eq!(list(folded.classes().clone()), (10..18).collect::<Vec<_>>());
+    }
 }

@@ -216,6 +216,127 @@ pub struct DropoutVariant {
     pub gyro: Option<GyroMasks>,
 }
 
+/// What a multi-head attention layer is, for surgery (ALiBi).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionInfo {
+    /// The layer's path in the model (`blocks.2.attention`).
+    pub path: String,
+    /// Attention heads.
+    pub heads: usize,
+}
+
+/// The variants a surgery-ready attention layer can run. The default is plain causal
+/// attention.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct AttentionVariant {
+    /// ALiBi: head `h`'s score of query `i` for key `j <= i` gets `-slopes[h] * (i - j)`
+    /// added before the softmax.
+    pub alibi_slopes: Option<Vec<f32>>,
+}
+
+/// What a transformer MLP is, for surgery (GatedLinearUnits).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MlpInfo {
+    /// The MLP's path in the model (`blocks.2.mlp`).
+    pub path: String,
+    /// Input and output features (the residual stream's width).
+    pub width: usize,
+    /// Hidden features.
+    pub hidden: usize,
+}
+
+/// The activation of a gated linear unit: `act(x W) * (x V)` (Dauphin et al., 2017;
+/// Shazeer, 2020, who names the variants after it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GluActivation {
+    /// GEGLU.
+    Gelu,
+    /// ReGLU.
+    Relu,
+    /// SwiGLU (SiLU, `x * sigmoid(x)`).
+    Silu,
+    /// The original GLU.
+    Sigmoid,
+    /// Bilinear: no activation.
+    Identity,
+}
+
+impl GluActivation {
+    /// The name used in the `--algorithms` syntax.
+    pub fn name(self) -> &'static str {
+        match self {
+            GluActivation::Gelu => "gelu",
+            GluActivation::Relu => "relu",
+            GluActivation::Silu => "silu",
+            GluActivation::Sigmoid => "sigmoid",
+            GluActivation::Identity => "identity",
+        }
+    }
+
+    /// Every activation, for error messages.
+    pub const ALL: [GluActivation; 5] = [
+        GluActivation::Gelu,
+        GluActivation::Relu,
+        GluActivation::Silu,
+        GluActivation::Sigmoid,
+        GluActivation::Identity,
+    ];
+}
+
+/// How GatedLinearUnits rebuilds an MLP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GluSettings {
+    /// The gate's activation.
+    pub activation: GluActivation,
+    /// Hidden features of the gated MLP.
+    pub hidden: usize,
+    /// Whether the gated layer has a bias.
+    pub gated_bias: bool,
+    /// Whether the non-gated (value) layer has a bias.
+    pub non_gated_bias: bool,
+}
+
+/// A model whose attention layers and position encoding surgery can change (ALiBi).
+pub trait AttentionSurgery {
+    /// Calls `f` on every attention layer, in module order.
+    fn for_each_attention(&mut self, f: &mut dyn FnMut(&AttentionInfo, &mut AttentionVariant));
+    /// Removes the model's learned position embeddings (the ALiBi model has none) and lets
+    /// it take inputs of up to `max_sequence_length` tokens. Returns the path of the
+    /// parameter removed, or `None` if the model had none.
+    fn remove_position_embeddings(&mut self, max_sequence_length: usize) -> Option<String>;
+}
+
+/// A model whose transformer MLPs can become gated linear units (GatedLinearUnits). The
+/// model rebuilds the layers itself, so that their type stays its own.
+pub trait GluSurgery {
+    /// Rebuilds every MLP (in module order) for which `settings` returns settings as a gated
+    /// linear unit: its first layer becomes the value layer and a gate layer is added, both
+    /// `width -> hidden`, and its second layer `hidden -> width`, all freshly initialised from
+    /// a generator seeded by `derive_seed(&[seed, index])` (`index` counting the MLPs from
+    /// 0). The first and second layers keep their parameter names and ids; the gate is a new
+    /// parameter. An MLP already gated keeps its layers. Returns the paths of the MLPs
+    /// rebuilt.
+    fn gated_linear_units(
+        &mut self,
+        settings: &mut dyn FnMut(&MlpInfo) -> Option<GluSettings>,
+        seed: u64,
+    ) -> Vec<String>;
+}
+
+/// A model whose layer norms surgery can change (LowPrecisionLayerNorm).
+pub trait LayerNormSurgery {
+    /// Calls `f` on every layer norm, in module order.
+    fn for_each_layer_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut LayerNormVariant));
+}
+
+/// The variants a surgery-ready layer norm can run. The default computes in the
+/// activations' type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LayerNormVariant {
+    /// LowPrecisionLayerNorm: normalise in this half type.
+    pub low_precision: Option<HalfType>,
+}
+
 /// A model whose convolutions surgery can change.
 pub trait ConvSurgery {
     /// Calls `f` on every convolution, in module order.
@@ -319,6 +440,18 @@ pub trait SurgeryModel {
     }
     /// The model's group norms, if it has surgery-ready ones.
     fn group_norm_surgery(&mut self) -> Option<&mut dyn GroupNormSurgery> {
+        None
+    }
+    /// The model's attention layers, if it has surgery-ready ones.
+    fn attention_surgery(&mut self) -> Option<&mut dyn AttentionSurgery> {
+        None
+    }
+    /// The model's transformer MLPs, if they can become gated linear units.
+    fn glu_surgery(&mut self) -> Option<&mut dyn GluSurgery> {
+        None
+    }
+    /// The model's layer norms, if it has surgery-ready ones.
+    fn layer_norm_surgery(&mut self) -> Option<&mut dyn LayerNormSurgery> {
         None
     }
 }

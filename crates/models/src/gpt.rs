@@ -15,15 +15,20 @@
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LinearConfig};
-use burn::tensor::activation::gelu;
+use burn::tensor::activation::{gelu, relu, sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
-use flashover_core::loss::cross_entropy;
+use burn::tensor::{Int, Tensor, TensorData};
+use flashover_core::loss::classification_loss;
 use flashover_core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainModel};
 use flashover_core::params::init_model;
-use flashover_core::rng::Rng;
+use flashover_core::rng::{derive_seed, Rng};
+use flashover_core::surgery::{
+    AttentionInfo, AttentionSurgery, AttentionVariant, ConvInfo, FactorSurgery, GluActivation,
+    GluSettings, GluSurgery, LayerNormSurgery, LayerNormVariant, LinearInfo, MlpInfo, NormInfo,
+    SurgeryModel,
+};
 
-use crate::layers::Linear;
+use crate::layers::{factorize_layers, Linear};
 use crate::norm::LayerNorm;
 use crate::{ChannelsLastBackend, TrainBackend};
 
@@ -125,11 +130,14 @@ impl GptConfig {
                             qkv: linear(w, 3 * w, INIT_STD, d),
                             proj: linear(w, w, residual_std, d),
                             heads: self.heads,
+                            variant: AttentionVariant::default(),
                         },
                         norm2: LayerNorm::new(w, d),
                         mlp: Mlp {
                             fc: linear(w, 4 * w, INIT_STD, d),
                             proj: linear(4 * w, w, residual_std, d),
+                            gate: None,
+                            activation: None,
                         },
                     })
                     .collect(),
@@ -159,6 +167,8 @@ pub struct Attention<B: Backend> {
     pub proj: Linear<B>,
     /// Heads.
     pub heads: usize,
+    /// The variant model surgery chose (ALiBi's biases; default: none).
+    pub variant: AttentionVariant,
 }
 
 impl<B: ChannelsLastBackend> Attention<B> {
@@ -171,34 +181,102 @@ impl<B: ChannelsLastBackend> Attention<B> {
             .qkv
             .forward(x.reshape([b * t, w]), fast, false)
             .reshape([b, t, 3 * w]);
-        let y = causal_attention(qkv, self.heads).reshape([b * t, w]);
+        let alibi = self.variant.alibi_slopes.as_deref();
+        let y = causal_attention(qkv, self.heads, alibi).reshape([b * t, w]);
         self.proj.forward(y, fast, false).reshape([b, t, w])
     }
 }
 
 /// Causal multi-head self-attention of `qkv: [batch, seq, 3 * width]` (queries, keys and
-/// values, `heads` heads side by side in each); output `[batch, seq, width]`. See
-/// [`ChannelsLastBackend::causal_attention`].
-pub fn causal_attention<B: ChannelsLastBackend>(qkv: Tensor<B, 3>, heads: usize) -> Tensor<B, 3> {
-    let out = B::causal_attention(qkv.into_primitive().tensor(), heads);
+/// values, `heads` heads side by side in each), with ALiBi's biases when `alibi` gives one
+/// slope per head; output `[batch, seq, width]`. See [`ChannelsLastBackend::causal_attention`].
+pub fn causal_attention<B: ChannelsLastBackend>(
+    qkv: Tensor<B, 3>,
+    heads: usize,
+    alibi: Option<&[f32]>,
+) -> Tensor<B, 3> {
+    let out = B::causal_attention(qkv.into_primitive().tensor(), heads, alibi);
     Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(out))
 }
 
-/// The block's MLP: `width -> 4 * width`, GELU, back to `width`.
+/// The block's MLP: `width -> 4 * width`, GELU, back to `width`; or, after
+/// GatedLinearUnits' surgery, a gated linear unit `proj(act(gate(x)) * fc(x))`.
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
-    /// First layer.
+    /// First layer (the value layer of a gated unit).
     pub fc: Linear<B>,
     /// Second layer (writes into the residual stream).
     pub proj: Linear<B>,
+    /// The gate layer of a gated linear unit (`None`: the plain MLP).
+    pub gate: Option<Linear<B>>,
+    /// The gate's activation, with `gate`.
+    pub activation: Option<GluActivation>,
 }
 
 impl<B: ChannelsLastBackend> Mlp<B> {
     /// The MLP on `x: [rows, width]`.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         let fast = B::CHANNELS_LAST_IS_FAST;
-        self.proj
-            .forward(gelu(self.fc.forward(x, fast, false)), fast, false)
+        let hidden = match &self.gate {
+            None => gelu(self.fc.forward(x, fast, false)),
+            Some(gate) => {
+                let g = gate.forward(x.clone(), fast, false);
+                let g = match self.activation.unwrap_or(GluActivation::Gelu) {
+                    GluActivation::Gelu => gelu(g),
+                    GluActivation::Relu => relu(g),
+                    GluActivation::Silu => silu(g),
+                    GluActivation::Sigmoid => sigmoid(g),
+                    GluActivation::Identity => g,
+                };
+                g.mul(self.fc.forward(x, fast, false))
+            }
+        };
+        self.proj.forward(hidden, fast, false)
+    }
+}
+
+impl<B: Backend> Mlp<B> {
+    /// What the model's surgery sees of this MLP, at `path`.
+    pub fn info(&self, path: &str) -> MlpInfo {
+        let [width, hidden] = self.fc.dims();
+        MlpInfo {
+            path: path.to_string(),
+            width,
+            hidden,
+        }
+    }
+
+    /// Rebuilds this MLP as a gated linear unit with `settings`, its layers drawn from a
+    /// generator seeded by `seed`: value and gate `width -> hidden` from N(0, 0.02), the
+    /// output layer `hidden -> width` from N(0, `out_std`), keeping its bias. `fc` and `proj`
+    /// keep their parameter ids.
+    pub fn make_gated(&mut self, settings: &GluSettings, seed: u64, out_std: f64) {
+        let [width, _] = self.fc.dims();
+        let h = settings.hidden;
+        let device = self.fc.weight.device();
+        let mut rng = Rng::new(seed);
+        let mut normal = |n: usize, std: f64| -> Vec<f32> {
+            (0..n).map(|_| (rng.normal() * std) as f32).collect()
+        };
+        let tensor2 = |v: Vec<f32>, shape: [usize; 2]| {
+            Tensor::<B, 2>::from_data(TensorData::new(v, shape), &device)
+        };
+        let zeros = |n: usize| Param::from_tensor(Tensor::<B, 1>::zeros([n], &device));
+        let value = tensor2(normal(width * h, INIT_STD), [width, h]);
+        let gate = tensor2(normal(width * h, INIT_STD), [width, h]);
+        let out = tensor2(normal(h * width, out_std), [h, width]);
+        self.fc.weight = Param::initialized(self.fc.weight.id, value.require_grad());
+        self.fc.bias = settings.non_gated_bias.then(|| zeros(h));
+        self.fc.factors = None;
+        self.proj.weight = Param::initialized(self.proj.weight.id, out.require_grad());
+        self.proj.factors = None;
+        self.gate = Some(Linear {
+            weight: Param::from_tensor(gate),
+            bias: settings.gated_bias.then(|| zeros(h)),
+            input_dropout: Default::default(),
+            factors: None,
+        });
+        self.activation = Some(settings.activation);
     }
 }
 
@@ -241,14 +319,128 @@ pub struct Gpt<B: Backend> {
     /// Output layer `width -> vocab`; `None` with tied weights (logits through the token
     /// embeddings).
     pub head: Option<Linear<B>>,
-    /// Longest input the position embeddings cover.
+    /// Longest input the model takes: the rows of the position embeddings, or ALiBi's
+    /// `max_sequence_length` once they are removed.
     pub context: usize,
+}
+
+impl<B: Backend> Gpt<B> {
+    /// Each block's layers with their paths, for surgery.
+    fn block_paths(&self) -> impl Iterator<Item = (usize, String)> + '_ {
+        (0..self.blocks.len()).map(|i| (i, format!("blocks.{i}")))
+    }
+}
+
+/// ALiBi: the attention layers' biases and the position embeddings.
+impl<B: Backend> AttentionSurgery for Gpt<B> {
+    fn for_each_attention(&mut self, f: &mut dyn FnMut(&AttentionInfo, &mut AttentionVariant)) {
+        let paths: Vec<_> = self.block_paths().collect();
+        for (i, path) in paths {
+            let a = &mut self.blocks[i].attention;
+            let info = AttentionInfo {
+                path: format!("{path}.attention"),
+                heads: a.heads,
+            };
+            f(&info, &mut a.variant);
+        }
+    }
+
+    fn remove_position_embeddings(&mut self, max_sequence_length: usize) -> Option<String> {
+        self.context = max_sequence_length;
+        self.position_embedding
+            .take()
+            .map(|_| "position_embedding".to_string())
+    }
+}
+
+/// GatedLinearUnits: the blocks' MLPs.
+impl<B: Backend> GluSurgery for Gpt<B> {
+    fn gated_linear_units(
+        &mut self,
+        settings: &mut dyn FnMut(&MlpInfo) -> Option<GluSettings>,
+        seed: u64,
+    ) -> Vec<String> {
+        let out_std = INIT_STD / ((2 * self.blocks.len()) as f64).sqrt();
+        let mut done = Vec::new();
+        let paths: Vec<_> = self.block_paths().collect();
+        for (i, path) in paths {
+            let mlp = &mut self.blocks[i].mlp;
+            if mlp.gate.is_some() {
+                continue;
+            }
+            let path = format!("{path}.mlp");
+            if let Some(s) = settings(&mlp.info(&path)) {
+                mlp.make_gated(&s, derive_seed(&[seed, i as u64]), out_std);
+                done.push(path);
+            }
+        }
+        done
+    }
+}
+
+/// LowPrecisionLayerNorm: every layer norm, the final one last.
+impl<B: Backend> LayerNormSurgery for Gpt<B> {
+    fn for_each_layer_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut LayerNormVariant)) {
+        let paths: Vec<_> = self.block_paths().collect();
+        for (i, path) in paths {
+            let block = &mut self.blocks[i];
+            for (name, norm) in [("norm1", &mut block.norm1), ("norm2", &mut block.norm2)] {
+                f(&norm.info(&format!("{path}.{name}")), &mut norm.variant);
+            }
+        }
+        let norm = &mut self.final_norm;
+        f(&norm.info("final_norm"), &mut norm.variant);
+    }
+}
+
+/// Factorize: the dense layers of attention and the MLPs, and the untied output layer (the
+/// GPT has no convolutions; the tied output goes through the embeddings, which stay whole).
+impl<B: Backend> FactorSurgery for Gpt<B> {
+    fn factorize(
+        &mut self,
+        conv_rank: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
+        linear_rank: &mut dyn FnMut(&LinearInfo) -> Option<usize>,
+    ) -> Vec<String> {
+        let mut linears = Vec::new();
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            let p = format!("blocks.{i}");
+            linears.push((format!("{p}.attention.qkv"), &mut block.attention.qkv));
+            linears.push((format!("{p}.attention.proj"), &mut block.attention.proj));
+            linears.push((format!("{p}.mlp.fc"), &mut block.mlp.fc));
+            if let Some(gate) = block.mlp.gate.as_mut() {
+                linears.push((format!("{p}.mlp.gate"), gate));
+            }
+            linears.push((format!("{p}.mlp.proj"), &mut block.mlp.proj));
+        }
+        if let Some(head) = self.head.as_mut() {
+            linears.push(("head".to_string(), head));
+        }
+        factorize_layers(std::iter::empty(), linears, conv_rank, linear_rank)
+    }
+}
+
+impl<B: Backend> SurgeryModel for Gpt<B> {
+    fn attention_surgery(&mut self) -> Option<&mut dyn AttentionSurgery> {
+        Some(self)
+    }
+
+    fn glu_surgery(&mut self) -> Option<&mut dyn GluSurgery> {
+        Some(self)
+    }
+
+    fn layer_norm_surgery(&mut self) -> Option<&mut dyn LayerNormSurgery> {
+        Some(self)
+    }
+
+    fn factor_surgery(&mut self) -> Option<&mut dyn FactorSurgery> {
+        Some(self)
+    }
 }
 
 impl<B: ChannelsLastBackend> Gpt<B> {
     /// Logits `[batch * seq, vocab]` (row `i * seq + j`: the distribution of the token after
     /// position `j` of sequence `i`) for tokens `[batch, seq]`. Panics if `seq` exceeds the
-    /// context the position embeddings cover.
+    /// model's context.
     pub fn logits(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 2> {
         let [b, t] = tokens.dims();
         assert!(
@@ -383,7 +575,8 @@ impl<B: TrainBackend> TrainModel<B> for Gpt<B> {
     }
 
     fn loss(&self, logits: &Tensor<B, 2>, batch: &TokenBatch<B>) -> Tensor<B, 1> {
-        cross_entropy(logits.clone(), batch.flat_targets())
+        // Soft targets (label smoothing) when an algorithm set them.
+        classification_loss(logits.clone(), batch)
     }
 }
 
@@ -576,8 +769,12 @@ mod tests {
             <B as burn::tensor::backend::Backend>::seed(&d, (b * 100 + t) as u64);
             let x = Tensor::<B, 3>::random([b, t, 3 * w], Distribution::Normal(0.0, 1.0), &d);
             let r = Tensor::<B, 3>::random([b, t, w], Distribution::Normal(0.0, 1.0), &d);
-            let fast: Vec<f32> = causal_attention(x.clone(), h).into_data().to_vec().unwrap();
-            let (reference, _) = burn_causal_attention::<B>(x.clone().into_primitive().tensor(), h);
+            let fast: Vec<f32> = causal_attention(x.clone(), h, None)
+                .into_data()
+                .to_vec()
+                .unwrap();
+            let (reference, _) =
+                burn_causal_attention::<B>(x.clone().into_primitive().tensor(), h, None);
             let reference: Vec<f32> =
                 Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(reference))
                     .into_data()
@@ -592,10 +789,10 @@ mod tests {
                 let xa = Tensor::<AB, 3>::from_data(x.to_data(), &d).require_grad();
                 let ra = Tensor::<AB, 3>::from_data(r.to_data(), &d);
                 let out = if fast {
-                    causal_attention(xa.clone(), h)
+                    causal_attention(xa.clone(), h, None)
                 } else {
                     let (o, _) =
-                        burn_causal_attention::<AB>(xa.clone().into_primitive().tensor(), h);
+                        burn_causal_attention::<AB>(xa.clone().into_primitive().tensor(), h, None);
                     Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(o))
                 };
                 let grads = (out * ra).sum().backward();
@@ -609,7 +806,8 @@ mod tests {
                 );
             }
             // The default backward (what GPU backends run), by Burn's tensor ops.
-            let (_, probs) = burn_causal_attention::<B>(x.clone().into_primitive().tensor(), h);
+            let (_, probs) =
+                burn_causal_attention::<B>(x.clone().into_primitive().tensor(), h, None);
             let default = crate::ops::burn_causal_attention_backward::<B>(
                 x.clone().into_primitive().tensor(),
                 probs,
@@ -627,6 +825,242 @@ mod tests {
                     "default backward {b}x{t}x{w}/{h}: {a} against {e}"
                 );
             }
+        }
+    }
+
+    /// ALiBi's biases: the fast kernel and Burn's ops against the formula by hand, and the
+    /// gradient through the op against autodiff of Burn's ops.
+    #[test]
+    fn alibi_attention_matches_the_formula_and_its_gradient() {
+        use crate::ops::burn_causal_attention;
+        type AB = Autodiff<B>;
+        let d = Default::default();
+        let (b, t, w, h) = (2, 6, 8, 2);
+        let slopes = [0.5f32, 0.125];
+        <B as burn::tensor::backend::Backend>::seed(&d, 17);
+        let x = Tensor::<B, 3>::random([b, t, 3 * w], Distribution::Normal(0.0, 1.0), &d);
+        let xv: Vec<f32> = x.clone().into_data().to_vec().unwrap();
+        let fast: Vec<f32> = causal_attention(x.clone(), h, Some(&slopes))
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let (reference, _) =
+            burn_causal_attention::<B>(x.clone().into_primitive().tensor(), h, Some(&slopes));
+        let reference: Vec<f32> =
+            Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(reference))
+                .into_data()
+                .to_vec()
+                .unwrap();
+        let dh = w / h;
+        let at = |s: usize, i: usize, c: usize| xv[(s * t + i) * 3 * w + c] as f64;
+        for s in 0..b {
+            for head in 0..h {
+                for i in 0..t {
+                    let scores: Vec<f64> = (0..=i)
+                        .map(|j| {
+                            let dot: f64 = (0..dh)
+                                .map(|c| at(s, i, head * dh + c) * at(s, j, w + head * dh + c))
+                                .sum();
+                            dot / (dh as f64).sqrt() - slopes[head] as f64 * (i - j) as f64
+                        })
+                        .collect();
+                    let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let z: f64 = scores.iter().map(|v| (v - max).exp()).sum();
+                    for c in 0..dh {
+                        let want: f64 = (0..=i)
+                            .map(|j| (scores[j] - max).exp() / z * at(s, j, 2 * w + head * dh + c))
+                            .sum();
+                        let k = (s * t + i) * w + head * dh + c;
+                        assert!(
+                            (fast[k] as f64 - want).abs() < 1e-5,
+                            "fast {k}: {} against {want}",
+                            fast[k]
+                        );
+                        assert!(
+                            (reference[k] as f64 - want).abs() < 1e-5,
+                            "burn {k}: {} against {want}",
+                            reference[k]
+                        );
+                    }
+                }
+            }
+        }
+        // The biases are constants: the gradient through the op equals autodiff's.
+        let r = Tensor::<B, 3>::random([b, t, w], Distribution::Normal(0.0, 1.0), &d);
+        let grad_of = |fast: bool| -> Vec<f32> {
+            let xa = Tensor::<AB, 3>::from_data(x.to_data(), &d).require_grad();
+            let ra = Tensor::<AB, 3>::from_data(r.to_data(), &d);
+            let out = if fast {
+                causal_attention(xa.clone(), h, Some(&slopes))
+            } else {
+                let (o, _) = burn_causal_attention::<AB>(
+                    xa.clone().into_primitive().tensor(),
+                    h,
+                    Some(&slopes),
+                );
+                Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(o))
+            };
+            let grads = (out * ra).sum().backward();
+            xa.grad(&grads).unwrap().into_data().to_vec().unwrap()
+        };
+        for (a, e) in grad_of(true).iter().zip(&grad_of(false)) {
+            assert!((a - e).abs() < 1e-4, "gradient: {a} against {e}");
+        }
+    }
+
+    /// After ALiBi's surgery the model has no position embeddings, takes inputs up to the new
+    /// maximum length, and is still causal.
+    #[test]
+    fn an_alibi_model_reads_past_its_training_context() {
+        let mut m = tiny(true);
+        let before = m.num_params();
+        assert_eq!(
+            m.remove_position_embeddings(32).as_deref(),
+            Some("position_embedding")
+        );
+        let mut heads = Vec::new();
+        m.for_each_attention(&mut |info, v| {
+            heads.push(info.path.clone());
+            v.alibi_slopes = Some(vec![0.25, 0.0625]);
+        });
+        assert_eq!(heads, ["blocks.0.attention", "blocks.1.attention"]);
+        assert_eq!(
+            before - m.num_params(),
+            8 * 8,
+            "the [context, width] embeddings are gone"
+        );
+        let long: Vec<i64> = (0..20).map(|i| i % 11).collect();
+        let a = values(m.logits(tokens(&[&long])));
+        assert_eq!(a.len(), 20 * 11);
+        let mut changed = long.clone();
+        changed[19] = 3;
+        let b = values(m.logits(tokens(&[&changed])));
+        assert_eq!(a[..19 * 11], b[..19 * 11]);
+    }
+
+    /// GatedLinearUnits' surgery: about the same parameters at 2/3 of the hidden width, the
+    /// first and second layers' ids kept, and the forward pass as the formula.
+    #[test]
+    fn gated_mlps_match_the_formula_and_keep_the_parameter_ids() {
+        let d = Default::default();
+        let mut m = GptConfig::new(11, 8, 2, 2, 12).unwrap().init::<B>(&d, 7);
+        let before = m.num_params();
+        let ids = (m.blocks[0].mlp.fc.weight.id, m.blocks[0].mlp.proj.weight.id);
+        let done = m.gated_linear_units(
+            &mut |info| {
+                assert_eq!((info.width, info.hidden), (12, 48));
+                Some(GluSettings {
+                    activation: GluActivation::Silu,
+                    hidden: 32,
+                    gated_bias: false,
+                    non_gated_bias: false,
+                })
+            },
+            3,
+        );
+        assert_eq!(done, ["blocks.0.mlp", "blocks.1.mlp"]);
+        let mlp = &m.blocks[0].mlp;
+        assert_eq!((mlp.fc.weight.id, mlp.proj.weight.id), ids);
+        // Per block: 2 * 12 * 48 + 48 (fc bias) before; 3 * 12 * 32 after.
+        assert_eq!(
+            before - m.num_params(),
+            2 * (2 * 12 * 48 + 48 - 3 * 12 * 32)
+        );
+        assert_eq!(mlp.fc.dims(), [12, 32]);
+        let x = Tensor::<B, 2>::random([3, 12], Distribution::Normal(0.0, 1.0), &d);
+        let got = values(mlp.forward(x.clone()));
+        let w = |l: &Linear<B>| -> Vec<f32> { l.weight.val().into_data().to_vec().unwrap() };
+        let (wv, wg, wo) = (w(&mlp.fc), w(mlp.gate.as_ref().unwrap()), w(&mlp.proj));
+        let bo: Vec<f32> = mlp
+            .proj
+            .bias
+            .as_ref()
+            .unwrap()
+            .val()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let xv = values(x);
+        for r in 0..3 {
+            let hidden: Vec<f64> = (0..32)
+                .map(|k| {
+                    let dot = |wt: &[f32]| -> f64 {
+                        (0..12)
+                            .map(|i| xv[r * 12 + i] as f64 * wt[i * 32 + k] as f64)
+                            .sum()
+                    };
+                    let g = dot(&wg);
+                    g / (1.0 + (-g).exp()) * dot(&wv)
+                })
+                .collect();
+            for c in 0..12 {
+                let want: f64 = (0..32)
+                    .map(|k| hidden[k] * wo[k * 12 + c] as f64)
+                    .sum::<f64>()
+                    + bo[c] as f64;
+                let g = got[r * 12 + c] as f64;
+                assert!(
+                    (g - want).abs() < 1e-5,
+                    "row {r}, feature {c}: {g} against {want}"
+                );
+            }
+        }
+        // The same seed draws the same layers; an MLP already gated is left alone.
+        let mut again = GptConfig::new(11, 8, 2, 2, 12).unwrap().init::<B>(&d, 7);
+        let settings = |_: &MlpInfo| {
+            Some(GluSettings {
+                activation: GluActivation::Silu,
+                hidden: 32,
+                gated_bias: false,
+                non_gated_bias: false,
+            })
+        };
+        again.gated_linear_units(&mut settings.clone(), 3);
+        assert_eq!(w(&again.blocks[1].mlp.proj), w(&m.blocks[1].mlp.proj));
+        assert!(again
+            .gated_linear_units(&mut settings.clone(), 3)
+            .is_empty());
+    }
+
+    /// Layer norm in f16 (emulated on flex) stays within f16's precision of the f32 one.
+    #[test]
+    fn low_precision_layer_norm_is_close_to_the_float32_one() {
+        let d = Default::default();
+        let mut norm = LayerNorm::<B>::new(16, &d);
+        let x = Tensor::<B, 3>::random([2, 5, 16], Distribution::Normal(1.0, 2.0), &d);
+        let exact = values(norm.forward(x.clone()).reshape([10, 16]));
+        norm.variant.low_precision = Some(flashover_core::surgery::HalfType::F16);
+        let half = norm.forward(x);
+        assert_eq!(
+            half.dtype(),
+            burn::tensor::DType::F32,
+            "cast back to the activations' type"
+        );
+        let half = values(half.reshape([10, 16]));
+        let worst = exact
+            .iter()
+            .zip(&half)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst > 0.0 && worst < 1e-2, "largest difference {worst}");
+    }
+
+    /// Factorize reaches every dense layer of the blocks (and the untied head), and a
+    /// full-rank factorization leaves the logits unchanged.
+    #[test]
+    fn factorize_reaches_the_dense_layers() {
+        let mut m = tiny(false);
+        let x = tokens(&[&[1, 2, 3, 4]]);
+        let before = values(m.logits(x.clone()));
+        let done = m.factorize(&mut |_| None, &mut |info| {
+            Some(info.in_features.min(info.out_features))
+        });
+        assert_eq!(done.len(), 2 * 4 + 1, "{done:?}");
+        assert_eq!(done[0], "blocks.0.attention.qkv");
+        assert_eq!(done[8], "head");
+        let after = values(m.logits(x));
+        for (a, b) in before.iter().zip(&after) {
+            assert!((a - b).abs() < 1e-4, "{a} against {b}");
         }
     }
 

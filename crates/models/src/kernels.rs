@@ -1128,11 +1128,16 @@ impl AttentionShape {
     }
 }
 
-/// Causal attention: per sequence and head, `P = softmax(Q Kᵀ / sqrt(d))` over the keys at
-/// or before each query (the later ones get probability 0), output `P V`. Returns the output
+/// Causal attention: per sequence and head, `P = softmax(Q Kᵀ / sqrt(d) + bias)` over the
+/// keys at or before each query (the later ones get probability 0), output `P V`; the bias is
+/// 0, or ALiBi's `-slope * (i - j)` with `alibi` (one slope per head). Returns the output
 /// and `P`. One sequence per chunk (its rows of every buffer are contiguous), the heads in
 /// order inside it, so results do not depend on the thread count.
-pub fn attention_forward(s: &AttentionShape, qkv: &[f32]) -> (Vec<f32>, Vec<f32>) {
+pub fn attention_forward(
+    s: &AttentionShape,
+    qkv: &[f32],
+    alibi: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
     let (t, w, h) = (s.seq, s.width, s.heads);
     let dh = s.head();
     assert_eq!(
@@ -1140,6 +1145,9 @@ pub fn attention_forward(s: &AttentionShape, qkv: &[f32]) -> (Vec<f32>, Vec<f32>
         s.batch * t * 3 * w,
         "queries, keys, values of {s:?}"
     );
+    if let Some(slopes) = alibi {
+        assert_eq!(slopes.len(), h, "ALiBi slopes for {h} heads");
+    }
     let scale = 1.0 / (dh as f32).sqrt();
     zeroed_chunks2(
         (s.batch * t * w, t * w),
@@ -1151,14 +1159,21 @@ pub fn attention_forward(s: &AttentionShape, qkv: &[f32]) -> (Vec<f32>, Vec<f32>
                 let q = MatRef::new(&x[head * dh..], t, dh, 3 * w, 1);
                 let k_t = MatRef::new(&x[w + head * dh..], dh, t, 1, 3 * w);
                 matmul(MatMut::row_major(p, t, t), q, k_t);
+                let slope = alibi.map(|a| a[head]);
                 for (i, row) in p.chunks_exact_mut(t).enumerate() {
                     let (seen, later) = row.split_at_mut(i + 1);
-                    let max = seen
-                        .iter()
-                        .fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+                    // Scaled scores plus the biases, in place.
+                    match slope {
+                        None => seen.iter_mut().for_each(|v| *v *= scale),
+                        Some(m) => seen
+                            .iter_mut()
+                            .enumerate()
+                            .for_each(|(j, v)| *v = *v * scale + crate::ops::alibi_bias(m, i, j)),
+                    }
+                    let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
                     let mut sum = 0.0f32;
                     for v in seen.iter_mut() {
-                        *v = (*v * scale - max).exp();
+                        *v = (*v - max).exp();
                         sum += *v;
                     }
                     seen.iter_mut().for_each(|v| *v /= sum);

@@ -1,5 +1,6 @@
 //! Normalisation layers: [`BatchNorm`] and [`GroupNorm`] (below), which run in either memory
-//! format, and [`LayerNorm`] over the last axis. [`BatchNorm`] has Burn's
+//! format, and [`LayerNorm`] over the last axis (with a low-precision variant, as group
+//! norm's). [`BatchNorm`] has Burn's
 //! parameters, running statistics and record (`gamma`, `beta`, `running_mean`, `running_var`),
 //! so a model built with it loads the weights of one built with `burn::nn::BatchNorm`.
 //!
@@ -26,7 +27,9 @@ use burn::module::{Module, Param, RunningState};
 use burn::nn::BatchNormConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
-use flashover_core::surgery::{GroupNormVariant, HalfType, NormInfo, NormVariant};
+use flashover_core::surgery::{
+    GroupNormVariant, HalfType, LayerNormVariant, NormInfo, NormVariant,
+};
 
 /// Batch normalisation over the channels of 4-D activations, NCHW or NHWC.
 #[derive(Module, Debug)]
@@ -315,10 +318,7 @@ impl<B: Backend> GroupNorm<B> {
             None => self.normalise(x, gamma, beta, channels_last),
             Some(half) => {
                 let dtype = x.dtype();
-                let half = match half {
-                    HalfType::F16 => FloatDType::F16,
-                    HalfType::BF16 => FloatDType::BF16,
-                };
+                let half = half_dtype(half);
                 let y = self.normalise(
                     x.cast(half),
                     gamma.cast(half),
@@ -380,6 +380,9 @@ impl<B: Backend> GroupNorm<B> {
 /// with Burn's parameters (`gamma`, `beta`; `burn::nn::LayerNorm`'s record names): each row
 /// normalised with its own mean and biased variance, then scaled and shifted per feature:
 /// `y = (x - mean) / sqrt(var + epsilon) * gamma + beta`.
+///
+/// With LowPrecisionLayerNorm's variant the activations and parameters are cast to a half
+/// type, normalised and scaled there, and the result cast back (as [`GroupNorm`]'s).
 #[derive(Module, Debug)]
 pub struct LayerNorm<B: Backend> {
     /// Scale, `[width]`.
@@ -388,6 +391,8 @@ pub struct LayerNorm<B: Backend> {
     pub beta: Param<Tensor<B, 1>>,
     /// Added to the variance before the square root.
     pub epsilon: f64,
+    /// The variant model surgery chose (default: computed in the activations' type).
+    pub variant: LayerNormVariant,
 }
 
 impl<B: Backend> LayerNorm<B> {
@@ -398,12 +403,21 @@ impl<B: Backend> LayerNorm<B> {
             gamma: Param::from_tensor(Tensor::ones([width], device)),
             beta: Param::from_tensor(Tensor::zeros([width], device)),
             epsilon: 1e-5,
+            variant: LayerNormVariant::default(),
         }
     }
 
     /// Features normalised.
     pub fn width(&self) -> usize {
         self.gamma.dims()[0]
+    }
+
+    /// What the model's surgery sees of this layer, at `path`.
+    pub fn info(&self, path: &str) -> NormInfo {
+        NormInfo {
+            path: path.to_string(),
+            channels: self.width(),
+        }
     }
 
     /// `x` normalised over its last axis.
@@ -416,9 +430,32 @@ impl<B: Backend> LayerNorm<B> {
             "LayerNorm over {w} features given activations {dims:?}"
         );
         let n = dims[..D - 1].iter().product::<usize>();
-        standardize_rows(x.reshape([n, w]), self.epsilon)
-            .mul(rows(self.gamma.val(), n))
-            .add(rows(self.beta.val(), n))
-            .reshape(dims)
+        let x = x.reshape([n, w]);
+        let (gamma, beta) = (self.gamma.val(), self.beta.val());
+        let y = match self.variant.low_precision {
+            None => self.normalise(x, gamma, beta),
+            Some(half) => {
+                let dtype = x.dtype();
+                let half = half_dtype(half);
+                self.normalise(x.cast(half), gamma.cast(half), beta.cast(half))
+                    .cast(dtype)
+            }
+        };
+        y.reshape(dims)
+    }
+
+    fn normalise(&self, x: Tensor<B, 2>, gamma: Tensor<B, 1>, beta: Tensor<B, 1>) -> Tensor<B, 2> {
+        let n = x.dims()[0];
+        standardize_rows(x, self.epsilon)
+            .mul(rows(gamma, n))
+            .add(rows(beta, n))
+    }
+}
+
+/// Burn's float type for a half type.
+fn half_dtype(half: HalfType) -> FloatDType {
+    match half {
+        HalfType::F16 => FloatDType::F16,
+        HalfType::BF16 => FloatDType::BF16,
     }
 }

@@ -180,19 +180,27 @@ pub trait ChannelsLastBackend: Backend {
     /// Causal multi-head self-attention of `qkv: [batch, seq, 3 * width]` (queries, keys
     /// and values, each `heads` heads side by side): per head `softmax(q kᵀ / sqrt(d))` over
     /// the positions at or before each query, times `v`; output `[batch, seq, width]`, the
-    /// heads side by side. By default Burn's tensor ops; the fast path reads the heads in
-    /// place (no transposes) and splits the sequences between threads.
-    fn causal_attention(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
-        Self::causal_attention_with_probs(qkv, heads).0
+    /// heads side by side. With `alibi` (one slope per head, ALiBi), head `h`'s score of
+    /// query `i` for key `j` gets `-alibi[h] * (i - j)` added before the softmax. By default
+    /// Burn's tensor ops; the fast path reads the heads in place (no transposes) and splits
+    /// the sequences between threads.
+    fn causal_attention(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        alibi: Option<&[f32]>,
+    ) -> FloatTensor<Self> {
+        Self::causal_attention_with_probs(qkv, heads, alibi).0
     }
 
     /// [`causal_attention`](Self::causal_attention) and its probabilities `[batch, heads,
-    /// seq, seq]` (0 above the diagonal), which its backward pass needs.
+    /// seq, seq]` (0 above the diagonal), which its backward pass needs (the biases are
+    /// constants: the backward pass is the same with or without them).
     fn causal_attention_with_probs(
         qkv: FloatTensor<Self>,
         heads: usize,
+        alibi: Option<&[f32]>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        burn_causal_attention::<Self>(qkv, heads)
+        burn_causal_attention::<Self>(qkv, heads, alibi)
     }
 
     /// The gradient of [`causal_attention`](Self::causal_attention) with respect to `qkv`,
@@ -231,23 +239,29 @@ fn merge_heads<B: Backend>(x: Tensor<B, 4>) -> Tensor<B, 3> {
 pub fn burn_causal_attention<B: Backend>(
     qkv: FloatTensor<B>,
     heads: usize,
+    alibi: Option<&[f32]>,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let qkv = tensor::<B, 3>(qkv);
     let [_, t, w3] = qkv.dims();
     let device = qkv.device();
     let dh = w3 / 3 / heads;
     let [q, k, v] = split_heads(qkv, heads);
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| {
-            if i % t > i / t {
+    // The causal mask, with each head's ALiBi biases below the diagonal.
+    let bias_heads = if alibi.is_some() { heads } else { 1 };
+    let mask: Vec<f32> = (0..bias_heads * t * t)
+        .map(|n| {
+            let (h, i, j) = (n / (t * t), n / t % t, n % t);
+            if j > i {
                 f32::NEG_INFINITY
             } else {
-                0.0
+                alibi.map_or(0.0, |slopes| alibi_bias(slopes[h], i, j))
             }
         })
         .collect();
-    let mask =
-        Tensor::<B, 4>::from_data(burn::tensor::TensorData::new(mask, [1, 1, t, t]), &device);
+    let mask = Tensor::<B, 4>::from_data(
+        burn::tensor::TensorData::new(mask, [1, bias_heads, t, t]),
+        &device,
+    );
     let scores = q
         .matmul(k.swap_dims(2, 3))
         .mul_scalar(1.0 / (dh as f64).sqrt())
@@ -255,6 +269,13 @@ pub fn burn_causal_attention<B: Backend>(
     let probs = burn::tensor::activation::softmax(scores, 3);
     let out = merge_heads(probs.clone().matmul(v));
     (primitive(out), primitive(probs))
+}
+
+/// ALiBi's bias of query `i` for key `j <= i` with slope `slope`: `-slope * (i - j)`, the
+/// one expression every implementation uses, so that they agree to the bit on it.
+#[inline]
+pub fn alibi_bias(slope: f32, i: usize, j: usize) -> f32 {
+    -(slope * (i - j) as f32)
 }
 
 /// [`ChannelsLastBackend::causal_attention_backward`] through Burn's tensor ops.
@@ -764,12 +785,13 @@ mod flex {
         fn causal_attention_with_probs(
             qkv: FloatTensor<Self>,
             heads: usize,
+            alibi: Option<&[f32]>,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
             let Some(s) = attention_shape(&qkv, heads).filter(|_| is_f32(&qkv)) else {
-                return burn_causal_attention::<Self>(qkv, heads);
+                return burn_causal_attention::<Self>(qkv, heads, alibi);
             };
             let qkv = contiguous(qkv);
-            let (out, probs) = kernels::attention_forward(&s, f32s(&qkv));
+            let (out, probs) = kernels::attention_forward(&s, f32s(&qkv), alibi);
             (
                 FlexTensor::from_data(TensorData::new(out, [s.batch, s.seq, s.width])),
                 float(probs, [s.batch, s.heads, s.seq, s.seq]),
@@ -1123,14 +1145,19 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
         }
     }
 
-    fn causal_attention(qkv: FloatTensor<Self>, heads: usize) -> FloatTensor<Self> {
+    fn causal_attention(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        alibi: Option<&[f32]>,
+    ) -> FloatTensor<Self> {
         match CausalAttention
             .prepare::<C>([qkv.node.clone()])
             .compute_bound()
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let (out, probs) = B::causal_attention_with_probs(qkv.primitive.clone(), heads);
+                let (out, probs) =
+                    B::causal_attention_with_probs(qkv.primitive.clone(), heads, alibi);
                 let state = AttentionState::<B> {
                     qkv: qkv.primitive,
                     probs,
@@ -1138,7 +1165,9 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
                 };
                 prep.finish(state, out)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::causal_attention(qkv.primitive, heads)),
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::causal_attention(qkv.primitive, heads, alibi))
+            }
         }
     }
 

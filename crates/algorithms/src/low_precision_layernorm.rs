@@ -1,0 +1,131 @@
+//! Low-precision layer norm (Composer's `LowPrecisionLayerNorm`): layer normalisation
+//! computed in a half-precision type (activations, scale and shift cast down, the result cast
+//! back), so that a mixed-precision transformer's layer norms stop running in float32. It
+//! saves memory traffic and time on accelerators with fast half types, at the cost of the
+//! normalisation's precision (bf16 keeps 8 bits of mantissa, f16 11).
+//!
+//! The half type is chosen as for [`LowPrecisionGroupNorm`](crate::low_precision_groupnorm):
+//! bf16 where the device runs it accelerated, else f16; a backend with neither (flex, the CPU
+//! backend) is refused at `INIT` with an error naming it. No hyperparameters. When it helps:
+//! transformers on a GPU in mixed precision.
+//!
+//! Surgery at `INIT` through the model's [`LayerNormSurgery`] (Flashover's layer:
+//! `flashover_models::norm::LayerNorm`); no parameter is added or changed. The layers
+//! changed and the half type are the checkpoint state.
+
+use burn::tensor::backend::Backend;
+use flashover_core::callback::Algorithm;
+use flashover_core::event::Event;
+use flashover_core::logger::Logger;
+use flashover_core::setup::Setup;
+use flashover_core::state::State;
+use flashover_core::surgery::{HalfType, LayerNormSurgery, SurgeryRecord};
+
+use crate::error::AlgorithmError;
+use crate::low_precision_groupnorm::accelerated_half;
+use crate::surgery::{surgery_at_init, Applied};
+
+/// The settings in the `--algorithms` syntax, with the half type chosen.
+pub(crate) fn describe(half: Option<HalfType>) -> String {
+    match half {
+        Some(HalfType::BF16) => "low_precision_layernorm:bf16".into(),
+        Some(HalfType::F16) => "low_precision_layernorm:f16".into(),
+        None => "low_precision_layernorm".into(),
+    }
+}
+
+/// The error for a backend without an accelerated half type.
+pub(crate) fn unsupported(backend: String) -> AlgorithmError {
+    AlgorithmError::param(
+        "low_precision_layernorm",
+        "backend",
+        backend,
+        "a backend whose device runs f16 or bf16 accelerated (cuda, or wgpu on a GPU with half-precision support); this one computes in float32 only, so layer norm stays in float32: remove the algorithm",
+    )
+}
+
+/// Makes every layer norm of `model` compute in `half` (the functional form; call it before
+/// training) and returns what it changed.
+pub fn apply_low_precision_layernorm<M: LayerNormSurgery + ?Sized>(
+    model: &mut M,
+    half: HalfType,
+) -> SurgeryRecord {
+    let mut layers = Vec::new();
+    model.for_each_layer_norm(&mut |info, variant| {
+        variant.low_precision = Some(half);
+        layers.push(info.path.clone());
+    });
+    SurgeryRecord {
+        settings: describe(Some(half)),
+        layers,
+    }
+}
+
+/// The LowPrecisionLayerNorm algorithm: [`apply_low_precision_layernorm`] at `INIT` in the
+/// backend's accelerated half type, or an error where it has none.
+#[derive(Debug, Clone, Default)]
+pub struct LowPrecisionLayerNorm {
+    half: Option<HalfType>,
+    applied: Applied,
+}
+
+impl<S: Setup> Algorithm<S> for LowPrecisionLayerNorm
+where
+    S::Model: LayerNormSurgery,
+{
+    surgery_at_init!("low_precision_layernorm", |this| describe(this.half));
+
+    fn apply(
+        &mut self,
+        _event: Event,
+        state: &mut State<S>,
+        _logger: &mut Logger,
+    ) -> flashover_core::Result<()> {
+        let half = accelerated_half::<S::Backend>(&state.device)
+            .ok_or_else(|| unsupported(S::Backend::name(&state.device)))?;
+        self.half = Some(half);
+        self.applied.run("low_precision_layernorm", state, |model| {
+            Ok(apply_low_precision_layernorm(model, half))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flashover_core::surgery::{LayerNormVariant, NormInfo};
+
+    struct Norms(Vec<LayerNormVariant>);
+
+    impl LayerNormSurgery for Norms {
+        fn for_each_layer_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut LayerNormVariant)) {
+            for (i, v) in self.0.iter_mut().enumerate() {
+                let info = NormInfo {
+                    path: format!("ln{i}"),
+                    channels: 8,
+                };
+                f(&info, v);
+            }
+        }
+    }
+
+    #[test]
+    fn every_layer_norm_gets_the_half_type() {
+        let mut m = Norms(vec![LayerNormVariant::default(); 3]);
+        let record = apply_low_precision_layernorm(&mut m, HalfType::F16);
+        assert_eq!(record.layers, ["ln0", "ln1", "ln2"]);
+        assert_eq!(record.settings, "low_precision_layernorm:f16");
+        assert!(m.0.iter().all(|v| v.low_precision == Some(HalfType::F16)));
+    }
+
+    #[test]
+    fn the_cpu_backend_is_refused_by_name() {
+        type F = burn::backend::Flex;
+        assert_eq!(accelerated_half::<F>(&Default::default()), None);
+        let e = unsupported(<F as Backend>::name(&Default::default())).to_string();
+        assert!(
+            e.contains("low_precision_layernorm") && e.contains("float32"),
+            "{e}"
+        );
+    }
+}
