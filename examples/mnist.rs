@@ -9,40 +9,22 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
-use clap::{Parser, ValueEnum};
+use burn::optim::Optimizer;
+use clap::Parser;
 use flashover::backend::COMPILED;
 use flashover::distributed::{Distributed, Options as DistOptions};
 use flashover::models::TrainBackend;
 use flashover::prelude::*;
+use flashover_examples::cli::{
+    self, CheckpointArgs, LogArgs, OptimizerKind, ScheduleKind, WithOptimizer,
+};
 use flashover_examples::{
-    bundled_mnist_dir, defaults, AccuracyCurve, MnistCnn, MnistData, MnistModel, MnistRun,
-    ModelKind,
+    bundled_mnist_dir, defaults, MetricCurve, MnistCnn, MnistData, MnistModel, MnistRun, ModelKind,
 };
 use serde_json::json;
 
 // Large per-step buffers stay with the process (see the macro).
 flashover_examples::use_mimalloc!();
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum OptimizerKind {
-    Adamw,
-    Adam,
-    Sgd,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum ScheduleKind {
-    Constant,
-    Step,
-    Multistep,
-    Linear,
-    Exponential,
-    Cosine,
-    CosineWarmRestarts,
-    Polynomial,
-}
 
 /// Train a small CNN on MNIST with the Flashover trainer.
 ///
@@ -143,78 +125,10 @@ struct Args {
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
-    /// Save checkpoints into this folder.
-    #[arg(long)]
-    save_folder: Option<PathBuf>,
-    /// How often to save (ep, ba, sp, tok or dur); the state at the end of training is
-    /// always saved too.
-    #[arg(long, default_value = "1ep")]
-    save_interval: Time,
-    /// Checkpoint folder name template (fields: {epoch} {batch} {sample} {token}
-    /// {batch_in_epoch} {rank}).
-    #[arg(long, default_value = "ep{epoch}-ba{batch}")]
-    save_name: String,
-    /// Keep only the newest N checkpoints (0: keep all).
-    #[arg(long, default_value_t = 0)]
-    keep: usize,
-    /// Write checkpoint files on a background thread.
-    #[arg(long)]
-    save_async: bool,
-    /// Save model weights only (such checkpoints start new runs, they cannot resume one).
-    #[arg(long)]
-    save_weights_only: bool,
-    /// Replace an existing checkpoint of the same name.
-    #[arg(long)]
-    overwrite: bool,
-    /// Resume from the newest intact checkpoint in --save-folder (start fresh if there is
-    /// none). Newer checkpoints that fail verification are renamed <name>.damaged and
-    /// reported; if checkpoints exist but none verifies, it is an error (see --fresh-start).
-    #[arg(long, requires = "save_folder")]
-    autoresume: bool,
-    /// With --autoresume: if no checkpoint in --save-folder verifies, move them all aside
-    /// (as <name>.damaged) and start a new run instead of failing.
-    #[arg(long, requires = "autoresume")]
-    fresh_start: bool,
-    /// Load this checkpoint directory before training (autoresume wins when it finds one).
-    #[arg(long)]
-    load: Option<PathBuf>,
-    /// With --load: take the model weights only and start a new run from them.
-    #[arg(long)]
-    weights_only: bool,
-    /// With --load: accept missing and unexpected weights (reported, not loaded).
-    #[arg(long)]
-    non_strict: bool,
-    /// With --load: parameter paths to keep as initialised (glob, `*` wildcard; repeatable).
-    #[arg(long)]
-    ignore_keys: Vec<String>,
-    /// Write the run's logs here: metrics.jsonl, metrics.csv (with
-    /// metrics.hyperparameters.json), and the monitors' values in them (learning rate, speed,
-    /// time left, memory, gradient and weight norms every --log-every batches). Also checks
-    /// every loss and gradient for NaN/Inf.
-    #[arg(long)]
-    log_dir: Option<PathBuf>,
-    /// Also write TensorBoard event files into <log-dir>/tensorboard.
-    #[arg(long, requires = "log_dir")]
-    tensorboard: bool,
-    /// Record a Chrome trace of training steps into <log-dir>/trace.json (open it in
-    /// ui.perfetto.dev), on --profile-schedule.
-    #[arg(long, requires = "log_dir")]
-    profile: bool,
-    /// Steps the profiler records: skip_first,wait,warmup,active,repeat (repeat 0: to the end).
-    #[arg(long, default_value = "10,1,1,5,1")]
-    profile_schedule: String,
-    /// Peak FLOP/s of the device, for model FLOPs utilisation (throughput/mfu) in the logs.
-    #[arg(long)]
-    peak_flops: Option<f64>,
-    /// Early stopping: METRIC[:patience=TIME][:min_delta=X][:mode=max|min], for example
-    /// `test/accuracy:patience=2ep:min_delta=0.001` (metrics: train/loss, test/accuracy,
-    /// test/loss, test/top2_accuracy).
-    #[arg(long)]
-    early_stop: Option<String>,
-    /// Stop when a metric reaches a value: METRIC=VALUE[:mode=max|min], for example
-    /// `test/accuracy=0.98`.
-    #[arg(long)]
-    stop_threshold: Option<String>,
+    #[command(flatten)]
+    checkpoint: CheckpointArgs,
+    #[command(flatten)]
+    logs: LogArgs,
     /// Stop cleanly once training reaches this time (the state is saved if --save-folder is
     /// set), for example to resume later.
     #[arg(long)]
@@ -346,102 +260,6 @@ fn dispatch(args: &Args, dist: &Distributed, device: usize) -> anyhow::Result<()
     flashover_examples::with_backend!(args.backend.as_str(), run(args, device, dist))
 }
 
-fn schedule(args: &Args) -> Scheduler {
-    let s = match args.schedule {
-        ScheduleKind::Constant => Scheduler::constant(),
-        ScheduleKind::Step => Scheduler::step(Time::Duration(0.3), 0.1),
-        ScheduleKind::Multistep => {
-            Scheduler::multistep(vec![Time::Duration(0.5), Time::Duration(0.75)], 0.1)
-        }
-        ScheduleKind::Linear => Scheduler::linear(1.0, 0.0, Time::Duration(1.0)),
-        ScheduleKind::Exponential => Scheduler::exponential(0.7, Time::Epoch(1)),
-        ScheduleKind::Cosine => Scheduler::cosine(Time::Duration(1.0), 0.0),
-        ScheduleKind::CosineWarmRestarts => {
-            Scheduler::cosine_warm_restarts(Time::Epoch(1), 2.0, 0.0)
-        }
-        ScheduleKind::Polynomial => Scheduler::polynomial(2.0, Time::Duration(1.0), 0.0),
-    };
-    if args.warmup.is_zero() {
-        s
-    } else {
-        s.with_warmup(args.warmup)
-    }
-}
-
-/// The trainer builder of this program.
-type Builder<B, M, O> = flashover::core::trainer::TrainerBuilder<SetupOf<B, M, O>>;
-
-/// Adds what --log-dir, --tensorboard, --profile, --early-stop, --stop-threshold and --out
-/// ask for; returns the training plot, which the caller draws last.
-fn observability<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
-    mut builder: Builder<B, M, O>,
-    args: &Args,
-    device: &B::Device,
-    resuming: bool,
-    main: bool,
-) -> anyhow::Result<(Builder<B, M, O>, Option<flashover::callbacks::TrainingPlot>)>
-where
-    B::Device: 'static,
-{
-    use flashover::callbacks::monitors::*;
-    use flashover::callbacks::profiler::{Profiler, ProfilerSchedule};
-    use flashover::callbacks::{
-        CsvLogger, JsonlLogger, MetricStopper, TensorBoardLogger, TrainingPlot,
-    };
-    // Log files, the trace and the plot are rank 0's (other ranks would write the same
-    // global values into the same files); stopping rules run on every rank.
-    if let (Some(dir), true) = (&args.log_dir, main) {
-        let every = Time::Batch(args.log_every.max(1));
-        let mut speed = SpeedMonitor::new(100)?;
-        if let Some(peak) = args.peak_flops {
-            speed = speed.with_peak_flops(peak)?;
-        }
-        let mut memory = MemoryMonitor::new(every)?;
-        if let Some(read) = flashover_examples::device_memory_reader(device) {
-            memory = memory.with_device_reader(read);
-        }
-        let (jsonl, csv) = (dir.join("metrics.jsonl"), dir.join("metrics.csv"));
-        let (jsonl, csv) = if resuming {
-            (JsonlLogger::append(jsonl)?, CsvLogger::append(csv)?)
-        } else {
-            (JsonlLogger::create(jsonl)?, CsvLogger::create(csv)?)
-        };
-        builder = builder
-            .logger(jsonl)
-            .logger(csv)
-            .callback(NanMonitor::new())
-            .callback(LrMonitor::new())
-            .callback(speed)
-            .callback(RuntimeEstimator::new(50)?)
-            .callback(memory)
-            .callback(NormMonitor::new(every)?);
-        if args.tensorboard {
-            builder = builder.logger(TensorBoardLogger::create(dir.join("tensorboard"))?);
-        }
-        if args.profile {
-            let schedule = ProfilerSchedule::parse(&args.profile_schedule)?;
-            builder = builder.callback(Profiler::new(dir.join("trace.json"), schedule)?);
-        }
-    }
-    if let Some(spec) = &args.early_stop {
-        builder = builder.callback(MetricStopper::parse_early(spec)?);
-    }
-    if let Some(spec) = &args.stop_threshold {
-        builder = builder.callback(MetricStopper::parse_threshold(spec)?);
-    }
-    // Drawn by `train` after the weights and the summary are written.
-    let plot = args
-        .out
-        .as_ref()
-        .or(args.log_dir.as_ref())
-        .filter(|_| main)
-        .map(|dir| TrainingPlot::new(dir.join("training.png")).drawn_by_caller());
-    if let Some(plot) = &plot {
-        builder = builder.callback(plot.clone());
-    }
-    Ok((builder, plot))
-}
-
 fn run<B: TrainBackend>(
     args: &Args,
     device_index: usize,
@@ -460,6 +278,21 @@ fn run<B: TrainBackend>(
     }
 }
 
+/// The training run once `--optimizer` is built.
+struct Job<'a, B: TrainBackend> {
+    args: &'a Args,
+    device: B::Device,
+    dist: &'a Distributed,
+}
+
+impl<B: TrainBackend, M: MnistModel<B>> WithOptimizer<B, M> for Job<'_, B> {
+    type Output = anyhow::Result<()>;
+
+    fn run<O: Optimizer<M, B> + 'static>(self, model: M, optimizer: O) -> Self::Output {
+        train(self.args, self.device, model, optimizer, self.dist)
+    }
+}
+
 /// Builds the optimizer `--optimizer` names for `model` and trains.
 fn with_optimizer<B: TrainBackend, M: MnistModel<B>>(
     args: &Args,
@@ -467,33 +300,8 @@ fn with_optimizer<B: TrainBackend, M: MnistModel<B>>(
     model: M,
     dist: &Distributed,
 ) -> anyhow::Result<()> {
-    let decay = || {
-        Some(burn::optim::decay::WeightDecayConfig::new(
-            args.weight_decay,
-        ))
-    };
-    match args.optimizer {
-        OptimizerKind::Adamw => {
-            let o = AdamWConfig::new()
-                .with_weight_decay(args.weight_decay)
-                .init::<B, M>();
-            train(args, device, model, o, dist)
-        }
-        OptimizerKind::Adam => train(
-            args,
-            device,
-            model,
-            AdamConfig::new().with_weight_decay(decay()).init::<B, M>(),
-            dist,
-        ),
-        OptimizerKind::Sgd => {
-            let o = SgdConfig::new()
-                .with_momentum(Some(MomentumConfig::new().with_momentum(args.momentum)))
-                .with_weight_decay(decay())
-                .init::<B, M>();
-            train(args, device, model, o, dist)
-        }
-    }
+    let job = Job { args, device, dist };
+    cli::with_optimizer(args.optimizer, args.weight_decay, args.momentum, model, job)
 }
 
 fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
@@ -531,7 +339,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         max_duration: args.max_duration,
         microbatch_size: args.microbatch_size,
         lr: args.lr,
-        scheduler: schedule(args),
+        scheduler: cli::scheduler(args.schedule, args.warmup),
         scale_schedule_ratio: 1.0,
         seed: args.seed,
         eval_interval: args.eval_interval,
@@ -545,14 +353,14 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     if let Some(ssr) = args.scale_schedule_ratio {
         recipe.scale_schedule_ratio = ssr;
     }
-    let curve = AccuracyCurve::default();
+    let curve = MetricCurve::default();
     let mut builder = recipe
         .builder_with::<B, M, O>(model, optimizer, &device)
         .context("setting up the run")?
         .logger(ConsoleLogger::new(args.log_every))
         .hyperparameter("backend", args.backend.clone())
         .hyperparameter("model", args.model.name())
-        .hyperparameter("optimizer", format!("{:?}", args.optimizer).to_lowercase())
+        .hyperparameter("optimizer", args.optimizer.name())
         .callback(curve.clone())
         .boxed_collective(dist.collective(device.clone())?);
     if !args.no_progress {
@@ -561,27 +369,19 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     if let Some(at) = args.stop_after {
         builder = builder.callback(StopAt::new(at));
     }
-    if let Some(folder) = &args.save_folder {
-        let mut config = SaverConfig::new(folder);
-        config.name_template = args.save_name.clone();
-        config.keep = args.keep;
-        config.async_write = args.save_async;
-        config.weights_only = args.save_weights_only;
-        config.overwrite = args.overwrite;
-        builder = builder.callback(Saver::new(config, SaveInterval::Every(args.save_interval))?);
+    if let Some(saver) = args.checkpoint.saver()? {
+        builder = builder.callback(saver);
     }
     // Rank 0 looks first (it may move damaged checkpoints aside), then the others find
     // the folder as rank 0 left it; the trainer checks that every rank resumed alike.
     let autoresume = || -> anyhow::Result<_> {
-        Ok(match &args.save_folder {
-            Some(folder) if args.autoresume && main => {
-                let options = AutoresumeOptions {
-                    fresh_start_if_damaged: args.fresh_start,
-                };
-                flashover::checkpoint::autoresume_with(folder, options)?
+        let ck = &args.checkpoint;
+        Ok(match &ck.save_folder {
+            Some(folder) if ck.autoresume && main => {
+                flashover::checkpoint::autoresume_with(folder, ck.autoresume_options())?
             }
             // The other ranks only read what rank 0 left; it alone writes the folder.
-            Some(folder) if args.autoresume => flashover::checkpoint::autoresume_read_only(folder)?,
+            Some(folder) if ck.autoresume => flashover::checkpoint::autoresume_read_only(folder)?,
             _ => None,
         })
     };
@@ -594,19 +394,18 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         autoresume()?
     };
     // A resumed run appends to the logs of the run it continues.
-    let resuming = resume.is_some() || (args.load.is_some() && !args.weights_only);
-    let (mut builder, plot) = observability(builder, args, &device, resuming, main)?;
-    if let Some(restore) = resume {
+    let ck = &args.checkpoint;
+    let resuming = resume.is_some() || (ck.load.is_some() && !ck.weights_only);
+    let (mut builder, plot) = args.logs.observe(
+        builder,
+        args.log_every,
+        &device,
+        args.out.as_deref(),
+        resuming,
+        main,
+    )?;
+    if let Some(restore) = resume.or_else(|| ck.load_restore()) {
         builder = builder.restore(restore);
-    } else if let Some(path) = &args.load {
-        let options = LoadOptions {
-            weights_only: args.weights_only,
-            weights: flashover::checkpoint::WeightsLoad {
-                non_strict: args.non_strict,
-                ignore_keys: args.ignore_keys.clone(),
-            },
-        };
-        builder = builder.restore(CheckpointRestore::new(path, options));
     }
     let mut trainer = builder.build()?;
     let report = if trainer.is_finished() {

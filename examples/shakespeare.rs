@@ -8,22 +8,34 @@
 //! cargo run --release --example shakespeare -- --help
 //! ```
 
+// The summary is one `json!` literal with more fields than the macro's default recursion.
+#![recursion_limit = "256"]
+
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
 use burn::data::dataset::Dataset;
 use burn::module::{AutodiffModule, Module};
-use burn::optim::AdamWConfig;
+use burn::optim::Optimizer;
 use clap::Parser;
+use flashover::algorithms::recipes::recipe;
+use flashover::algorithms::spec::{build_language_model, parse_list, AlgorithmSpec};
 use flashover::backend::COMPILED;
+use flashover::callbacks::Generate;
 use flashover::core::metric::{Accuracy, LossMetric};
 use flashover::core::trainer::Evaluator;
-use flashover::models::{GptConfig, Sampling, TrainBackend};
+use flashover::models::{Gpt, GptConfig, Sampling, TrainBackend};
 use flashover::prelude::*;
-use flashover_examples::shakespeare::{
-    bundled_shakespeare, read_text, window_loader, ShakespeareSplit, Windows,
+use flashover_examples::cli::{
+    self, CheckpointArgs, LogArgs, OptimizerKind, ScheduleKind, WithOptimizer,
 };
+use flashover_examples::shakespeare::{
+    bundled_shakespeare, read_text, window_loader, ShakespeareSplit, TokenizerChoice, Windows,
+};
+use flashover_examples::tokenizer::{Tokenizer, TOKENIZER_FILE};
+use flashover_examples::MetricCurve;
 use serde_json::json;
 
 // Large per-step buffers stay with the process (see the macro).
@@ -40,12 +52,19 @@ struct Args {
     /// cores.
     #[arg(long, default_value = "700ba")]
     max_duration: Time,
-    /// Windows per batch.
+    /// Windows per batch (per optimizer step).
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
-    /// Tokens per training window (at most --context).
+    /// Split each batch into microbatches of this many windows (gradient accumulation).
+    #[arg(long)]
+    microbatch_size: Option<usize>,
+    /// Tokens per training window (at most --context, or ALiBi's max_sequence_length).
     #[arg(long, default_value_t = 128)]
     seq_len: usize,
+    /// Tokens per validation window (default: --seq-len). Longer than --context only with
+    /// ALiBi: learned position embeddings stop at the context.
+    #[arg(long)]
+    eval_seq_len: Option<usize>,
     /// Longest input the model takes (its position embeddings).
     #[arg(long, default_value_t = 128)]
     context: usize,
@@ -61,15 +80,39 @@ struct Args {
     /// A separate output layer instead of logits through the token embeddings.
     #[arg(long)]
     untied: bool,
-    /// Peak learning rate (AdamW).
+    /// Peak learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
-    /// Decoupled weight decay.
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    optimizer: OptimizerKind,
+    /// Momentum for SGD.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
+    /// Weight decay (decoupled for AdamW, L2 for Adam and SGD).
     #[arg(long, default_value_t = 0.01)]
     weight_decay: f32,
-    /// Linear warmup before the cosine decay.
+    /// Learning-rate schedule over the run.
+    #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
+    schedule: ScheduleKind,
+    /// Linear warmup at the start of the schedule.
     #[arg(long, default_value = "100ba")]
     warmup: Time,
+    /// Multiply the run's length and schedule milestones by this ratio (default 1, or the
+    /// recipe's ratio with --recipe).
+    #[arg(long)]
+    scale_schedule_ratio: Option<f64>,
+    /// A preset stack of speed-up algorithms with its scale-schedule ratio: gpt-mild,
+    /// gpt-medium or gpt-hot.
+    #[arg(long)]
+    recipe: Option<String>,
+    /// Speed-up algorithms, comma-separated, each with optional `:key=value` parameters, for
+    /// example `alibi:train_sequence_length_scaling=0.5,gated_linear_units`. Names for
+    /// language models: alibi, gated_linear_units, low_precision_layernorm,
+    /// seq_length_warmup, factorize, label_smoothing, selective_backprop, gradient_clipping,
+    /// ema, swa, sam, layer_freezing. Added after the recipe's.
+    #[arg(long, default_value = "")]
+    algorithms: String,
     /// Seed for weights, data order and every random draw.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -91,16 +134,16 @@ struct Args {
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
-    /// Save checkpoints into this folder.
+    /// Batches the loader prepares ahead on its own thread (0: none).
+    #[arg(long, default_value_t = 2)]
+    prefetch: usize,
+    /// Skip batches whose loss is NaN or infinite instead of stopping with an error.
     #[arg(long)]
-    save_folder: Option<PathBuf>,
-    /// How often to save; the state at the end of training is always saved too.
-    #[arg(long, default_value = "500ba")]
-    save_interval: Time,
-    /// Resume from the newest intact checkpoint in --save-folder (start fresh if there is
-    /// none).
-    #[arg(long, requires = "save_folder")]
-    autoresume: bool,
+    skip_nonfinite_loss: bool,
+    #[command(flatten)]
+    checkpoint: CheckpointArgs,
+    #[command(flatten)]
+    logs: LogArgs,
     /// Stop cleanly once training reaches this time (the state is saved if --save-folder is
     /// set), for example to resume later.
     #[arg(long)]
@@ -119,6 +162,15 @@ struct Args {
     /// Sample among only the K most likely characters.
     #[arg(long)]
     top_k: Option<usize>,
+    /// During training, continue the --generate-prompt texts this often (and at the end),
+    /// logging them to the console, the JSONL log and TensorBoard (Composer's Generate
+    /// callback), with --tokens, --temperature, --top-k and the run's seed.
+    #[arg(long)]
+    generate_every: Option<Time>,
+    /// A prompt for --generate-every (repeatable; default: the --generate prompt, else
+    /// "ROMEO:").
+    #[arg(long)]
+    generate_prompt: Vec<String>,
     /// Also score this text (plain or gzipped) with the model, at every evaluation: its loss,
     /// perplexity and bits per character go into the summary as `text_*`. Its characters
     /// must be among the training text's.
@@ -127,6 +179,23 @@ struct Args {
     /// The corpus (gzipped or plain text with the bundled corpus's layout).
     #[arg(long)]
     corpus: Option<PathBuf>,
+    /// Tokens: char (one per distinct byte of the training text) or bpe (byte-level BPE
+    /// learned from the training text, --bpe-vocab tokens). Saved as tokenizer.json beside
+    /// the checkpoints of --save-folder; a folder whose tokenizer differs is refused.
+    #[arg(long, value_enum, default_value_t = TokenizerKind::Char)]
+    tokenizer: TokenizerKind,
+    /// Vocabulary size of the BPE tokenizer (the 256 bytes and the merges learned).
+    #[arg(long, default_value_t = 512)]
+    bpe_vocab: usize,
+}
+
+/// The tokenizers offered.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum TokenizerKind {
+    /// One token per distinct byte.
+    Char,
+    /// Byte-level BPE.
+    Bpe,
 }
 
 fn main() {
@@ -144,14 +213,69 @@ fn main() {
     }
 }
 
+/// What the run uses besides the model and the optimizer, prepared before either is built.
+struct Prepared {
+    split: ShakespeareSplit,
+    config: GptConfig,
+    algorithms: Vec<AlgorithmSpec>,
+    scale_schedule_ratio: f64,
+    prompt: Option<Vec<u16>>,
+    sampling: Sampling,
+    eval_seq_len: usize,
+    text: Option<(PathBuf, Vec<u16>)>,
+    started: Instant,
+}
+
+/// The longest input the model takes once the algorithms have run: ALiBi's
+/// `max_sequence_length` (8192 by default) when it is among them, else the context.
+fn longest_input(algorithms: &[AlgorithmSpec], context: usize) -> anyhow::Result<usize> {
+    let Some(alibi) = algorithms.iter().find(|a| a.name == "alibi") else {
+        return Ok(context);
+    };
+    match alibi
+        .params
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "max_sequence_length")
+    {
+        None => Ok(flashover::algorithms::alibi::AlibiOptions::default().max_sequence_length),
+        Some((_, v)) => v
+            .parse()
+            .with_context(|| format!("alibi:max_sequence_length={v}: expected an integer")),
+    }
+}
+
 fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let started = Instant::now();
-    if args.seq_len == 0 || args.seq_len > args.context {
-        anyhow::bail!(
-            "--seq-len {} must be between 1 and --context {}",
-            args.seq_len,
-            args.context
-        );
+    args.logs.check()?;
+    let mut algorithms = Vec::new();
+    let mut scale_schedule_ratio = 1.0;
+    if let Some(name) = &args.recipe {
+        let r = recipe(name)?;
+        algorithms = r.specs();
+        scale_schedule_ratio = r.scale_schedule_ratio;
+    }
+    algorithms.extend(parse_list(&args.algorithms)?);
+    if let Some(ssr) = args.scale_schedule_ratio {
+        scale_schedule_ratio = ssr;
+    }
+    let longest = longest_input(&algorithms, args.context)?;
+    let eval_seq_len = args.eval_seq_len.unwrap_or(args.seq_len);
+    for (flag, len) in [
+        ("--seq-len", args.seq_len),
+        ("--eval-seq-len", eval_seq_len),
+    ] {
+        if len == 0 || len > longest {
+            if longest == args.context {
+                anyhow::bail!(
+                    "{flag} {len} must be between 1 and --context {}: the model's learned position embeddings stop there (with --algorithms alibi it reads longer inputs)",
+                    args.context
+                );
+            }
+            anyhow::bail!(
+                "{flag} {len} must be between 1 and ALiBi's max_sequence_length {longest}"
+            );
+        }
     }
     let sampling = Sampling {
         tokens: args.tokens,
@@ -161,36 +285,135 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     };
     sampling.check().map_err(|e| anyhow::anyhow!("{e}"))?;
     let path = args.corpus.clone().unwrap_or_else(bundled_shakespeare);
-    let split = ShakespeareSplit::load(&path)?;
-    // The prompt is checked before training, not found untokenizable after it.
-    let prompt = match &args.generate {
-        Some(text) if text.is_empty() => {
-            anyhow::bail!("--generate needs a prompt of at least one character")
+    let choice = match args.tokenizer {
+        TokenizerKind::Char => TokenizerChoice::Char,
+        TokenizerKind::Bpe => TokenizerChoice::Bpe(args.bpe_vocab),
+    };
+    let split = ShakespeareSplit::load_with(&path, choice)?;
+    // The checkpoints of a folder were trained with one tokenizer: kept beside them, and
+    // compared on every later run and on --load.
+    if let Some(folder) = &args.checkpoint.save_folder {
+        split.tokenizer.keep_beside(folder)?;
+    }
+    if let Some(dir) = &args.checkpoint.load {
+        let beside = [
+            dir.join(TOKENIZER_FILE),
+            dir.join("..").join(TOKENIZER_FILE),
+        ];
+        match beside.iter().find(|p| p.exists()) {
+            Some(saved) => split.tokenizer.check_against(saved)?,
+            None => {
+                tracing::warn!(checkpoint = %dir.display(), "no {TOKENIZER_FILE} beside the checkpoint: its vocabulary cannot be checked")
+            }
         }
-        Some(text) => Some(
-            split
-                .tokenizer
-                .encode(text.as_bytes())
-                .map_err(|e| anyhow::anyhow!("--generate {text:?}: {e}"))?,
-        ),
+    }
+    // The prompts are checked before training, not found untokenizable after it.
+    let encode = |flag: &str, text: &str| -> anyhow::Result<Vec<u16>> {
+        if text.is_empty() {
+            anyhow::bail!("{flag} needs a prompt of at least one character");
+        }
+        split
+            .tokenizer
+            .encode(text.as_bytes())
+            .map_err(|e| anyhow::anyhow!("{flag} {text:?}: {e}"))
+    };
+    let prompt = match &args.generate {
+        Some(text) => Some(encode("--generate", text)?),
         None => None,
     };
-    let vocab = split.tokenizer.vocab.len();
+    for p in &args.generate_prompt {
+        encode("--generate-prompt", p)?;
+    }
+    // The extra text is read and tokenized before training, not found unreadable after it.
+    let text = match &args.eval_text {
+        None => None,
+        Some(path) => {
+            let bytes = read_text(path)?;
+            let tokens = split
+                .tokenizer
+                .encode(&bytes)
+                .map_err(|e| anyhow::anyhow!("--eval-text {}: {e}", path.display()))?;
+            Some((path.clone(), tokens))
+        }
+    };
+    let vocab = split.tokenizer.vocab_size();
     let config = GptConfig::new(vocab, args.context, args.layers, args.heads, args.width)
         .map_err(|e| anyhow::anyhow!("{e}"))?
         .with_tied_weights(!args.untied);
     let device = B::Device::default();
     let model = config.init::<B>(&device, args.seed);
+    let prepared = Prepared {
+        split,
+        config,
+        algorithms,
+        scale_schedule_ratio,
+        prompt,
+        sampling,
+        eval_seq_len,
+        text,
+        started,
+    };
+    let job = Job { args, prepared };
+    cli::with_optimizer(args.optimizer, args.weight_decay, args.momentum, model, job)
+}
+
+/// The training run once `--optimizer` is built.
+struct Job<'a> {
+    args: &'a Args,
+    prepared: Prepared,
+}
+
+impl<B: TrainBackend> WithOptimizer<B, Gpt<B>> for Job<'_> {
+    type Output = anyhow::Result<()>;
+
+    fn run<O: Optimizer<Gpt<B>, B> + 'static>(self, model: Gpt<B>, optimizer: O) -> Self::Output {
+        train(self.args, self.prepared, model, optimizer)
+    }
+}
+
+/// The continuation of `prompt` by the model, for the Generate callback.
+fn generator<B: TrainBackend>(
+    tokenizer: Tokenizer,
+    sampling: Sampling,
+    device: B::Device,
+) -> flashover::callbacks::GenerateFn<Gpt<B>> {
+    Box::new(move |model: &Gpt<B>, prompt: &str| {
+        let ids = tokenizer
+            .encode(prompt.as_bytes())
+            .map_err(|e| e.to_string())?;
+        let new = model.valid().generate(&ids, &sampling, &device);
+        Ok(tokenizer.decode(&new))
+    })
+}
+
+fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
+    args: &Args,
+    p: Prepared,
+    model: Gpt<B>,
+    optimizer: O,
+) -> anyhow::Result<()> {
+    let device = B::Device::default();
     let train = window_loader::<B>(
         "shakespeare-train",
-        Windows::over(split.train.clone(), args.seq_len, args.train_windows),
+        Windows::over(p.split.train.clone(), args.seq_len, args.train_windows),
         args.batch_size,
         true,
         args.seed,
         &device,
-    )?;
-    let val_windows = Windows::over(split.validation.clone(), args.seq_len, args.val_windows);
-    let val_tokens = val_windows.len() * args.seq_len;
+    )?
+    .with_prefetch(args.prefetch)?;
+    let val_windows = Windows::over(p.split.validation.clone(), p.eval_seq_len, args.val_windows);
+    let val_tokens = val_windows.len() * p.eval_seq_len;
+    let val_bytes_per_token = bytes_per_target(
+        &p.split.tokenizer,
+        &p.split.validation,
+        p.eval_seq_len,
+        val_windows.len(),
+    );
+    let text_bytes_per_token = p.text.as_ref().map(|(_, tokens)| {
+        let windows = tokens.len().saturating_sub(1) / p.eval_seq_len;
+        bytes_per_target(&p.split.tokenizer, tokens, p.eval_seq_len, windows)
+    });
     let val = window_loader::<B::InnerBackend>(
         "shakespeare-validation",
         val_windows,
@@ -199,59 +422,52 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         args.seed,
         &device,
     )?;
-    let evaluator = Evaluator::new(
-        "val",
-        val,
+    let metrics = || -> Vec<Box<dyn flashover::core::metric::Metric<_>>> {
         vec![
             Box::new(LossMetric::default()),
             Box::new(Accuracy::default()),
-        ],
-    );
-    // The extra text is read and tokenized before training, not found unreadable after it.
-    let text_evaluator = match &args.eval_text {
+        ]
+    };
+    let evaluator = Evaluator::new("val", val, metrics());
+    let text_evaluator = match &p.text {
         None => None,
-        Some(path) => {
-            let bytes = read_text(path)?;
-            let tokens = split
-                .tokenizer
-                .encode(&bytes)
-                .map_err(|e| anyhow::anyhow!("--eval-text {}: {e}", path.display()))?;
+        Some((path, tokens)) => {
             let loader = window_loader::<B::InnerBackend>(
                 &path.display().to_string(),
-                Windows::over(std::sync::Arc::new(tokens), args.seq_len, None),
+                Windows::over(Arc::new(tokens.clone()), p.eval_seq_len, None),
                 args.batch_size,
                 false,
                 args.seed,
                 &device,
             )
             .with_context(|| format!("--eval-text {}", path.display()))?;
-            Some(Evaluator::new(
-                "text",
-                loader,
-                vec![
-                    Box::new(LossMetric::default()),
-                    Box::new(Accuracy::default()),
-                ],
-            ))
+            Some(Evaluator::new("text", loader, metrics()))
         }
     };
-    let optimizer = AdamWConfig::new()
-        .with_weight_decay(args.weight_decay)
-        .init::<B, _>();
-    let mut scheduler = Scheduler::cosine(Time::Duration(1.0), 0.0);
-    if !args.warmup.is_zero() {
-        scheduler = scheduler.with_warmup(args.warmup);
-    }
-    let gen_device = device.clone();
-    let mut builder = Trainer::builder(model, optimizer, train, args.max_duration, device)
+    let curve = MetricCurve::of("val", "loss");
+    let mut builder = Trainer::builder(model, optimizer, train, args.max_duration, device.clone())
         .lr(args.lr)
-        .scheduler(scheduler)
+        .scheduler(cli::scheduler(args.schedule, args.warmup))
+        .scale_schedule_ratio(p.scale_schedule_ratio)
         .seed(args.seed)
         .eval_interval(args.eval_interval)
         .evaluator(evaluator)
+        .skip_nonfinite_loss(args.skip_nonfinite_loss)
         .logger(ConsoleLogger::new(args.log_every))
+        .callback(curve.clone())
         .hyperparameter("backend", args.backend.clone())
-        .hyperparameter("model", format!("{config:?}"));
+        .hyperparameter("optimizer", args.optimizer.name())
+        .hyperparameter("model", format!("{:?}", p.config));
+    if let Some(mb) = args.microbatch_size {
+        builder = builder.microbatch_size(mb);
+    }
+    for spec in &p.algorithms {
+        builder = builder.boxed_algorithm(build_language_model(spec)?);
+    }
+    if !p.algorithms.is_empty() {
+        let names: Vec<String> = p.algorithms.iter().map(|a| a.to_string()).collect();
+        builder = builder.hyperparameter("algorithm_specs", names);
+    }
     if let Some(e) = text_evaluator {
         builder = builder.evaluator(e);
     }
@@ -261,18 +477,28 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     if let Some(at) = args.stop_after {
         builder = builder.callback(StopAt::new(at));
     }
-    if let Some(folder) = &args.save_folder {
-        builder = builder.callback(Saver::new(
-            SaverConfig::new(folder),
-            SaveInterval::Every(args.save_interval),
-        )?);
-        if args.autoresume {
-            if let Some(restore) =
-                flashover::checkpoint::autoresume_with(folder, AutoresumeOptions::default())?
-            {
-                builder = builder.restore(restore);
-            }
-        }
+    if let Some(every) = args.generate_every {
+        let prompts = if !args.generate_prompt.is_empty() {
+            args.generate_prompt.clone()
+        } else {
+            vec![args.generate.clone().unwrap_or_else(|| "ROMEO:".into())]
+        };
+        let f = generator::<B>(
+            p.split.tokenizer.clone(),
+            p.sampling.clone(),
+            device.clone(),
+        );
+        builder = builder.callback(Generate::new(prompts, every, f)?);
+    }
+    if let Some(saver) = args.checkpoint.saver()? {
+        builder = builder.callback(saver);
+    }
+    let (restore, resuming) = args.checkpoint.restore()?;
+    let (mut builder, plot) =
+        args.logs
+            .observe(builder, args.log_every, &device, None, resuming, true)?;
+    if let Some(restore) = restore {
+        builder = builder.restore(restore);
     }
     let mut trainer = builder.build()?;
     let report = if trainer.is_finished() {
@@ -291,13 +517,13 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         .get("val")
         .context("the validation evaluator returned no metrics")?;
     let loss = *val.get("loss").context("no validation loss")?;
-    let generated = prompt.map(|p| {
+    let generated = p.prompt.as_ref().map(|prompt| {
         let model = trainer.model().valid();
-        let new = model.generate(&p, &sampling, &gen_device);
+        let new = model.generate(prompt, &p.sampling, &device);
         format!(
             "{}{}",
-            split.tokenizer.decode(&p),
-            split.tokenizer.decode(&new)
+            p.split.tokenizer.decode(prompt),
+            p.split.tokenizer.decode(&new)
         )
     });
     let text_loss = metrics.get("text").and_then(|m| m.get("loss")).copied();
@@ -308,15 +534,20 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let tokens = report
         .as_ref()
         .map_or(0, |r| r.samples * args.seq_len as u64);
+    let per_char = matches!(p.split.tokenizer, Tokenizer::Char(_));
     let summary = json!({
         "val_loss": loss,
         "val_perplexity": loss.exp(),
-        "val_bits_per_char": loss / std::f64::consts::LN_2,
+        "val_bits_per_char": per_char.then(|| loss / std::f64::consts::LN_2),
+        // Bits per byte of text: comparable between tokenizers.
+        "val_bits_per_byte": loss / std::f64::consts::LN_2 / val_bytes_per_token,
+        "val_bytes_per_token": val_bytes_per_token,
         "val_accuracy": val.get("accuracy"),
         "val_tokens": val_tokens,
+        "eval_seq_len": p.eval_seq_len,
         "tokens_per_second": tokens as f64 / train_seconds.max(f64::MIN_POSITIVE),
         "train_seconds": train_seconds,
-        "wall_seconds": started.elapsed().as_secs_f64(),
+        "wall_seconds": p.started.elapsed().as_secs_f64(),
         "params_sha256": params_sha256::<B, _>(trainer.model()),
         "params": trainer.model().num_params(),
         "batches": ts.batch,
@@ -324,21 +555,35 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         "trained_batches": report.as_ref().map_or(0, |r| r.batches),
         "samples": ts.sample,
         "tokens": ts.token,
-        "vocab": vocab,
-        "train_works": split.works.0,
-        "validation_works": split.works.1,
+        "skipped_batches": state.skipped_batches,
+        "vocab": p.split.tokenizer.vocab_size(),
+        "tokenizer": p.split.tokenizer.describe(),
+        "train_works": p.split.works.0,
+        "validation_works": p.split.works.1,
         "generated": generated,
         "text_loss": text_loss,
         "text_perplexity": text_loss.map(f64::exp),
-        "text_bits_per_char": text_loss.map(|l| l / std::f64::consts::LN_2),
+        "text_bits_per_char": text_loss.filter(|_| per_char).map(|l| l / std::f64::consts::LN_2),
+        "text_bits_per_byte": text_loss
+            .zip(text_bytes_per_token)
+            .map(|(l, b)| l / std::f64::consts::LN_2 / b),
         "backend": args.backend,
         "seed": args.seed,
+        "optimizer": args.optimizer.name(),
         "max_duration": state.max_duration.to_string(),
+        "recipe": args.recipe,
+        "algorithms": p.algorithms.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
+        "scale_schedule_ratio": p.scale_schedule_ratio,
+        "val_curve": curve.points(),
+        "stopped": report.as_ref().and_then(|r| r.stopped.clone()),
         "model": {
             "layers": args.layers, "heads": args.heads, "width": args.width,
             "context": args.context, "seq_len": args.seq_len, "tied": !args.untied,
         },
     });
+    if let Some(plot) = &plot {
+        plot.draw_or_warn();
+    }
     use std::io::Write;
     let mut stdout = std::io::stdout().lock();
     if let Some(text) = &generated {
@@ -348,4 +593,15 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         .and_then(|_| stdout.flush())
         .context("writing the summary to stdout")?;
     Ok(())
+}
+
+/// Bytes of text per scored token over the first `windows` windows of `seq_len` tokens of
+/// `tokens` (their targets: positions 1 to `seq_len` of each window), so that a loss per
+/// token converts to a loss per byte.
+fn bytes_per_target(tokenizer: &Tokenizer, tokens: &[u16], seq_len: usize, windows: usize) -> f64 {
+    let bytes: usize = (0..windows)
+        .flat_map(|w| &tokens[w * seq_len + 1..=w * seq_len + seq_len])
+        .map(|&t| tokenizer.token_len(t))
+        .sum();
+    bytes as f64 / (windows * seq_len).max(1) as f64
 }

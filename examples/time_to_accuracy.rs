@@ -26,7 +26,7 @@ use flashover::callbacks::plot::{LineChart, Series};
 use flashover::core::time::Time;
 use flashover::models::TrainBackend;
 use flashover_examples::{
-    median_min_max, AccuracyCurve, CurvePoint, MnistCnn, MnistModel, MnistRun, ModelKind,
+    median_min_max, CurvePoint, MetricCurve, MnistCnn, MnistModel, MnistRun, ModelKind,
 };
 use serde_json::json;
 
@@ -187,7 +187,7 @@ fn train<B: TrainBackend, M: MnistModel<B>>(
     let optimizer = burn::optim::AdamWConfig::new()
         .with_weight_decay(flashover_examples::defaults::WEIGHT_DECAY)
         .init::<B, M>();
-    let curve = AccuracyCurve::default();
+    let curve = MetricCurve::default();
     let mut t = run
         .builder_with::<B, M, _>(model, optimizer, device)?
         .callback(curve.clone())
@@ -205,7 +205,7 @@ fn accuracy_at(curve: &[CurvePoint], seconds: f64) -> f64 {
         .iter()
         .take_while(|p| p.train_seconds <= seconds + 1e-9)
         .last()
-        .map_or(f64::NAN, |p| p.accuracy)
+        .map_or(f64::NAN, |p| p.value)
 }
 
 fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
@@ -217,7 +217,7 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             curves[i].push(one::<B>(args, entry)?);
         }
     }
-    let final_acc = |c: &Vec<CurvePoint>| c.last().map_or(f64::NAN, |p| p.accuracy);
+    let final_acc = |c: &Vec<CurvePoint>| c.last().map_or(f64::NAN, |p| p.value);
     let total = |c: &Vec<CurvePoint>| c.last().map_or(f64::NAN, |p| p.train_seconds);
     // Every baseline run has the same seed, so the same final accuracy on CPU backends; the
     // median keeps the target well defined where a GPU backend is not bit-reproducible.
@@ -238,7 +238,7 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             .iter()
             .map(|c| {
                 c.iter()
-                    .find(|p| p.accuracy >= target)
+                    .find(|p| p.value >= target)
                     .map(|p| p.train_seconds)
             })
             .collect();
@@ -292,7 +292,7 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             .zip(&curves)
             .map(|(e, c)| Series {
                 name: e.label.clone(),
-                points: c[0].iter().map(|p| (p.train_seconds, p.accuracy)).collect(),
+                points: c[0].iter().map(|p| (p.train_seconds, p.value)).collect(),
             })
             .collect();
         let end = curves.iter().flatten().map(total).fold(0.0, f64::max);

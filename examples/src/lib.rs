@@ -22,8 +22,10 @@ macro_rules! use_mimalloc {
 
 pub use mimalloc::MiMalloc;
 
+pub mod cli;
 pub mod overhead;
 pub mod shakespeare;
+pub mod tokenizer;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -540,54 +542,73 @@ impl MnistRun {
     }
 }
 
-/// One point of a run's accuracy curve.
+/// One point of a run's curve of an evaluation metric.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct CurvePoint {
-    /// Seconds spent in training batches so far (evaluation and data waits excluded).
+    /// Seconds spent in training batches so far (the trainer's `total_wall_time`: evaluation
+    /// excluded).
     pub train_seconds: f64,
     /// Batches done.
     pub batch: u64,
-    /// Test accuracy of the evaluator labelled `test`.
-    pub accuracy: f64,
+    /// The metric's value.
+    pub value: f64,
 }
 
-/// Records the test accuracy after every evaluation against the training time spent, for
-/// time-to-accuracy measurements. Clone the handle to read the curve after training.
-#[derive(Debug, Clone, Default)]
-pub struct AccuracyCurve {
+/// Records one evaluator's metric after every evaluation against the time spent, for
+/// time-to-accuracy (or time-to-loss) measurements; by default the accuracy of the evaluator
+/// labelled `test`. Clone the handle to read the curve after training.
+#[derive(Debug, Clone)]
+pub struct MetricCurve {
+    evaluator: &'static str,
+    metric: &'static str,
     points: Arc<std::sync::Mutex<Vec<CurvePoint>>>,
 }
 
-impl AccuracyCurve {
+impl Default for MetricCurve {
+    fn default() -> Self {
+        Self::of("test", "accuracy")
+    }
+}
+
+impl MetricCurve {
+    /// The curve of `metric` of the evaluator labelled `evaluator`.
+    pub fn of(evaluator: &'static str, metric: &'static str) -> Self {
+        Self {
+            evaluator,
+            metric,
+            points: Arc::default(),
+        }
+    }
+
     /// The points recorded so far.
     pub fn points(&self) -> Vec<CurvePoint> {
         self.points.lock().map(|p| p.clone()).unwrap_or_default()
     }
 
-    /// Training seconds at the first evaluation whose accuracy reached `target`, if any.
+    /// Seconds at the first evaluation whose value reached at least `target`, if any.
     pub fn seconds_to(&self, target: f64) -> Option<f64> {
         self.points()
             .iter()
-            .find(|p| p.accuracy >= target)
+            .find(|p| p.value >= target)
             .map(|p| p.train_seconds)
     }
 }
 
-impl<S: Setup> Callback<S> for AccuracyCurve {
+impl<S: Setup> Callback<S> for MetricCurve {
     fn name(&self) -> &str {
-        "accuracy_curve"
+        "metric_curve"
     }
 
     fn eval_after_all(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
-        if let Some(acc) = state
+        if let Some(value) = state
             .eval_metrics
-            .get("test")
-            .and_then(|m| m.get("accuracy"))
+            .get(self.evaluator)
+            .and_then(|m| m.get(self.metric))
         {
             let p = CurvePoint {
                 train_seconds: state.timestamp.total_wall_time.as_secs_f64(),
                 batch: state.timestamp.batch,
-                accuracy: *acc,
+                value: *value,
             };
             if let Ok(mut v) = self.points.lock() {
                 v.push(p);

@@ -22,6 +22,8 @@ use flashover::core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainM
 use flashover::core::params::init_model;
 use flashover::core::Result;
 
+use crate::tokenizer::{BpeTokenizer, Tokenizer};
+
 /// The bundled corpus (gzipped ASCII), relative to the workspace.
 pub fn bundled_shakespeare() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -169,13 +171,22 @@ pub fn works(text: &[u8]) -> Vec<Work> {
         .collect()
 }
 
+/// Which tokenizer a split uses, learned from its training text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenizerChoice {
+    /// One token per distinct byte.
+    Char,
+    /// Byte-level BPE with this many tokens (at most: merges stop when no pair repeats).
+    Bpe(usize),
+}
+
 /// The corpus as training and validation tokens, split by whole works
-/// ([`VALIDATION_WORKS`] are the validation text), with a character tokenizer fitted on the
-/// training text.
+/// ([`VALIDATION_WORKS`] are the validation text), with a tokenizer learned from the
+/// training text (characters by default).
 #[derive(Debug, Clone)]
 pub struct ShakespeareSplit {
     /// The tokenizer.
-    pub tokenizer: CharTokenizer,
+    pub tokenizer: Tokenizer,
     /// The training works, concatenated in corpus order.
     pub train: Arc<Vec<u16>>,
     /// The validation works, concatenated in corpus order.
@@ -185,8 +196,14 @@ pub struct ShakespeareSplit {
 }
 
 impl ShakespeareSplit {
-    /// Reads and splits the corpus at `path` (the bundled one: [`bundled_shakespeare`]).
+    /// Reads and splits the corpus at `path` (the bundled one: [`bundled_shakespeare`]),
+    /// with the character tokenizer.
     pub fn load(path: &Path) -> Result<Self> {
+        Self::load_with(path, TokenizerChoice::Char)
+    }
+
+    /// Reads and splits the corpus at `path` with the tokenizer `choice` names.
+    pub fn load_with(path: &Path, choice: TokenizerChoice) -> Result<Self> {
         let text = read_text(path)?;
         let malformed = |reason: String| CoreError::MalformedData {
             path: path.to_path_buf(),
@@ -214,7 +231,17 @@ impl ShakespeareSplit {
                 n_train += 1;
             }
         }
-        let tokenizer = CharTokenizer::fit(&train);
+        let tokenizer = match choice {
+            TokenizerChoice::Char => Tokenizer::Char(CharTokenizer::fit(&train)),
+            TokenizerChoice::Bpe(size) => {
+                Tokenizer::Bpe(BpeTokenizer::train(&train, size).map_err(|e| {
+                    CoreError::External {
+                        component: "tokenizer".into(),
+                        source: e.into(),
+                    }
+                })?)
+            }
+        };
         let encode = |t: &[u8], what: &str| {
             tokenizer
                 .encode(t)
@@ -414,7 +441,7 @@ mod tests {
         assert_eq!(split.train.len() + split.validation.len(), text.len());
         let share = split.validation.len() as f64 / text.len() as f64;
         assert!((0.05..0.06).contains(&share), "validation share {share}");
-        assert_eq!(split.tokenizer.vocab.len(), 84);
+        assert_eq!(split.tokenizer.vocab_size(), 84);
         // The validation text is Macbeth, then The Winter's Tale, exactly.
         let decoded = split.tokenizer.decode(&split.validation[..7]);
         assert_eq!(decoded, "MACBETH");

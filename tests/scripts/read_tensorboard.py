@@ -1,5 +1,6 @@
 """Reads a TensorBoard log folder with TensorBoard's own EventAccumulator and prints, as JSON,
-every scalar as [step, value] pairs and every text summary. Exits with 3 when the
+every scalar as [step, value] pairs and every text summary (the last of each tag, and all of
+them with their steps). Exits with 3 when the
 `tensorboard` package is not installed (`pip install tensorboard`)."""
 import json
 import sys
@@ -13,11 +14,14 @@ except ImportError as e:
 acc = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0, "tensors": 0})
 acc.Reload()
 tags = acc.Tags()
-out = {"scalars": {}, "text": {}}
+out = {"scalars": {}, "text": {}, "texts": {}}
 for tag in tags["scalars"]:
     out["scalars"][tag] = [[e.step, e.value] for e in acc.Scalars(tag)]
 for tag in tags["tensors"]:
     # Text summaries arrive as string tensors (the text plugin's format).
+    # "text": the last text of each tag; "texts": every one, as [step, text] pairs.
     for e in acc.Tensors(tag):
-        out["text"][tag] = b"".join(e.tensor_proto.string_val).decode()
+        text = b"".join(e.tensor_proto.string_val).decode()
+        out["text"][tag] = text
+        out["texts"].setdefault(tag, []).append([e.step, text])
 json.dump(out, sys.stdout)

@@ -48,6 +48,16 @@ pub const NEED_RESNET: &[&str] = &["ghost_batchnorm", "stochastic_depth"];
 /// with group norms; `surgery.rs` checks the refusal and the layer's half-precision path.
 pub const NEED_HALF: &[&str] = &["low_precision_groupnorm"];
 
+/// The algorithms for language models, which the CNN cannot take (they change attention,
+/// MLPs, layer norms or token sequences); `language.rs` trains and resumes them on the GPT
+/// (and checks low-precision layer norm's refusal on flex).
+pub const FOR_LANGUAGE_MODELS: &[&str] = &[
+    "seq_length_warmup",
+    "alibi",
+    "gated_linear_units",
+    "low_precision_layernorm",
+];
+
 /// 128 digits in batches of 32, three epochs (12 batches), 100 test digits.
 fn tiny(algorithms: &str) -> MnistRun {
     let mut run = short_run(128, 32, 100, "3ep");
@@ -74,6 +84,7 @@ fn every_algorithm_trains_and_changes_the_run() {
         .map(|a| a.split(':').next().unwrap())
         .chain(NEED_RESNET.iter().copied())
         .chain(NEED_HALF.iter().copied())
+        .chain(FOR_LANGUAGE_MODELS.iter().copied())
         .collect();
     let known: Vec<&str> = flashover::algorithms::spec::ALGORITHMS
         .iter()
@@ -593,6 +604,21 @@ mod schedules {
                 }
             ),
             "{err}"
+        );
+    }
+}
+
+/// The language-model algorithms are refused for the CNN by name, before training.
+#[test]
+fn language_model_algorithms_are_refused_for_image_models() {
+    for name in FOR_LANGUAGE_MODELS {
+        let err = match tiny(name).builder::<TB, _>(MnistRun::adamw::<TB>(), &device()) {
+            Ok(_) => panic!("{name} was accepted for the CNN"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            err.contains(name) && err.contains("language models"),
+            "{name}: {err}"
         );
     }
 }

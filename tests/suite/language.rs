@@ -195,3 +195,268 @@ fn eval_text_scores_a_file_like_the_validation_text() {
         out.stderr
     );
 }
+
+/// Every algorithm for language models resumes bit for bit in a new process, and each one
+/// changes the run (it is not silently ignored): its weights differ from the plain run's.
+#[test]
+fn every_language_algorithm_resumes_bit_for_bit_and_changes_the_run() {
+    let short = ["--max-duration", "60ba", "--eval-interval", "60ba"];
+    let with = |extra: &[&str]| {
+        let mut a: Vec<&str> = short.to_vec();
+        a.extend(extra);
+        summary(tiny(&a))
+    };
+    let plain = with(&[]);
+    for algorithm in [
+        "alibi:train_sequence_length_scaling=0.5",
+        "gated_linear_units:activation=silu",
+        "seq_length_warmup:min_seq_length=8:max_seq_length=32:step_size=8:duration=0.6",
+        "seq_length_warmup:min_seq_length=8:max_seq_length=32:truncate=false",
+        "label_smoothing:smoothing=0.1",
+        "selective_backprop:start=0:end=1:keep=0.5",
+        "factorize:min_features=32:latent_features=8",
+        "gradient_clipping:clipping_threshold=0.1,ema:half_life=10ba",
+    ] {
+        let straight = with(&["--algorithms", algorithm]);
+        assert_ne!(
+            straight["params_sha256"], plain["params_sha256"],
+            "{algorithm} changed nothing"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().to_str().unwrap();
+        let flags = ["--algorithms", algorithm, "--save-folder", folder];
+        let mut first = flags.to_vec();
+        first.extend(["--stop-after", "30ba"]);
+        assert_eq!(with(&first)["batches"], 30, "{algorithm}");
+        let mut second = flags.to_vec();
+        second.push("--autoresume");
+        let resumed = with(&second);
+        assert_eq!(resumed["trained_batches"], 30, "{algorithm}");
+        assert_eq!(
+            resumed["params_sha256"], straight["params_sha256"],
+            "{algorithm} resumed differently"
+        );
+        assert_eq!(resumed["val_loss"], straight["val_loss"], "{algorithm}");
+    }
+}
+
+/// ALiBi removes the position embeddings, so the model reads validation windows twice as long
+/// as it trained on; with learned positions that is refused before training, naming the
+/// lengths and the way out.
+#[test]
+fn alibi_reads_windows_longer_than_its_training_and_learned_positions_refuse_them() {
+    let base = [
+        "--max-duration",
+        "60ba",
+        "--eval-interval",
+        "60ba",
+        "--eval-seq-len",
+        "64",
+    ];
+    let out = tiny(&base);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("--eval-seq-len 64")
+            && out.stderr.contains("--context 32")
+            && out.stderr.contains("alibi"),
+        "{}",
+        out.stderr
+    );
+    let mut with_alibi = base.to_vec();
+    with_alibi.extend(["--algorithms", "alibi:train_sequence_length_scaling=1"]);
+    let s = summary(tiny(&with_alibi));
+    assert_eq!(s["eval_seq_len"], 64);
+    assert_eq!(s["val_tokens"], 64 * 64);
+    // The tiny model's 32 x 32 position embeddings are gone.
+    let plain = summary(tiny(&["--max-duration", "60ba", "--eval-interval", "60ba"]));
+    assert_eq!(
+        plain["params"].as_u64().unwrap() - s["params"].as_u64().unwrap(),
+        32 * 32
+    );
+    assert!(s["val_loss"].as_f64().unwrap().is_finite());
+}
+
+/// Algorithms that change image models are refused for the GPT by name, and low-precision
+/// layer norm is refused on the CPU backend, which has no fast half type.
+#[test]
+fn algorithms_that_do_not_fit_the_gpt_are_refused_by_name() {
+    for (algorithm, says) in [
+        ("mixup", "image models"),
+        ("blurpool", "image models"),
+        ("low_precision_layernorm", "float32"),
+        ("alibi:train_sequence_length_scaling=0.3", "32 tokens"),
+        ("gated_linear_units:activation=tanh", "tanh"),
+    ] {
+        let out = tiny(&["--max-duration", "10ba", "--algorithms", algorithm]);
+        assert!(!out.status.success(), "{algorithm} was accepted");
+        let name = algorithm.split(':').next().unwrap();
+        assert!(
+            out.stderr.contains(name) && out.stderr.contains(says),
+            "{algorithm}: {}",
+            out.stderr
+        );
+    }
+}
+
+/// The Generate callback continues its prompts during training and logs the text to the
+/// JSONL log and TensorBoard at the batches it is due, and the same seed gives the same text
+/// in a run resumed from a checkpoint.
+#[test]
+fn generated_samples_are_logged_during_training_and_repeat_after_resumption() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |logs: &str, extra: &[&str]| {
+        let mut a = vec![
+            "--max-duration",
+            "60ba",
+            "--eval-interval",
+            "60ba",
+            "--generate-every",
+            "20ba",
+            "--generate-prompt",
+            "KING:",
+            "--generate-prompt",
+            "Enter",
+            "--tokens",
+            "24",
+            "--log-dir",
+            logs,
+            "--tensorboard",
+        ];
+        a.extend(extra);
+        summary(tiny(&a))
+    };
+    let texts = |logs: &std::path::Path| -> Vec<(u64, String, String)> {
+        std::fs::read_to_string(logs.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter_map(|v| {
+                let text = v.get("text")?.as_object()?.clone();
+                let batch = v["batch"].as_u64()?;
+                Some(
+                    text.into_iter()
+                        .map(move |(tag, t)| (batch, tag, t.as_str().unwrap().to_string())),
+                )
+            })
+            .flatten()
+            .collect()
+    };
+    let straight_logs = dir.path().join("straight");
+    run(straight_logs.to_str().unwrap(), &[]);
+    let straight = texts(&straight_logs);
+    let steps: Vec<(u64, &str)> = straight.iter().map(|(b, t, _)| (*b, t.as_str())).collect();
+    assert_eq!(
+        steps,
+        [
+            (20, "generate/0"),
+            (20, "generate/1"),
+            (40, "generate/0"),
+            (40, "generate/1"),
+            (60, "generate/0"),
+            (60, "generate/1"),
+        ]
+    );
+    for (_, tag, text) in &straight {
+        let prompt = if tag == "generate/0" {
+            "KING:"
+        } else {
+            "Enter"
+        };
+        assert!(text.starts_with(prompt), "{tag}: {text:?}");
+        assert_eq!(text.chars().count(), prompt.len() + 24, "{text:?}");
+    }
+    // Resumed at batch 30: the samples after it are the uninterrupted run's.
+    let folder = dir.path().join("ck");
+    let folder = folder.to_str().unwrap();
+    let resumed_logs = dir.path().join("resumed");
+    let logs = resumed_logs.to_str().unwrap();
+    run(logs, &["--save-folder", folder, "--stop-after", "30ba"]);
+    run(logs, &["--save-folder", folder, "--autoresume"]);
+    let mut resumed = texts(&resumed_logs);
+    // The first process also generated at its end, batch 30.
+    let at_stop: Vec<_> = resumed
+        .iter()
+        .filter(|(b, _, _)| *b == 30)
+        .cloned()
+        .collect();
+    assert_eq!(at_stop.len(), 2, "{resumed:?}");
+    resumed.retain(|(b, _, _)| *b != 30);
+    assert_eq!(resumed, straight);
+    // TensorBoard's reader sees each sample under its tag at its batch.
+    if let Some(tb) = read_tensorboard(&straight_logs.join("tensorboard")) {
+        let seen = tb["texts"]["generate/1"].as_array().unwrap();
+        let want: Vec<serde_json::Value> = straight
+            .iter()
+            .filter(|(_, t, _)| t == "generate/1")
+            .map(|(b, _, text)| serde_json::json!([b, text]))
+            .collect();
+        assert_eq!(seen, &want);
+    }
+}
+
+/// The BPE option: the GPT trains on byte-pair tokens learned from the training plays, reports
+/// bits per byte of text (comparable with the character model's bits per character), keeps
+/// its tokenizer beside the checkpoints, resumes with it, and a run with another tokenizer is
+/// refused that folder.
+#[test]
+fn bpe_tokens_train_resume_and_guard_their_checkpoints() {
+    let short = [
+        "--max-duration",
+        "40ba",
+        "--eval-interval",
+        "40ba",
+        "--tokenizer",
+        "bpe",
+        "--bpe-vocab",
+        "384",
+    ];
+    let with = |extra: &[&str]| {
+        let mut a: Vec<&str> = short.to_vec();
+        a.extend(extra);
+        tiny(&a)
+    };
+    let straight = summary(with(&["--generate", "ROMEO:", "--tokens", "10"]));
+    assert_eq!(straight["vocab"], 384);
+    assert_eq!(straight["tokenizer"], "bpe (384 tokens)");
+    assert!(straight["val_bits_per_char"].is_null());
+    let loss = straight["val_loss"].as_f64().unwrap();
+    let per_token = straight["val_bytes_per_token"].as_f64().unwrap();
+    assert!(per_token > 1.3, "{per_token} bytes per token");
+    let bpb = straight["val_bits_per_byte"].as_f64().unwrap();
+    assert!((bpb - loss / std::f64::consts::LN_2 / per_token).abs() < 1e-9);
+    assert!(straight["generated"]
+        .as_str()
+        .unwrap()
+        .starts_with("ROMEO:"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let partial = summary(with(&["--save-folder", folder, "--stop-after", "20ba"]));
+    assert_eq!(partial["batches"], 20);
+    let saved = std::fs::read_to_string(dir.path().join("tokenizer.json")).unwrap();
+    assert!(saved.contains("\"bpe\""), "{saved}");
+    let resumed = summary(with(&["--save-folder", folder, "--autoresume"]));
+    assert_eq!(resumed["params_sha256"], straight["params_sha256"]);
+    // Another vocabulary size is another tokenizer: refused, naming both.
+    let out = tiny(&[
+        "--max-duration",
+        "40ba",
+        "--tokenizer",
+        "bpe",
+        "--bpe-vocab",
+        "300",
+        "--save-folder",
+        folder,
+        "--autoresume",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("bpe (384 tokens)") && out.stderr.contains("bpe (300 tokens)"),
+        "{}",
+        out.stderr
+    );
+    // The character model reports the same quantity per byte (one byte per token).
+    let chars = summary(tiny(&["--max-duration", "40ba", "--eval-interval", "40ba"]));
+    assert_eq!(chars["val_bytes_per_token"], 1.0);
+    assert_eq!(chars["val_bits_per_byte"], chars["val_bits_per_char"]);
+}

@@ -360,7 +360,7 @@ fn threshold_and_early_stopping_stop_a_real_run_where_the_policy_says() {
     // Threshold: evaluation every 4 batches; stops at the first evaluation at 0.6 or more.
     let mut run = short_run(1024, 32, 200, "3ep");
     run.eval_interval = Time::Batch(4);
-    let curve = flashover_examples::AccuracyCurve::default();
+    let curve = flashover_examples::MetricCurve::default();
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
@@ -372,7 +372,7 @@ fn threshold_and_early_stopping_stop_a_real_run_where_the_policy_says() {
     let points = curve.points();
     let first = points
         .iter()
-        .position(|p| p.accuracy >= 0.6)
+        .position(|p| p.value >= 0.6)
         .expect("reaches 0.6");
     assert_eq!(
         points.len(),
@@ -517,32 +517,9 @@ fn example_logs_round_trip_and_tensorboard_reads_them() {
 
     // TensorBoard's own reader sees the same scalars at the same steps.
     let tb = logs.join("tensorboard");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/read_tensorboard.py");
-    let out = std::process::Command::new("python3")
-        .arg(&script)
-        .arg(&tb)
-        .output();
-    let out = match out {
-        Ok(o)
-            if o.status.code() == Some(3)
-                && std::env::var_os("FLASHOVER_REQUIRE_TENSORBOARD").is_none() =>
-        {
-            eprintln!("SKIPPED: TensorBoard's reader (pip install tensorboard; .ci/run installs it and sets FLASHOVER_REQUIRE_TENSORBOARD=1)");
-            return;
-        }
-        Ok(o) => o,
-        Err(e) if std::env::var_os("FLASHOVER_REQUIRE_TENSORBOARD").is_none() => {
-            eprintln!("SKIPPED: no python3 ({e})");
-            return;
-        }
-        Err(e) => panic!("python3: {e}"),
+    let Some(read) = read_tensorboard(&tb) else {
+        return;
     };
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let read: Value = serde_json::from_slice(&out.stdout).unwrap();
     let scalars = read["scalars"].as_object().unwrap();
     let mut count = 0;
     for ((batch, name), v) in &jsonl {

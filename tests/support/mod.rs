@@ -358,3 +358,35 @@ pub fn wait_for_progress(
     std::thread::sleep(extra);
     child.try_wait().expect("the child can be polled").is_none()
 }
+
+/// What TensorBoard's own `EventAccumulator` reads from the log folder `dir`
+/// (`tests/scripts/read_tensorboard.py`: scalars, and text summaries by tag), or `None`,
+/// with a SKIPPED line, when python3 or the `tensorboard` package is missing and
+/// `FLASHOVER_REQUIRE_TENSORBOARD` is unset (`.ci/run` installs it and sets it).
+pub fn read_tensorboard(dir: &std::path::Path) -> Option<serde_json::Value> {
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/read_tensorboard.py");
+    let out = std::process::Command::new("python3")
+        .arg(&script)
+        .arg(dir)
+        .output();
+    let required = std::env::var_os("FLASHOVER_REQUIRE_TENSORBOARD").is_some();
+    let out = match out {
+        Ok(o) if o.status.code() == Some(3) && !required => {
+            eprintln!("SKIPPED: TensorBoard's reader (pip install tensorboard; .ci/run installs it and sets FLASHOVER_REQUIRE_TENSORBOARD=1)");
+            return None;
+        }
+        Ok(o) => o,
+        Err(e) if !required => {
+            eprintln!("SKIPPED: no python3 ({e})");
+            return None;
+        }
+        Err(e) => panic!("python3: {e}"),
+    };
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(serde_json::from_slice(&out.stdout).expect("the reader prints JSON"))
+}

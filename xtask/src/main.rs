@@ -674,7 +674,7 @@ fn distributed_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Valu
                 .as_array()
                 .into_iter()
                 .flatten()
-                .find(|p| p["accuracy"].as_f64().unwrap_or(0.0) >= target)
+                .find(|p| p["value"].as_f64().unwrap_or(0.0) >= target)
                 .and_then(|p| p["train_seconds"].as_f64());
             tta.insert(
                 format!("world{world}"),

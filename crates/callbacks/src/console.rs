@@ -81,6 +81,12 @@ impl LoggerDestination for ConsoleLogger {
         Ok(())
     }
 
+    fn log_text(&mut self, ts: &Timestamp, tag: &str, text: &str) -> Result<()> {
+        self.flush();
+        tracing::info!(epoch = ts.epoch, batch = ts.batch, "{tag}:\n{text}");
+        Ok(())
+    }
+
     fn run_event(&mut self, event: Event, _ts: &Timestamp, _progress: &Progress) -> Result<()> {
         if matches!(
             event,

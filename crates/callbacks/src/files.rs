@@ -159,6 +159,20 @@ impl LoggerDestination for JsonlLogger {
         Ok(())
     }
 
+    /// One line `{"epoch", "batch", "sample", "token", "wall_seconds", "text": {tag: text}}`.
+    fn log_text(&mut self, ts: &Timestamp, tag: &str, text: &str) -> Result<()> {
+        let line = serde_json::json!({
+            "epoch": ts.epoch,
+            "batch": ts.batch,
+            "sample": ts.sample,
+            "token": ts.token,
+            "wall_seconds": ts.total_wall_time.as_secs_f64(),
+            "text": { tag: text },
+        });
+        self.sink.write(&format!("{line}\n"))?;
+        Ok(())
+    }
+
     fn run_event(&mut self, event: Event, _ts: &Timestamp, _progress: &Progress) -> Result<()> {
         if flushes_at(event) {
             self.sink.flush()?;

@@ -225,6 +225,17 @@ impl LoggerDestination for TensorBoardLogger {
         Ok(())
     }
 
+    /// A text summary under `tag` (TensorBoard's Text tab) at the step of `ts`.
+    fn log_text(&mut self, ts: &Timestamp, tag: &str, text: &str) -> Result<()> {
+        let e = event(now_seconds(), ts.batch as i64, |e| {
+            let mut summary = Proto::default();
+            summary.bytes(1, &text_value(tag, text));
+            e.bytes(5, &summary.0);
+        });
+        self.write(&e)?;
+        Ok(())
+    }
+
     fn run_event(&mut self, event: Event, _ts: &Timestamp, _progress: &Progress) -> Result<()> {
         if crate::files::flushes_at(event) {
             self.out

@@ -31,6 +31,13 @@ pub trait LoggerDestination: Send {
         Ok(())
     }
 
+    /// Called with a piece of text (a generated sample, a note) under `tag` at a point in
+    /// time. Destinations that cannot show text ignore it (the default).
+    fn log_text(&mut self, timestamp: &Timestamp, tag: &str, text: &str) -> Result<()> {
+        let _ = (timestamp, tag, text);
+        Ok(())
+    }
+
     /// Called at every event, after algorithms and callbacks (at `INIT`, before them), with
     /// where the run stands and how long it is to be (`progress.max_duration`).
     fn run_event(
@@ -74,6 +81,14 @@ impl Logger {
     pub fn log_metrics(&mut self, timestamp: &Timestamp, metrics: &[(&str, f64)]) -> Result<()> {
         for d in &mut self.destinations {
             d.log_metrics(timestamp, metrics)?;
+        }
+        Ok(())
+    }
+
+    /// Logs text under `tag` to every destination that shows text.
+    pub fn log_text(&mut self, timestamp: &Timestamp, tag: &str, text: &str) -> Result<()> {
+        for d in &mut self.destinations {
+            d.log_text(timestamp, tag, text)?;
         }
         Ok(())
     }

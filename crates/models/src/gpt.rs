@@ -854,14 +854,14 @@ mod tests {
         let dh = w / h;
         let at = |s: usize, i: usize, c: usize| xv[(s * t + i) * 3 * w + c] as f64;
         for s in 0..b {
-            for head in 0..h {
+            for (head, &slope) in slopes.iter().enumerate() {
                 for i in 0..t {
                     let scores: Vec<f64> = (0..=i)
                         .map(|j| {
                             let dot: f64 = (0..dh)
                                 .map(|c| at(s, i, head * dh + c) * at(s, j, w + head * dh + c))
                                 .sum();
-                            dot / (dh as f64).sqrt() - slopes[head] as f64 * (i - j) as f64
+                            dot / (dh as f64).sqrt() - slope as f64 * (i - j) as f64
                         })
                         .collect();
                     let max = scores.iter().cloned().fold(f64::MIN, f64::max);

@@ -1,0 +1,347 @@
+//! The command-line options the example programs share (optimizer, schedule, checkpoints,
+//! logs and stopping rules), so that `mnist` and `shakespeare` take the same flags with the
+//! same meaning, and the code that turns them into trainer callbacks is written once.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
+use burn::tensor::backend::AutodiffBackend;
+use clap::ValueEnum;
+use flashover::callbacks::TrainingPlot;
+use flashover::checkpoint::{
+    AutoresumeOptions, CheckpointRestore, LoadOptions, SaveInterval, Saver, SaverConfig,
+};
+use flashover::core::model::TrainModel;
+use flashover::core::schedule::Scheduler;
+use flashover::core::setup::Setup;
+use flashover::core::time::Time;
+use flashover::core::trainer::TrainerBuilder;
+
+/// The device type of a setup's backend.
+type DeviceOf<S> = <<S as Setup>::Backend as burn::tensor::backend::BackendTypes>::Device;
+
+/// The optimizers the examples offer.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum OptimizerKind {
+    /// AdamW (decoupled weight decay).
+    Adamw,
+    /// Adam (L2 weight decay).
+    Adam,
+    /// SGD with momentum (L2 weight decay).
+    Sgd,
+}
+
+impl OptimizerKind {
+    /// The name as the command line writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerKind::Adamw => "adamw",
+            OptimizerKind::Adam => "adam",
+            OptimizerKind::Sgd => "sgd",
+        }
+    }
+}
+
+/// The learning-rate schedules the examples offer, over the whole run.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum ScheduleKind {
+    /// The peak rate throughout.
+    Constant,
+    /// x0.1 every 30% of the run.
+    Step,
+    /// x0.1 at 50% and 75% of the run.
+    Multistep,
+    /// Linear decay to 0.
+    Linear,
+    /// x0.7 every epoch.
+    Exponential,
+    /// Cosine decay to 0.
+    Cosine,
+    /// Cosine restarts, the first after one epoch, each twice as long as the one before.
+    CosineWarmRestarts,
+    /// Quadratic decay to 0.
+    Polynomial,
+}
+
+/// The schedule `kind` with a linear `warmup` (none when zero).
+pub fn scheduler(kind: ScheduleKind, warmup: Time) -> Scheduler {
+    let s = match kind {
+        ScheduleKind::Constant => Scheduler::constant(),
+        ScheduleKind::Step => Scheduler::step(Time::Duration(0.3), 0.1),
+        ScheduleKind::Multistep => {
+            Scheduler::multistep(vec![Time::Duration(0.5), Time::Duration(0.75)], 0.1)
+        }
+        ScheduleKind::Linear => Scheduler::linear(1.0, 0.0, Time::Duration(1.0)),
+        ScheduleKind::Exponential => Scheduler::exponential(0.7, Time::Epoch(1)),
+        ScheduleKind::Cosine => Scheduler::cosine(Time::Duration(1.0), 0.0),
+        ScheduleKind::CosineWarmRestarts => {
+            Scheduler::cosine_warm_restarts(Time::Epoch(1), 2.0, 0.0)
+        }
+        ScheduleKind::Polynomial => Scheduler::polynomial(2.0, Time::Duration(1.0), 0.0),
+    };
+    if warmup.is_zero() {
+        s
+    } else {
+        s.with_warmup(warmup)
+    }
+}
+
+/// What a program does once its optimizer is built: generic over the optimizer's type,
+/// which [`with_optimizer`] picks at run time.
+pub trait WithOptimizer<B: AutodiffBackend, M: TrainModel<B>> {
+    /// What the program returns.
+    type Output;
+    /// Runs with `optimizer` for `model`.
+    fn run<O: Optimizer<M, B> + 'static>(self, model: M, optimizer: O) -> Self::Output;
+}
+
+/// Builds the optimizer `kind` names (with `weight_decay`, and `momentum` for SGD) for
+/// `model` and hands both to `job`.
+pub fn with_optimizer<B: AutodiffBackend, M: TrainModel<B>, J: WithOptimizer<B, M>>(
+    kind: OptimizerKind,
+    weight_decay: f32,
+    momentum: f64,
+    model: M,
+    job: J,
+) -> J::Output {
+    let decay = || Some(burn::optim::decay::WeightDecayConfig::new(weight_decay));
+    match kind {
+        OptimizerKind::Adamw => job.run(
+            model,
+            AdamWConfig::new()
+                .with_weight_decay(weight_decay)
+                .init::<B, M>(),
+        ),
+        OptimizerKind::Adam => job.run(
+            model,
+            AdamConfig::new().with_weight_decay(decay()).init::<B, M>(),
+        ),
+        OptimizerKind::Sgd => job.run(
+            model,
+            SgdConfig::new()
+                .with_momentum(Some(MomentumConfig::new().with_momentum(momentum)))
+                .with_weight_decay(decay())
+                .init::<B, M>(),
+        ),
+    }
+}
+
+/// Checkpoint options: where and how often to save, and what to resume or load.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CheckpointArgs {
+    /// Save checkpoints into this folder.
+    #[arg(long)]
+    pub save_folder: Option<PathBuf>,
+    /// How often to save (ep, ba, sp, tok or dur); the state at the end of training is
+    /// always saved too.
+    #[arg(long, default_value = "1ep")]
+    pub save_interval: Time,
+    /// Checkpoint folder name template (fields: {epoch} {batch} {sample} {token}
+    /// {batch_in_epoch} {rank}).
+    #[arg(long, default_value = "ep{epoch}-ba{batch}")]
+    pub save_name: String,
+    /// Keep only the newest N checkpoints (0: keep all).
+    #[arg(long, default_value_t = 0)]
+    pub keep: usize,
+    /// Write checkpoint files on a background thread.
+    #[arg(long)]
+    pub save_async: bool,
+    /// Save model weights only (such checkpoints start new runs, they cannot resume one).
+    #[arg(long)]
+    pub save_weights_only: bool,
+    /// Replace an existing checkpoint of the same name.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Resume from the newest intact checkpoint in --save-folder (start fresh if there is
+    /// none). Newer checkpoints that fail verification are renamed <name>.damaged and
+    /// reported; if checkpoints exist but none verifies, it is an error (see --fresh-start).
+    #[arg(long, requires = "save_folder")]
+    pub autoresume: bool,
+    /// With --autoresume: if no checkpoint in --save-folder verifies, move them all aside
+    /// (as <name>.damaged) and start a new run instead of failing.
+    #[arg(long, requires = "autoresume")]
+    pub fresh_start: bool,
+    /// Load this checkpoint directory before training (autoresume wins when it finds one).
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    /// With --load: take the model weights only and start a new run from them.
+    #[arg(long)]
+    pub weights_only: bool,
+    /// With --load: accept missing and unexpected weights (reported, not loaded).
+    #[arg(long)]
+    pub non_strict: bool,
+    /// With --load: parameter paths to keep as initialised (glob, `*` wildcard; repeatable).
+    #[arg(long)]
+    pub ignore_keys: Vec<String>,
+}
+
+impl CheckpointArgs {
+    /// The saver these options ask for, if any.
+    pub fn saver(&self) -> anyhow::Result<Option<Saver>> {
+        let Some(folder) = &self.save_folder else {
+            return Ok(None);
+        };
+        let mut config = SaverConfig::new(folder);
+        config.name_template = self.save_name.clone();
+        config.keep = self.keep;
+        config.async_write = self.save_async;
+        config.weights_only = self.save_weights_only;
+        config.overwrite = self.overwrite;
+        Ok(Some(Saver::new(
+            config,
+            SaveInterval::Every(self.save_interval),
+        )?))
+    }
+
+    /// The options of `--autoresume`.
+    pub fn autoresume_options(&self) -> AutoresumeOptions {
+        AutoresumeOptions {
+            fresh_start_if_damaged: self.fresh_start,
+        }
+    }
+
+    /// The restore `--load` asks for, if any.
+    pub fn load_restore(&self) -> Option<CheckpointRestore> {
+        self.load.as_ref().map(|path| {
+            let options = LoadOptions {
+                weights_only: self.weights_only,
+                weights: flashover::checkpoint::WeightsLoad {
+                    non_strict: self.non_strict,
+                    ignore_keys: self.ignore_keys.clone(),
+                },
+            };
+            CheckpointRestore::new(path, options)
+        })
+    }
+
+    /// The single-process restore: the newest intact checkpoint of `--save-folder` with
+    /// `--autoresume` (which wins when it finds one), else `--load`. Also returns whether
+    /// the run continues an earlier one (its logs are appended to).
+    pub fn restore(&self) -> anyhow::Result<(Option<CheckpointRestore>, bool)> {
+        if let (Some(folder), true) = (&self.save_folder, self.autoresume) {
+            if let Some(r) =
+                flashover::checkpoint::autoresume_with(folder, self.autoresume_options())?
+            {
+                return Ok((Some(r), true));
+            }
+        }
+        Ok(match self.load_restore() {
+            Some(r) => (Some(r), !self.weights_only),
+            None => (None, false),
+        })
+    }
+}
+
+/// Logging, profiling and stopping options.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogArgs {
+    /// Write the run's logs here: metrics.jsonl, metrics.csv (with
+    /// metrics.hyperparameters.json), and the monitors' values in them (learning rate, speed,
+    /// time left, memory, gradient and weight norms every --log-every batches). Also checks
+    /// every loss and gradient for NaN/Inf.
+    #[arg(long)]
+    pub log_dir: Option<PathBuf>,
+    /// Also write TensorBoard event files into <log-dir>/tensorboard.
+    #[arg(long, requires = "log_dir")]
+    pub tensorboard: bool,
+    /// Record a Chrome trace of training steps into <log-dir>/trace.json (open it in
+    /// ui.perfetto.dev), on --profile-schedule.
+    #[arg(long, requires = "log_dir")]
+    pub profile: bool,
+    /// Steps the profiler records: skip_first,wait,warmup,active,repeat (repeat 0: to the end).
+    #[arg(long, default_value = "10,1,1,5,1")]
+    pub profile_schedule: String,
+    /// Peak FLOP/s of the device, for model FLOPs utilisation (throughput/mfu) in the logs.
+    #[arg(long)]
+    pub peak_flops: Option<f64>,
+    /// Early stopping: METRIC[:patience=TIME][:min_delta=X][:mode=max|min], for example
+    /// `test/accuracy:patience=2ep:min_delta=0.001` (metrics: train/loss and the
+    /// evaluators', such as test/accuracy for MNIST or val/loss for Shakespeare).
+    #[arg(long)]
+    pub early_stop: Option<String>,
+    /// Stop when a metric reaches a value: METRIC=VALUE[:mode=max|min], for example
+    /// `test/accuracy=0.98`.
+    #[arg(long)]
+    pub stop_threshold: Option<String>,
+}
+
+impl LogArgs {
+    /// Adds what these options ask for to `builder`: loggers, monitors and the profiler
+    /// when `main` (the process that writes files; a resumed run, `resuming`, appends to
+    /// its logs), stopping rules on every process. Returns the training plot (into
+    /// `plot_dir`, else the log folder), which the caller draws last.
+    pub fn observe<S: Setup>(
+        &self,
+        mut builder: TrainerBuilder<S>,
+        log_every: u64,
+        device: &DeviceOf<S>,
+        plot_dir: Option<&Path>,
+        resuming: bool,
+        main: bool,
+    ) -> anyhow::Result<(TrainerBuilder<S>, Option<TrainingPlot>)>
+    where
+        DeviceOf<S>: 'static,
+    {
+        use flashover::callbacks::monitors::*;
+        use flashover::callbacks::profiler::{Profiler, ProfilerSchedule};
+        use flashover::callbacks::{CsvLogger, JsonlLogger, MetricStopper, TensorBoardLogger};
+        if let (Some(dir), true) = (&self.log_dir, main) {
+            let every = Time::Batch(log_every.max(1));
+            let mut speed = SpeedMonitor::new(100)?;
+            if let Some(peak) = self.peak_flops {
+                speed = speed.with_peak_flops(peak)?;
+            }
+            let mut memory = MemoryMonitor::new(every)?;
+            if let Some(read) = crate::device_memory_reader(device) {
+                memory = memory.with_device_reader(read);
+            }
+            let (jsonl, csv) = (dir.join("metrics.jsonl"), dir.join("metrics.csv"));
+            let (jsonl, csv) = if resuming {
+                (JsonlLogger::append(jsonl)?, CsvLogger::append(csv)?)
+            } else {
+                (JsonlLogger::create(jsonl)?, CsvLogger::create(csv)?)
+            };
+            builder = builder
+                .logger(jsonl)
+                .logger(csv)
+                .callback(NanMonitor::new())
+                .callback(LrMonitor::new())
+                .callback(speed)
+                .callback(RuntimeEstimator::new(50)?)
+                .callback(memory)
+                .callback(NormMonitor::new(every)?);
+            if self.tensorboard {
+                builder = builder.logger(TensorBoardLogger::create(dir.join("tensorboard"))?);
+            }
+            if self.profile {
+                let schedule = ProfilerSchedule::parse(&self.profile_schedule)?;
+                builder = builder.callback(Profiler::new(dir.join("trace.json"), schedule)?);
+            }
+        }
+        if let Some(spec) = &self.early_stop {
+            builder = builder.callback(MetricStopper::parse_early(spec)?);
+        }
+        if let Some(spec) = &self.stop_threshold {
+            builder = builder.callback(MetricStopper::parse_threshold(spec)?);
+        }
+        // Drawn by the caller after everything else is written.
+        let plot = plot_dir
+            .or(self.log_dir.as_deref())
+            .filter(|_| main)
+            .map(|dir| TrainingPlot::new(dir.join("training.png")).drawn_by_caller());
+        if let Some(plot) = &plot {
+            builder = builder.callback(plot.clone());
+        }
+        Ok((builder, plot))
+    }
+
+    /// Checks before training that the log folder can be written.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if let Some(dir) = &self.log_dir {
+            flashover::callbacks::check_writable_dir(dir).context("checking --log-dir")?;
+        }
+        Ok(())
+    }
+}
