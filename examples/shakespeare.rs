@@ -501,6 +501,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         builder = builder.restore(restore);
     }
     let mut trainer = builder.build()?;
+    let tokens_before = trainer.state().timestamp.token;
     let report = if trainer.is_finished() {
         tracing::info!(at = %trainer.state().timestamp, "max_duration already reached; evaluating only");
         None
@@ -531,9 +532,9 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     let ts = &state.timestamp;
     let train_seconds = report.as_ref().map_or(0.0, |r| r.wall.as_secs_f64());
     // Tokens trained on in this call (a resumed run counts from where it resumed).
-    let tokens = report
-        .as_ref()
-        .map_or(0, |r| r.samples * args.seq_len as u64);
+    // (Counted by the trainer: the tokens actually trained on, whatever ALiBi or
+    // sequence-length warmup made of the windows.)
+    let tokens = ts.token - tokens_before;
     let per_char = matches!(p.split.tokenizer, Tokenizer::Char(_));
     let summary = json!({
         "val_loss": loss,

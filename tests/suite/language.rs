@@ -460,3 +460,29 @@ fn bpe_tokens_train_resume_and_guard_their_checkpoints() {
     assert_eq!(chars["val_bytes_per_token"], 1.0);
     assert_eq!(chars["val_bits_per_byte"], chars["val_bits_per_char"]);
 }
+
+/// The GPT recipes train with their algorithms and scale-schedule ratio; an image recipe is
+/// refused for the GPT by its algorithms' names.
+#[test]
+fn gpt_recipes_run_at_their_ratio() {
+    for (name, batches) in [("gpt-mild", 20), ("gpt-medium", 27), ("gpt-hot", 40)] {
+        let s = summary(tiny(&[
+            "--max-duration",
+            "40ba",
+            "--eval-interval",
+            "40ba",
+            "--recipe",
+            name,
+        ]));
+        assert_eq!(s["batches"], batches, "{name}");
+        assert_eq!(
+            s["algorithms"][0],
+            "alibi:train_sequence_length_scaling=0.25"
+        );
+        // ALiBi folds each 32-token window into four of 8: every token is still trained on.
+        assert_eq!(s["tokens"], batches * 16 * 32, "{name}");
+    }
+    let out = tiny(&["--max-duration", "40ba", "--recipe", "resnet-mild"]);
+    assert!(!out.status.success());
+    assert!(out.stderr.contains("blurpool"), "{}", out.stderr);
+}
