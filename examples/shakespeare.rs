@@ -32,7 +32,8 @@ use flashover_examples::cli::{
     self, CheckpointArgs, LogArgs, OptimizerKind, ScheduleKind, WithOptimizer,
 };
 use flashover_examples::shakespeare::{
-    bundled_shakespeare, read_text, window_loader, ShakespeareSplit, TokenizerChoice, Windows,
+    bigram_loss, bundled_shakespeare, read_text, window_loader, ShakespeareSplit, TokenizerChoice,
+    Windows,
 };
 use flashover_examples::tokenizer::{Tokenizer, TOKENIZER_FILE};
 use flashover_examples::MetricCurve;
@@ -558,6 +559,12 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         "tokens": ts.token,
         "skipped_batches": state.skipped_batches,
         "vocab": p.split.tokenizer.vocab_size(),
+        // The count-based bigram model's validation loss, the reference of the README.
+        "bigram_val_loss": bigram_loss(
+            &p.split.train,
+            &p.split.validation,
+            p.split.tokenizer.vocab_size()
+        ),
         "tokenizer": p.split.tokenizer.describe(),
         "train_works": p.split.works.0,
         "validation_works": p.split.works.1,

@@ -137,6 +137,11 @@ enum Cmd {
         /// overhead keys for burn-train are then null).
         #[arg(long)]
         no_burn_train: bool,
+        /// Measure only the language-model section (`gpt`): the GPT recipes' time to the
+        /// plain GPT's loss, ALiBi at twice its training length, and the default run against
+        /// the bigram model (about 10 minutes); written to target/bench/<backend>-gpt.json.
+        #[arg(long, value_parser = ["gpt"])]
+        only: Option<String>,
     },
 }
 
@@ -527,6 +532,8 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
         )?;
         let distributed = distributed_bench(b, quick)?;
         let fast_path = cpu_fast_path_bench(b, quick)?;
+        // About 10 minutes: full mode only.
+        let gpt = if quick { None } else { Some(gpt_bench(b)?) };
         let report = serde_json::json!({
             "machine": machine(b),
             "quick": quick,
@@ -540,6 +547,8 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             "scaling": last_json(&scaling)?,
             "distributed": distributed.as_ref().map(|d| d.0.clone()),
             "cpu_fast_path": fast_path.as_ref().map(|d| d.0.clone()),
+            "gpt_recipes": gpt.as_ref().map(|g| g.0["gpt_recipes"].clone()),
+            "gpt": gpt.as_ref().map(|g| g.0["gpt"].clone()),
         });
         let json_path = format!("target/bench/{}.json", b.name());
         std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
@@ -567,6 +576,11 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
                 .as_ref()
                 .map_or("not measured: a GPU backend keeps Burn's kernels".to_string(), |d| d.1.clone())
         );
+        let md = format!(
+            "{md}\n## Language model (GPT on Shakespeare)\n\n{}\n",
+            gpt.as_ref()
+                .map_or("not measured in quick mode".to_string(), |g| g.1.clone())
+        );
         let md_path = format!("target/bench/{}.md", b.name());
         std::fs::write(&md_path, &md)?;
         println!("{md}\nwritten: {json_path}, {md_path}");
@@ -574,10 +588,180 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
     Ok(())
 }
 
+/// The language-model section, on two threads: (1) the GPT recipes against the plain GPT
+/// (2 blocks of width 128, 160 batches of 32 windows of 128 characters, evaluated every 20
+/// batches on 256 validation windows; 3 interleaved repetitions): seconds of training until
+/// the validation loss first reaches the plain GPT's final loss (the median over its
+/// repetitions); (2) ALiBi's extrapolation: the same GPT with ALiBi trained on windows of 64
+/// evaluated on windows of 64 and of 128 (the same weights: training does not depend on the
+/// evaluation), and the plain GPT asked for 128; (3) the default run against the count-based
+/// bigram model.
+fn gpt_bench(b: Backend) -> Result<(serde_json::Value, String)> {
+    let mut args = strings(&["build", "--release", "--example", "shakespeare"]);
+    args.extend(b.cargo_args(&["-p", "flashover-examples"], &[]));
+    cargo(&args)?;
+    let bin = format!("{}/release/examples/shakespeare", b.target_dir());
+    let run = |extra: &[&str]| -> Result<std::result::Result<serde_json::Value, String>> {
+        eprintln!("$ {bin} {}", extra.join(" "));
+        let out = Command::new(&bin)
+            .args(extra)
+            .args(["--no-progress", "--backend", b.name()])
+            .env("RAYON_NUM_THREADS", "2")
+            .output()
+            .with_context(|| format!("running {bin}"))?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            return Ok(Err(err.lines().last().unwrap_or("").to_string()));
+        }
+        Ok(Ok(last_json(&String::from_utf8_lossy(&out.stdout))?))
+    };
+    let small = [
+        "--layers",
+        "2",
+        "--width",
+        "128",
+        "--heads",
+        "4",
+        "--max-duration",
+        "160ba",
+        "--warmup",
+        "20ba",
+        "--eval-interval",
+        "20ba",
+        "--val-windows",
+        "256",
+    ];
+    let names = ["baseline", "gpt-mild", "gpt-medium", "gpt-hot"];
+    let mut runs: Vec<Vec<serde_json::Value>> = vec![Vec::new(); names.len()];
+    for _rep in 0..3 {
+        for (i, name) in names.iter().enumerate() {
+            let mut a: Vec<&str> = small.to_vec();
+            if *name != "baseline" {
+                a.extend(["--recipe", name]);
+            }
+            runs[i].push(run(&a)?.map_err(|e| anyhow::anyhow!("{name}: {e}"))?);
+        }
+    }
+    let loss = |s: &serde_json::Value| s["val_loss"].as_f64().unwrap_or(f64::NAN);
+    let mut base_losses: Vec<f64> = runs[0].iter().map(loss).collect();
+    let (target, _, _) = median_range(&mut base_losses);
+    let seconds_to = |s: &serde_json::Value| {
+        s["val_curve"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["value"].as_f64().unwrap_or(f64::INFINITY) <= target)
+            .and_then(|p| p["train_seconds"].as_f64())
+    };
+    let mut base_secs: Vec<f64> = runs[0].iter().filter_map(seconds_to).collect();
+    let (base_med, _, _) = median_range(&mut base_secs);
+    let mut recipes = serde_json::Map::new();
+    let mut md = format!(
+        "Target: the plain GPT's final validation loss, {target:.4} nats per character (median of 3).\n\n| run | s to target (median, min-max) | speed-up | final loss |\n|---|---|---|---|\n"
+    );
+    for (i, name) in names.iter().enumerate() {
+        let mut secs: Vec<f64> = runs[i].iter().filter_map(seconds_to).collect();
+        let reached = secs.len() == runs[i].len();
+        let mut finals: Vec<f64> = runs[i].iter().map(loss).collect();
+        let (final_med, _, _) = median_range(&mut finals);
+        let (med, lo, hi) = median_range(&mut secs);
+        let speedup = reached.then(|| base_med / med);
+        md.push_str(&format!(
+            "| {name} | {} | {} | {final_med:.4} |\n",
+            if reached {
+                format!("{med:.1} ({lo:.1}-{hi:.1})")
+            } else {
+                "not reached in every repetition".into()
+            },
+            speedup.map_or("-".into(), |s| format!("{s:.2}x")),
+        ));
+        recipes.insert(
+            name.to_string(),
+            serde_json::json!({
+                "speedup_to_baseline_loss": speedup,
+                "final_val_loss": final_med,
+                "seconds_to_baseline_loss": reached.then_some(med),
+                "seconds_min_max": reached.then_some([lo, hi]),
+            }),
+        );
+    }
+    // ALiBi at twice its training length, and learned positions asked for the same.
+    let long = |eval: &'static str, alibi: bool| {
+        let mut a: Vec<&str> = [
+            "--layers",
+            "2",
+            "--width",
+            "128",
+            "--heads",
+            "4",
+            "--max-duration",
+            "160ba",
+            "--warmup",
+            "20ba",
+            "--eval-interval",
+            "160ba",
+            "--seq-len",
+            "64",
+            "--context",
+            "64",
+            "--eval-seq-len",
+        ]
+        .to_vec();
+        a.push(eval);
+        if alibi {
+            a.extend(["--algorithms", "alibi:train_sequence_length_scaling=1"]);
+        }
+        run(&a)
+    };
+    let at_1x = long("64", true)?.map_err(|e| anyhow::anyhow!("alibi at 1x: {e}"))?;
+    let at_2x = long("128", true)?.map_err(|e| anyhow::anyhow!("alibi at 2x: {e}"))?;
+    let learned_2x = match long("128", false)? {
+        Ok(s) => format!("ran: loss {}", loss(&s)),
+        Err(e) => format!("refused: {e}"),
+    };
+    let ratio = loss(&at_2x) / loss(&at_1x);
+    md.push_str(&format!(
+        "\nALiBi trained on 64 characters: validation loss {:.4} on windows of 64, {:.4} on windows of 128 (ratio {ratio:.4}). Learned positions at 128: {learned_2x}\n",
+        loss(&at_1x),
+        loss(&at_2x)
+    ));
+    // The default run against the bigram model.
+    let default = run(&[])?.map_err(|e| anyhow::anyhow!("default run: {e}"))?;
+    let bigram = default["bigram_val_loss"].as_f64().unwrap_or(f64::NAN);
+    let below = 1.0 - loss(&default) / bigram;
+    md.push_str(&format!(
+        "\nDefault run: {:.0} s wall, validation loss {:.4} nats per character; the count-based bigram model {bigram:.4}: {:.0}% lower.\n",
+        default["wall_seconds"].as_f64().unwrap_or(f64::NAN),
+        loss(&default),
+        100.0 * below
+    ));
+    let json = serde_json::json!({
+        "gpt_recipes": recipes,
+        "gpt": {
+            "target_val_loss": target,
+            "val_loss_at_2x_context_over_1x": ratio,
+            "alibi_val_loss_1x": loss(&at_1x),
+            "alibi_val_loss_2x": loss(&at_2x),
+            "learned_positions_at_2x": learned_2x,
+            "default_run": {
+                "wall_seconds": default["wall_seconds"],
+                "val_loss": default["val_loss"],
+                "bigram_val_loss": bigram,
+                "fraction_below_bigram": below,
+                "tokens_per_second": default["tokens_per_second"],
+            },
+        },
+    });
+    Ok((json, md))
+}
+
 /// Median and range of `v` (sorted in place).
 fn median_range(v: &mut [f64]) -> (f64, f64, f64) {
     v.sort_by(|a, b| a.total_cmp(b));
     let n = v.len();
+    if n == 0 {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
     let median = if n % 2 == 1 {
         v[n / 2]
     } else {
@@ -821,7 +1005,20 @@ fn main() -> Result<()> {
             backend,
             quick,
             no_burn_train,
-        } => bench(backend, quick, no_burn_train),
+            only,
+        } => match only {
+            Some(_) => {
+                for b in backend.each() {
+                    let (json, md) = gpt_bench(b)?;
+                    let path = format!("target/bench/{}-gpt.json", b.name());
+                    std::fs::create_dir_all("target/bench")?;
+                    std::fs::write(&path, serde_json::to_string_pretty(&json)?)?;
+                    println!("{md}\nwritten: {path}");
+                }
+                Ok(())
+            }
+            None => bench(backend, quick, no_burn_train),
+        },
         Cmd::Launch {
             n,
             hostfile,
