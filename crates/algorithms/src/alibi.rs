@@ -27,7 +27,6 @@
 //! Surgery at `INIT` through the model's [`AttentionSurgery`]; `AFTER_DATALOADER` reshapes
 //! the batch. The layers changed and the settings are the checkpoint state.
 
-use burn::tensor::backend::Backend;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
@@ -37,6 +36,7 @@ use flashover_core::state::State;
 use flashover_core::surgery::{AttentionSurgery, SurgeryRecord};
 
 use crate::error::{AlgorithmError, Result};
+use crate::seq_length_warmup::shorten;
 use crate::surgery::Applied;
 
 /// ALiBi's slope for each of `heads` heads, the paper's sequence (see the module docs).
@@ -201,7 +201,7 @@ where
         if let Some(batch) = state.batch.take() {
             let len = batch.seq_len();
             match self.options.train_length(len) {
-                Ok(short) => state.batch = Some(shorter::<S::Backend, _>(batch, short)),
+                Ok(short) => state.batch = Some(shorten::<S::Backend, _>(batch, short, false)),
                 Err(e) => {
                     state.batch = Some(batch);
                     return Err(e.into());
@@ -221,14 +221,6 @@ where
 
     fn load_state_dict(&mut self, state: serde_json::Value) -> flashover_core::Result<()> {
         self.applied.check("alibi", self.options.describe(), state)
-    }
-}
-
-fn shorter<B: Backend, T: SequenceBatch<B>>(batch: T, len: usize) -> T {
-    if len >= batch.seq_len() {
-        batch
-    } else {
-        batch.fold(len)
     }
 }
 

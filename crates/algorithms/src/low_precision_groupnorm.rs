@@ -45,23 +45,39 @@ pub fn accelerated_half<B: Backend>(device: &B::Device) -> Option<HalfType> {
     }
 }
 
+/// A low-precision normalisation's settings in the `--algorithms` syntax, with the half type
+/// chosen (shared with `low_precision_layernorm`).
+pub(crate) fn describe_half(algorithm: &str, half: Option<HalfType>) -> String {
+    match half {
+        Some(HalfType::BF16) => format!("{algorithm}:bf16"),
+        Some(HalfType::F16) => format!("{algorithm}:f16"),
+        None => algorithm.to_string(),
+    }
+}
+
+/// A low-precision normalisation's error for a backend without an accelerated half type:
+/// `layer` then stays in float32 (shared with `low_precision_layernorm`).
+pub(crate) fn no_half_type(
+    algorithm: &'static str,
+    layer: &str,
+    backend: String,
+) -> AlgorithmError {
+    AlgorithmError::param(
+        algorithm,
+        "backend",
+        backend,
+        format!("a backend whose device runs f16 or bf16 accelerated (cuda, or wgpu on a GPU with half-precision support); this one computes in float32 only, so {layer} stays in float32: remove the algorithm"),
+    )
+}
+
 /// The settings in the `--algorithms` syntax, with the half type chosen.
 pub(crate) fn describe(half: Option<HalfType>) -> String {
-    match half {
-        Some(HalfType::BF16) => "low_precision_groupnorm:bf16".into(),
-        Some(HalfType::F16) => "low_precision_groupnorm:f16".into(),
-        None => "low_precision_groupnorm".into(),
-    }
+    describe_half("low_precision_groupnorm", half)
 }
 
 /// The error for a backend without an accelerated half type.
 pub(crate) fn unsupported(backend: String) -> AlgorithmError {
-    AlgorithmError::param(
-        "low_precision_groupnorm",
-        "backend",
-        backend,
-        "a backend whose device runs f16 or bf16 accelerated (cuda, or wgpu on a GPU with half-precision support); this one computes in float32 only, so group norm stays in float32: remove the algorithm",
-    )
+    no_half_type("low_precision_groupnorm", "group norm", backend)
 }
 
 /// Makes every group norm of `model` compute in `half` (the functional form; call it

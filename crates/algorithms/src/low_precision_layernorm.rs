@@ -22,26 +22,17 @@ use flashover_core::state::State;
 use flashover_core::surgery::{HalfType, LayerNormSurgery, SurgeryRecord};
 
 use crate::error::AlgorithmError;
-use crate::low_precision_groupnorm::accelerated_half;
+use crate::low_precision_groupnorm::{accelerated_half, describe_half, no_half_type};
 use crate::surgery::{surgery_at_init, Applied};
 
 /// The settings in the `--algorithms` syntax, with the half type chosen.
 pub(crate) fn describe(half: Option<HalfType>) -> String {
-    match half {
-        Some(HalfType::BF16) => "low_precision_layernorm:bf16".into(),
-        Some(HalfType::F16) => "low_precision_layernorm:f16".into(),
-        None => "low_precision_layernorm".into(),
-    }
+    describe_half("low_precision_layernorm", half)
 }
 
 /// The error for a backend without an accelerated half type.
 pub(crate) fn unsupported(backend: String) -> AlgorithmError {
-    AlgorithmError::param(
-        "low_precision_layernorm",
-        "backend",
-        backend,
-        "a backend whose device runs f16 or bf16 accelerated (cuda, or wgpu on a GPU with half-precision support); this one computes in float32 only, so layer norm stays in float32: remove the algorithm",
-    )
+    no_half_type("low_precision_layernorm", "layer norm", backend)
 }
 
 /// Makes every layer norm of `model` compute in `half` (the functional form; call it before
