@@ -510,7 +510,9 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         Some(trainer.fit()?)
     };
     let state = trainer.state();
-    let metrics = if state.last_eval_batch == Some(state.timestamp.batch) {
+    // A run that only evaluates (resumed at its end) evaluates afresh: its evaluation
+    // settings (--eval-seq-len, --eval-text) may differ from the ones saved with the metrics.
+    let metrics = if report.is_some() && state.last_eval_batch == Some(state.timestamp.batch) {
         state.eval_metrics.clone()
     } else {
         trainer.eval()?

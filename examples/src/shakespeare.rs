@@ -418,6 +418,33 @@ impl<B: Backend> EvalModel<B> for CharLm<B> {
     }
 }
 
+/// The validation loss (nats per token) of the count-based bigram model of `train`: the next
+/// token's probability given the current one is its count after it, smoothed towards the
+/// training text's token frequencies with weight one token (`p(b|a) = (c(a, b) + p(b)) /
+/// (c(a) + 1)`, `p(b)` add-one smoothed), averaged over every consecutive pair of `eval`. No
+/// model that sees one token of context (the `CharLm` here, at any training time) does much
+/// better: this is the reference the GPT is measured against.
+pub fn bigram_loss(train: &[u16], eval: &[u16], vocab: usize) -> f64 {
+    let mut pairs = vec![0u64; vocab * vocab];
+    let mut firsts = vec![0u64; vocab];
+    let mut unigram = vec![1u64; vocab];
+    for w in train.windows(2) {
+        pairs[w[0] as usize * vocab + w[1] as usize] += 1;
+        firsts[w[0] as usize] += 1;
+    }
+    train.iter().for_each(|&t| unigram[t as usize] += 1);
+    let total: u64 = unigram.iter().sum();
+    let n = eval.len().saturating_sub(1).max(1);
+    eval.windows(2)
+        .map(|w| {
+            let (a, b) = (w[0] as usize, w[1] as usize);
+            let prior = unigram[b] as f64 / total as f64;
+            -((pairs[a * vocab + b] as f64 + prior) / (firsts[a] as f64 + 1.0)).ln()
+        })
+        .sum::<f64>()
+        / n as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -459,31 +486,4 @@ mod tests {
             "{e}"
         );
     }
-}
-
-/// The validation loss (nats per token) of the count-based bigram model of `train`: the next
-/// token's probability given the current one is its count after it, smoothed towards the
-/// training text's token frequencies with weight one token (`p(b|a) = (c(a, b) + p(b)) /
-/// (c(a) + 1)`, `p(b)` add-one smoothed), averaged over every consecutive pair of `eval`. No
-/// model that sees one token of context (the `CharLm` here, at any training time) does much
-/// better: this is the reference the GPT is measured against.
-pub fn bigram_loss(train: &[u16], eval: &[u16], vocab: usize) -> f64 {
-    let mut pairs = vec![0u64; vocab * vocab];
-    let mut firsts = vec![0u64; vocab];
-    let mut unigram = vec![1u64; vocab];
-    for w in train.windows(2) {
-        pairs[w[0] as usize * vocab + w[1] as usize] += 1;
-        firsts[w[0] as usize] += 1;
-    }
-    train.iter().for_each(|&t| unigram[t as usize] += 1);
-    let total: u64 = unigram.iter().sum();
-    let n = eval.len().saturating_sub(1).max(1);
-    eval.windows(2)
-        .map(|w| {
-            let (a, b) = (w[0] as usize, w[1] as usize);
-            let prior = unigram[b] as f64 / total as f64;
-            -((pairs[a * vocab + b] as f64 + prior) / (firsts[a] as f64 + 1.0)).ln()
-        })
-        .sum::<f64>()
-        / n as f64
 }
