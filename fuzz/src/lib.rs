@@ -43,6 +43,14 @@ pub struct Target {
 /// Every target.
 pub const TARGETS: &[Target] = &[
     Target {
+        name: "uri",
+        run: uri,
+        seeds: uri_seeds,
+        dict: &[
+            b"s3://", b"gs://", b"az://", b"/", b"..", b".", b"%2F", b"?", b"#", b"\0",
+        ],
+    },
+    Target {
         name: "idx",
         run: idx,
         seeds: idx_seeds,
@@ -423,6 +431,48 @@ fn time(bytes: &[u8]) -> String {
 fn time_seeds() -> Vec<Vec<u8>> {
     [
         "6ep", "500ba", "20_000sp", "1e6tok", "0.3dur", "1h30m", "45m", "90s", "1h0m1s",
+    ]
+    .iter()
+    .map(|s| s.as_bytes().to_vec())
+    .collect()
+}
+
+fn uri(bytes: &[u8]) -> String {
+    use flashover::checkpoint::remote::{check_segment, Location, RemoteUri};
+    let text = String::from_utf8_lossy(bytes);
+    let r = Location::parse(&text);
+    if let Ok(Location::Remote(u)) = &r {
+        let again = RemoteUri::parse(&u.to_string()).expect("a printed URI parses");
+        assert_eq!(
+            &again, u,
+            "URI {text:?} prints as {u} which reads back differently"
+        );
+        for s in u.prefix() {
+            assert!(check_segment(s).is_ok(), "{text:?} kept the segment {s:?}");
+        }
+        assert!(
+            u.cache_path()
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_))),
+            "{text:?} caches outside its folder: {}",
+            u.cache_path().display()
+        );
+    }
+    outcome(&r)
+}
+
+fn uri_seeds() -> Vec<Vec<u8>> {
+    [
+        "s3://runs/mnist/ck",
+        "s3://runs/mnist/ck/",
+        "gs://my-bucket/a=1/b_2",
+        "az://container/x",
+        "s3://runs/../x",
+        "s3://Runs/x",
+        "ftp://runs",
+        "checkpoints",
+        "s3://runs/a//b",
+        "s3://runs/ep3-ba375/latest",
     ]
     .iter()
     .map(|s| s.as_bytes().to_vec())

@@ -94,6 +94,29 @@ pub enum CheckpointError {
         /// Each damaged checkpoint's error.
         damaged: Vec<String>,
     },
+    /// An object store refused or failed a request (after its retries), or is unusable as
+    /// configured. Never holds a credential: the stores' errors carry the request's URL and
+    /// the server's answer, not the signing secret.
+    #[error("cannot {action} {uri}: {reason}")]
+    Remote {
+        /// What was being done ("upload", "download", "list", "connect to").
+        action: &'static str,
+        /// The object or prefix (`s3://bucket/prefix/...`).
+        uri: String,
+        /// The store's answer, with what to check.
+        reason: String,
+    },
+    /// Checkpoints saved locally that never reached the object store (reported at the end of
+    /// `fit`; each was also warned about when its upload first failed).
+    #[error("{} checkpoint(s) were saved in {local} but not uploaded to {uri}: {}", .failed.len(), .failed.join("; "))]
+    NotUploaded {
+        /// The remote prefix.
+        uri: String,
+        /// The local save folder, where the checkpoints are.
+        local: PathBuf,
+        /// Each checkpoint with its last error.
+        failed: Vec<String>,
+    },
     /// An asynchronous save failed in the background; reported at the next save or at the end.
     #[error("background save of {path} failed: {source}")]
     Background {

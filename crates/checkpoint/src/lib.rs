@@ -35,6 +35,9 @@
 //! changes nothing unless asked for a fresh start. An I/O error while verifying is an error,
 //! not damage.
 //!
+//! With the `s3` feature (or `gcs`, `azure`), a save folder may be an object-store prefix: see
+//! [`remote`] for the remote layout, the upload order and remote autoresume.
+//!
 //! Only this crate knows the format. One writer per save folder, enforced: the saver (and
 //! autoresume) hold an OS lock on `<folder>/.lock`, released when the process ends however it
 //! ends, and a second process fails at once with an error naming the holder.
@@ -45,6 +48,7 @@ mod error;
 pub mod format;
 mod load;
 mod lock;
+pub mod remote;
 mod saver;
 mod state_file;
 mod weights;

@@ -149,6 +149,13 @@ pub struct SaverConfig {
     pub overwrite: bool,
     /// Write files on a background thread; the training thread only serialises.
     pub async_write: bool,
+    /// Also upload every checkpoint to this object-store prefix, in the background, after it
+    /// is written and verified in `folder` (see [`crate::remote`]); keep-N applies there too.
+    #[cfg(feature = "remote")]
+    pub remote: Option<std::sync::Arc<crate::remote::RemoteStore>>,
+    /// How the uploader retries (with `remote`).
+    #[cfg(feature = "remote")]
+    pub upload_retry: crate::remote::UploadRetry,
 }
 
 impl SaverConfig {
@@ -161,6 +168,10 @@ impl SaverConfig {
             weights_only: false,
             overwrite: false,
             async_write: false,
+            #[cfg(feature = "remote")]
+            remote: None,
+            #[cfg(feature = "remote")]
+            upload_retry: crate::remote::UploadRetry::default(),
         }
     }
 }
@@ -174,6 +185,8 @@ struct Job {
     overwrite: bool,
     keep: usize,
     files: Vec<(&'static str, Vec<u8>)>,
+    #[cfg(feature = "remote")]
+    upload: Option<crate::remote::sync::UploadQueue>,
 }
 
 impl Job {
@@ -217,6 +230,10 @@ impl Job {
                 fs::remove_dir_all(&trash)
                     .map_err(CheckpointError::io("remove old checkpoint", &trash))?;
             }
+        }
+        #[cfg(feature = "remote")]
+        if let Some(q) = &self.upload {
+            q.push(&self.name);
         }
         Ok(path)
     }
@@ -304,6 +321,8 @@ pub struct Saver {
     last_saved_batch: Option<u64>,
     writer: Option<Writer>,
     saved: Vec<PathBuf>,
+    #[cfg(feature = "remote")]
+    uploader: Option<crate::remote::sync::Uploader>,
     // After `writer`, so that a write in flight finishes before the folder is unlocked.
     lock: Option<Arc<FolderLock>>,
 }
@@ -321,6 +340,22 @@ impl Saver {
                 });
             }
         }
+        // A remote that cannot be listed (no bucket, refused credentials, no server) fails
+        // here, before anything trains.
+        #[cfg(feature = "remote")]
+        let uploader = match &config.remote {
+            None => None,
+            Some(store) => {
+                store.check()?;
+                Some(crate::remote::sync::Uploader::start(
+                    store.clone(),
+                    config.folder.clone(),
+                    config.keep,
+                    config.overwrite,
+                    config.upload_retry.clone(),
+                )?)
+            }
+        };
         let writer = if config.async_write {
             Some(Writer::start()?)
         } else {
@@ -333,6 +368,8 @@ impl Saver {
             last_saved_batch: None,
             writer,
             saved: Vec::new(),
+            #[cfg(feature = "remote")]
+            uploader,
             lock: None,
         })
     }
@@ -397,6 +434,8 @@ impl Saver {
             overwrite: self.config.overwrite,
             keep: self.config.keep,
             files,
+            #[cfg(feature = "remote")]
+            upload: self.uploader.as_ref().and_then(|u| u.queue()),
         };
         let path = self.config.folder.join(&name);
         match &mut self.writer {
@@ -478,6 +517,12 @@ impl<S: Setup> Callback<S> for Saver {
         }
         if let Some(w) = &mut self.writer {
             w.wait().map_err(CheckpointError::in_saver)?;
+        }
+        // Every checkpoint of the run is in the store, or the run ends with an error naming
+        // the ones that are not (they are in the local folder).
+        #[cfg(feature = "remote")]
+        if let Some(u) = &mut self.uploader {
+            u.flush().map_err(CheckpointError::in_saver)?;
         }
         Ok(())
     }
