@@ -2,8 +2,12 @@
 //! AdamW moments, trainer state) against writing and reading the same number of bytes raw,
 //! with the same durability (fsync). Interleaved repetitions, medians with min-max.
 //!
+//! With `--remote s3://bucket/prefix` (credentials and endpoint from the environment), also
+//! the upload of each checkpoint as the saver's uploader does it (local verification, manifest
+//! last, `latest`) against plain PUTs of the same files' bytes to the same server.
+//!
 //! ```text
-//! cargo run --release --example checkpoint_io -- --reps 5
+//! cargo run --release --example checkpoint_io -- --reps 5 [--remote s3://bench/io]
 //! ```
 
 use std::fs;
@@ -37,6 +41,9 @@ struct Args {
     /// Folder for the files (default: a new folder under the system temp dir).
     #[arg(long)]
     dir: Option<std::path::PathBuf>,
+    /// Also measure uploads to this object-store prefix.
+    #[arg(long)]
+    remote: Option<flashover::checkpoint::remote::RemoteUri>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -77,6 +84,15 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let mut logger = Logger::default();
     let (mut save, mut write, mut load, mut read) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut upload, mut put) = (Vec::new(), Vec::new());
+    let store = match &args.remote {
+        Some(uri) => {
+            let s = flashover::checkpoint::remote::RemoteStore::connect(uri)?;
+            s.check()?;
+            Some(s)
+        }
+        None => None,
+    };
     let mut bytes = 0;
     for rep in 0..=args.reps {
         let folder = scratch.join(format!("rep{rep}"));
@@ -114,6 +130,34 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         }
         let read_s = t.elapsed().as_secs_f64();
         assert_eq!(n as u64, bytes);
+        if let Some(store) = &store {
+            let name = ck
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let t = Instant::now();
+            flashover::checkpoint::remote::upload_checkpoint(store, &folder, &name, true)?;
+            let upload_s = t.elapsed().as_secs_f64();
+            let files: Vec<(String, Vec<u8>)> = fs::read_dir(&ck)?
+                .map(|e| {
+                    let e = e?;
+                    Ok((
+                        e.file_name().to_string_lossy().into_owned(),
+                        fs::read(e.path())?,
+                    ))
+                })
+                .collect::<std::io::Result<_>>()?;
+            let raw_dir = format!("raw{rep}");
+            let t = Instant::now();
+            for (file, data) in files {
+                store.put(&[raw_dir.as_str(), file.as_str()], data)?;
+            }
+            let put_s = t.elapsed().as_secs_f64();
+            if rep > 0 {
+                upload.push(upload_s);
+                put.push(put_s);
+            }
+        }
         // Repetition 0 warms the page cache and allocators and is not counted.
         if rep > 0 {
             save.push(save_s);
@@ -155,9 +199,34 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         rmin * 1e3,
         rmax * 1e3
     );
+    let remote = (!upload.is_empty()).then(|| {
+        let (u, umin, umax) = median_min_max(&upload);
+        let (p, pmin, pmax) = median_min_max(&put);
+        println!(
+            "| checkpoint upload (verify, manifest last, latest) | {:.2} | {:.2}-{:.2} | {:.2} |",
+            u * 1e3,
+            umin * 1e3,
+            umax * 1e3,
+            u / p
+        );
+        println!(
+            "| raw PUTs of the same files | {:.2} | {:.2}-{:.2} | 1.00 |",
+            p * 1e3,
+            pmin * 1e3,
+            pmax * 1e3
+        );
+        json!({
+            "upload_median_s": u,
+            "raw_put_median_s": p,
+            "upload_mb_per_s": bytes as f64 / u / 1e6,
+            "raw_put_mb_per_s": bytes as f64 / p / 1e6,
+            "upload_throughput_over_raw_put": p / u,
+        })
+    });
     println!(
         "{}",
         json!({
+            "remote": remote,
             "backend": args.backend,
             "bytes": bytes,
             "reps": args.reps,

@@ -372,30 +372,21 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     if let Some(saver) = args.checkpoint.saver()? {
         builder = builder.callback(saver);
     }
-    // Rank 0 looks first (it may move damaged checkpoints aside), then the others find
-    // the folder as rank 0 left it; the trainer checks that every rank resumed alike.
-    let autoresume = || -> anyhow::Result<_> {
-        let ck = &args.checkpoint;
-        Ok(match &ck.save_folder {
-            Some(folder) if ck.autoresume && main => {
-                flashover::checkpoint::autoresume_with(folder, ck.autoresume_options())?
-            }
-            // The other ranks only read what rank 0 left; it alone writes the folder.
-            Some(folder) if ck.autoresume => flashover::checkpoint::autoresume_read_only(folder)?,
-            _ => None,
-        })
-    };
+    // Rank 0 looks first (it may move damaged checkpoints aside, or download from an
+    // object store), then the others find the folder as rank 0 left it; the trainer checks
+    // that every rank resumed alike.
     let resume = if main {
-        let r = autoresume()?;
+        let r = args.checkpoint.autoresume(true)?;
         dist.barrier()?;
         r
     } else {
         dist.barrier()?;
-        autoresume()?
+        args.checkpoint.autoresume(false)?
     };
     // A resumed run appends to the logs of the run it continues.
     let ck = &args.checkpoint;
     let resuming = resume.is_some() || (ck.load.is_some() && !ck.weights_only);
+    let log_sync = args.logs.start_log_sync(main)?;
     let (mut builder, plot) = args.logs.observe(
         builder,
         args.log_every,
@@ -404,7 +395,11 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         resuming,
         main,
     )?;
-    if let Some(restore) = resume.or_else(|| ck.load_restore()) {
+    let restore = match resume {
+        Some(r) => Some(r),
+        None => ck.load_restore()?,
+    };
+    if let Some(restore) = restore {
         builder = builder.restore(restore);
     }
     let mut trainer = builder.build()?;
@@ -484,6 +479,11 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     // The plot is drawn last: everything above is written even if it cannot be drawn.
     if let Some(plot) = &plot {
         plot.draw_or_warn();
+    }
+    // The logs' last lines are written once the trainer (and its loggers) are gone.
+    drop(trainer);
+    if let Some(sync) = log_sync {
+        sync.finish().context("--upload-logs: the final upload")?;
     }
     // A closed stdout is reported (and the exit status says so), not a panic.
     use std::io::Write;

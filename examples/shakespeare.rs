@@ -24,6 +24,7 @@ use flashover::algorithms::recipes::recipe;
 use flashover::algorithms::spec::{build_language_model, parse_list, AlgorithmSpec};
 use flashover::backend::COMPILED;
 use flashover::callbacks::Generate;
+use flashover::checkpoint::remote::Location;
 use flashover::core::metric::{Accuracy, LossMetric};
 use flashover::core::trainer::Evaluator;
 use flashover::models::{Gpt, GptConfig, Sampling, TrainBackend};
@@ -293,10 +294,11 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let split = ShakespeareSplit::load_with(&path, choice)?;
     // The checkpoints of a folder were trained with one tokenizer: kept beside them, and
     // compared on every later run and on --load.
-    if let Some(folder) = &args.checkpoint.save_folder {
+    if let Some(folder) = &args.checkpoint.local_folder() {
         split.tokenizer.keep_beside(folder)?;
     }
-    if let Some(dir) = &args.checkpoint.load {
+    // (A checkpoint loaded from an object store has no tokenizer beside it: not checked.)
+    if let Some(Location::Local(dir)) = &args.checkpoint.load {
         let beside = [
             dir.join(TOKENIZER_FILE),
             dir.join("..").join(TOKENIZER_FILE),
@@ -495,6 +497,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         builder = builder.callback(saver);
     }
     let (restore, resuming) = args.checkpoint.restore()?;
+    let log_sync = args.logs.start_log_sync(true)?;
     let (mut builder, plot) =
         args.logs
             .observe(builder, args.log_every, &device, None, resuming, true)?;
@@ -593,6 +596,11 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     });
     if let Some(plot) = &plot {
         plot.draw_or_warn();
+    }
+    // The logs' last lines are written once the trainer (and its loggers) are gone.
+    drop(trainer);
+    if let Some(sync) = log_sync {
+        sync.finish().context("--upload-logs: the final upload")?;
     }
     use std::io::Write;
     let mut stdout = std::io::stdout().lock();

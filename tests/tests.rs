@@ -38,6 +38,11 @@
 //!   network namespaces.
 //! - `language`: the GPT example on the Shakespeare corpus: it learns, its metrics agree, it
 //!   resumes bit for bit, bad shapes are errors naming them.
+//! - `object_store`: checkpoints and logs in a real S3-compatible server (`s3s-fs`): remote
+//!   saves rotate and resume bit for bit on an empty disk, damaged or incomplete remote
+//!   checkpoints are skipped by autoresume and refused by `--load`, a stopped server delays
+//!   uploads and a dead one is an error at the end, SIGKILLs during uploads, logs continue,
+//!   bad settings are clear errors and the secret appears nowhere.
 //! - `tidy`: the architecture's rules, enforced: crate arrows from `cargo metadata`, a `//!`
 //!   opening every file, an invariant comment above every `unwrap`/`expect` in library code.
 
@@ -66,6 +71,8 @@ mod hardening;
 mod language;
 #[path = "suite/microbatch.rs"]
 mod microbatch;
+#[path = "suite/object_store.rs"]
+mod object_store;
 #[path = "suite/observe.rs"]
 mod observe;
 #[path = "suite/resume.rs"]

@@ -10,6 +10,7 @@ use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
 use burn::tensor::backend::AutodiffBackend;
 use clap::ValueEnum;
 use flashover::callbacks::TrainingPlot;
+use flashover::checkpoint::remote::{self, Location, LogSync, RemoteStore, RemoteUri};
 use flashover::checkpoint::{
     AutoresumeOptions, CheckpointRestore, LoadOptions, SaveInterval, Saver, SaverConfig,
 };
@@ -18,6 +19,7 @@ use flashover::core::schedule::Scheduler;
 use flashover::core::setup::Setup;
 use flashover::core::time::Time;
 use flashover::core::trainer::TrainerBuilder;
+use std::sync::Arc;
 
 /// The device type of a setup's backend.
 type DeviceOf<S> = <<S as Setup>::Backend as burn::tensor::backend::BackendTypes>::Device;
@@ -131,9 +133,12 @@ pub fn with_optimizer<B: AutodiffBackend, M: TrainModel<B>, J: WithOptimizer<B, 
 /// Checkpoint options: where and how often to save, and what to resume or load.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CheckpointArgs {
-    /// Save checkpoints into this folder.
+    /// Save checkpoints into this folder, or to an object store: s3://bucket/prefix (also gs://,
+    /// az://). A remote checkpoint is written and verified in a local folder first
+    /// (--checkpoint-cache), then uploaded in the background; credentials come from the
+    /// environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION).
     #[arg(long)]
-    pub save_folder: Option<PathBuf>,
+    pub save_folder: Option<Location>,
     /// How often to save (ep, ba, sp, tok or dur); the state at the end of training is
     /// always saved too.
     #[arg(long, default_value = "1ep")]
@@ -142,7 +147,7 @@ pub struct CheckpointArgs {
     /// {batch_in_epoch} {rank}).
     #[arg(long, default_value = "ep{epoch}-ba{batch}")]
     pub save_name: String,
-    /// Keep only the newest N checkpoints (0: keep all).
+    /// Keep only the newest N checkpoints (0: keep all); in the object store too.
     #[arg(long, default_value_t = 0)]
     pub keep: usize,
     /// Write checkpoint files on a background thread.
@@ -157,15 +162,19 @@ pub struct CheckpointArgs {
     /// Resume from the newest intact checkpoint in --save-folder (start fresh if there is
     /// none). Newer checkpoints that fail verification are renamed <name>.damaged and
     /// reported; if checkpoints exist but none verifies, it is an error (see --fresh-start).
+    /// With an object store, the newest remote checkpoint that verifies is downloaded first
+    /// (damaged or incomplete ones are skipped with a warning).
     #[arg(long, requires = "save_folder")]
     pub autoresume: bool,
     /// With --autoresume: if no checkpoint in --save-folder verifies, move them all aside
     /// (as <name>.damaged) and start a new run instead of failing.
     #[arg(long, requires = "autoresume")]
     pub fresh_start: bool,
-    /// Load this checkpoint directory before training (autoresume wins when it finds one).
+    /// Load this checkpoint directory before training (autoresume wins when it finds one),
+    /// or s3://bucket/prefix/<name> (or .../latest): downloaded and verified first, an error if
+    /// damaged.
     #[arg(long)]
-    pub load: Option<PathBuf>,
+    pub load: Option<Location>,
     /// With --load: take the model weights only and start a new run from them.
     #[arg(long)]
     pub weights_only: bool,
@@ -175,12 +184,37 @@ pub struct CheckpointArgs {
     /// With --load: parameter paths to keep as initialised (glob, `*` wildcard; repeatable).
     #[arg(long)]
     pub ignore_keys: Vec<String>,
+    /// The local folder for object-store checkpoints (default: $FLASHOVER_CACHE, else
+    /// ~/.cache/flashover), under which each prefix has its own folder
+    /// (<cache>/s3/<bucket>/<prefix>).
+    #[arg(long)]
+    pub checkpoint_cache: Option<PathBuf>,
+}
+
+/// The store for a remote location.
+fn connect(uri: &RemoteUri) -> anyhow::Result<Arc<RemoteStore>> {
+    Ok(Arc::new(RemoteStore::connect(uri)?))
 }
 
 impl CheckpointArgs {
+    fn cache_base(&self) -> PathBuf {
+        self.checkpoint_cache
+            .clone()
+            .unwrap_or_else(remote::default_cache_base)
+    }
+
+    /// The local folder checkpoints are written to and resumed from: --save-folder itself,
+    /// or its cache folder when it is an object store.
+    pub fn local_folder(&self) -> Option<PathBuf> {
+        self.save_folder.as_ref().map(|l| match l {
+            Location::Local(p) => p.clone(),
+            Location::Remote(uri) => remote::cache_folder(&self.cache_base(), uri),
+        })
+    }
+
     /// The saver these options ask for, if any.
     pub fn saver(&self) -> anyhow::Result<Option<Saver>> {
-        let Some(folder) = &self.save_folder else {
+        let (Some(location), Some(folder)) = (&self.save_folder, self.local_folder()) else {
             return Ok(None);
         };
         let mut config = SaverConfig::new(folder);
@@ -189,6 +223,9 @@ impl CheckpointArgs {
         config.async_write = self.save_async;
         config.weights_only = self.save_weights_only;
         config.overwrite = self.overwrite;
+        if let Location::Remote(uri) = location {
+            config.remote = Some(connect(uri)?);
+        }
         Ok(Some(Saver::new(
             config,
             SaveInterval::Every(self.save_interval),
@@ -202,17 +239,58 @@ impl CheckpointArgs {
         }
     }
 
-    /// The restore `--load` asks for, if any.
-    pub fn load_restore(&self) -> Option<CheckpointRestore> {
-        self.load.as_ref().map(|path| {
-            let options = LoadOptions {
-                weights_only: self.weights_only,
-                weights: flashover::checkpoint::WeightsLoad {
-                    non_strict: self.non_strict,
-                    ignore_keys: self.ignore_keys.clone(),
-                },
-            };
-            CheckpointRestore::new(path, options)
+    fn load_options(&self) -> LoadOptions {
+        LoadOptions {
+            weights_only: self.weights_only,
+            weights: flashover::checkpoint::WeightsLoad {
+                non_strict: self.non_strict,
+                ignore_keys: self.ignore_keys.clone(),
+            },
+        }
+    }
+
+    /// The restore `--load` asks for, if any (an object-store checkpoint is downloaded and
+    /// verified here).
+    pub fn load_restore(&self) -> anyhow::Result<Option<CheckpointRestore>> {
+        Ok(match &self.load {
+            None => None,
+            Some(Location::Local(path)) => Some(CheckpointRestore::new(path, self.load_options())),
+            Some(Location::Remote(uri)) => {
+                let (folder, name) = uri.split_last().with_context(|| {
+                    format!("--load {uri}: name a checkpoint under the bucket (s3://bucket/prefix/<name> or .../latest)")
+                })?;
+                let store = connect(&folder)?;
+                let cache = remote::cache_folder(&self.cache_base(), &folder);
+                Some(remote::load_remote(
+                    &store,
+                    name,
+                    &cache,
+                    self.load_options(),
+                )?)
+            }
+        })
+    }
+
+    /// `--autoresume` on one process of a run: the newest intact checkpoint of the save
+    /// folder (downloaded first from an object store). `main` is the process that writes
+    /// the folder (it may move damaged checkpoints aside); the others read what it left.
+    pub fn autoresume(&self, main: bool) -> anyhow::Result<Option<CheckpointRestore>> {
+        let (Some(location), Some(folder), true) =
+            (&self.save_folder, self.local_folder(), self.autoresume)
+        else {
+            return Ok(None);
+        };
+        Ok(match (location, main) {
+            (Location::Local(_), true) => {
+                flashover::checkpoint::autoresume_with(&folder, self.autoresume_options())?
+            }
+            (Location::Local(_), false) => flashover::checkpoint::autoresume_read_only(&folder)?,
+            (Location::Remote(uri), true) => {
+                remote::autoresume_remote(&*connect(uri)?, &folder, self.autoresume_options())?
+            }
+            (Location::Remote(uri), false) => {
+                remote::autoresume_remote_read_only(&*connect(uri)?, &folder)?
+            }
         })
     }
 
@@ -220,14 +298,10 @@ impl CheckpointArgs {
     /// `--autoresume` (which wins when it finds one), else `--load`. Also returns whether
     /// the run continues an earlier one (its logs are appended to).
     pub fn restore(&self) -> anyhow::Result<(Option<CheckpointRestore>, bool)> {
-        if let (Some(folder), true) = (&self.save_folder, self.autoresume) {
-            if let Some(r) =
-                flashover::checkpoint::autoresume_with(folder, self.autoresume_options())?
-            {
-                return Ok((Some(r), true));
-            }
+        if let Some(r) = self.autoresume(true)? {
+            return Ok((Some(r), true));
         }
-        Ok(match self.load_restore() {
+        Ok(match self.load_restore()? {
             Some(r) => (Some(r), !self.weights_only),
             None => (None, false),
         })
@@ -265,6 +339,39 @@ pub struct LogArgs {
     /// `test/accuracy=0.98`.
     #[arg(long)]
     pub stop_threshold: Option<String>,
+    /// Mirror --log-dir to this object-store prefix (s3://bucket/prefix): files the local
+    /// folder lacks are downloaded first (a resumed run continues the same logs), then
+    /// changed files are uploaded every --upload-logs-every and at the end of the run.
+    #[arg(long, requires = "log_dir")]
+    pub upload_logs: Option<RemoteUri>,
+    /// How often --upload-logs uploads (a time with a unit: 30s, 2m).
+    #[arg(long, default_value = "30s", value_parser = parse_seconds)]
+    pub upload_logs_every: std::time::Duration,
+}
+
+/// A wall-clock interval such as `30s`, `2m` or `1h`.
+fn parse_seconds(text: &str) -> Result<std::time::Duration, String> {
+    let t = text.trim();
+    let (num, unit) = t.split_at(
+        t.find(|c: char| !c.is_ascii_digit() && c != '.')
+            .unwrap_or(t.len()),
+    );
+    let scale = match unit {
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        _ => {
+            return Err(format!(
+                "expected a number with s, m or h (such as 30s), not {text:?}"
+            ))
+        }
+    };
+    match num.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(std::time::Duration::from_secs_f64(v * scale)),
+        _ => Err(format!(
+            "expected a positive number with s, m or h (such as 30s), not {text:?}"
+        )),
+    }
 }
 
 impl LogArgs {
@@ -335,6 +442,20 @@ impl LogArgs {
             builder = builder.callback(plot.clone());
         }
         Ok((builder, plot))
+    }
+
+    /// With --upload-logs on the process that writes the logs: downloads what the log folder
+    /// lacks and starts the background uploads. Call before `observe` (the loggers append to
+    /// the downloaded files); call `finish` on the result after the last log line is written.
+    pub fn start_log_sync(&self, main: bool) -> anyhow::Result<Option<LogSync>> {
+        let (Some(uri), Some(dir), true) = (&self.upload_logs, &self.log_dir, main) else {
+            return Ok(None);
+        };
+        let store = connect(uri)?;
+        Ok(Some(
+            LogSync::start(store, dir, self.upload_logs_every)
+                .with_context(|| format!("--upload-logs {uri}"))?,
+        ))
     }
 
     /// Checks before training that the log folder can be written.

@@ -390,3 +390,150 @@ pub fn read_tensorboard(dir: &std::path::Path) -> Option<serde_json::Value> {
     );
     Some(serde_json::from_slice(&out.stdout).expect("the reader prints JSON"))
 }
+
+/// The access key the test S3 server accepts.
+pub const S3_ACCESS_KEY: &str = "flashover-test-access";
+/// The secret key the test S3 server accepts; tests grep every output for it.
+pub const S3_SECRET_KEY: &str = "flashover-test-secret-7d1f9c3a";
+
+/// A real S3-compatible server process (`s3s-fs`, which verifies SigV4 signatures) on a free
+/// port of 127.0.0.1, serving a temporary folder in which each bucket is a directory and each
+/// object a file (so tests can damage objects on disk). Stopped when dropped.
+pub struct S3Server {
+    bin: std::path::PathBuf,
+    child: Option<std::process::Child>,
+    /// The folder it serves (`root/<bucket>/<key>`).
+    pub root: tempfile::TempDir,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+}
+
+impl S3Server {
+    /// Starts the server with `buckets` created, or returns `None` (with a SKIPPED line)
+    /// when `s3s-fs` is not installed and `FLASHOVER_REQUIRE_S3` is unset (`.ci/run`
+    /// installs it: `cargo install s3s-fs --version 0.14.1 --locked --features binary`).
+    pub fn start(buckets: &[&str]) -> Option<S3Server> {
+        let home = std::env::var_os("CARGO_HOME")
+            .map(std::path::PathBuf::from)
+            .or_else(|| {
+                std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cargo"))
+            });
+        let candidates = std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .unwrap_or_default()
+            .into_iter()
+            .chain(home.map(|h| h.join("bin")));
+        let bin = candidates.map(|d| d.join("s3s-fs")).find(|p| p.is_file());
+        let Some(bin) = bin else {
+            assert!(
+                std::env::var_os("FLASHOVER_REQUIRE_S3").is_none(),
+                "s3s-fs is not installed (cargo install s3s-fs --version 0.14.1 --locked --features binary)"
+            );
+            eprintln!("SKIPPED: no s3s-fs (cargo install s3s-fs --version 0.14.1 --locked --features binary; .ci/run installs it and sets FLASHOVER_REQUIRE_S3=1)");
+            return None;
+        };
+        let root = tempfile::tempdir().expect("a temporary folder");
+        for b in buckets {
+            std::fs::create_dir(root.path().join(b)).expect("a bucket directory");
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut server = S3Server {
+            bin,
+            child: None,
+            root,
+            port,
+        };
+        server.restart();
+        Some(server)
+    }
+
+    /// The endpoint URL.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The environment a client needs: endpoint, region and the keys.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT_URL", self.endpoint()),
+            ("AWS_REGION", "us-east-1".into()),
+            ("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY.into()),
+            ("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY.into()),
+        ]
+    }
+
+    /// The object `key` of `bucket` as the server stores it.
+    pub fn object(&self, bucket: &str, key: &str) -> std::path::PathBuf {
+        key.split('/')
+            .fold(self.root.path().join(bucket), |p, s| p.join(s))
+    }
+
+    /// Kills the server (SIGKILL) and waits for it; the port is then closed.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the server (again) on the same port and folder, and waits until it accepts
+    /// connections.
+    pub fn restart(&mut self) {
+        self.stop();
+        let child = std::process::Command::new(&self.bin)
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
+            .args(["--access-key", S3_ACCESS_KEY, "--secret-key", S3_SECRET_KEY])
+            .arg(self.root.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("s3s-fs starts");
+        self.child = Some(child);
+        let started = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "s3s-fs did not listen on port {} within 20 s",
+                self.port
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Runs the example `name` with `args` (plus `--no-progress` and the suite's backend) and
+/// the environment `env` (added to the test's, after removing every `AWS_*` variable).
+pub fn run_example_env(name: &str, args: &[&str], env: &[(&str, String)]) -> RunOutput {
+    let mut cmd = std::process::Command::new(example_bin(name));
+    cmd.args(args)
+        .args(["--no-progress", "--backend", BACKEND])
+        .env("RUST_LOG", "info");
+    for (k, _) in std::env::vars() {
+        if k.starts_with("AWS_") {
+            cmd.env_remove(k);
+        }
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("the example starts");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let summary = stdout
+        .lines()
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok());
+    RunOutput {
+        status: out.status,
+        summary,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}

@@ -140,7 +140,9 @@ enum Cmd {
         /// Measure only the language-model section (`gpt`): the GPT recipes' time to the
         /// plain GPT's loss, ALiBi at twice its training length, and the default run against
         /// the bigram model (about 10 minutes); written to target/bench/<backend>-gpt.json.
-        #[arg(long, value_parser = ["gpt"])]
+        /// `s3`: only the object-storage section (needs s3s-fs), into
+        /// target/bench/<backend>-s3.json.
+        #[arg(long, value_parser = ["gpt", "s3"])]
         only: Option<String>,
     },
 }
@@ -532,6 +534,7 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
         )?;
         let distributed = distributed_bench(b, quick)?;
         let fast_path = cpu_fast_path_bench(b, quick)?;
+        let object_store = object_store_bench(b, quick)?;
         // About 10 minutes: full mode only.
         let gpt = if quick { None } else { Some(gpt_bench(b)?) };
         let report = serde_json::json!({
@@ -547,6 +550,7 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             "scaling": last_json(&scaling)?,
             "distributed": distributed.as_ref().map(|d| d.0.clone()),
             "cpu_fast_path": fast_path.as_ref().map(|d| d.0.clone()),
+            "object_store": object_store.as_ref().map(|d| d.0.clone()),
             "gpt_recipes": gpt.as_ref().map(|g| g.0["gpt_recipes"].clone()),
             "gpt": gpt.as_ref().map(|g| g.0["gpt"].clone()),
         });
@@ -577,7 +581,11 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
                 .map_or("not measured: a GPU backend keeps Burn's kernels".to_string(), |d| d.1.clone())
         );
         let md = format!(
-            "{md}\n## Language model (GPT on Shakespeare)\n\n{}\n",
+            "{md}\n## Object storage (S3-compatible server on 127.0.0.1)\n\n{}\n\n## Language model (GPT on Shakespeare)\n\n{}\n",
+            object_store.as_ref().map_or(
+                "not measured: s3s-fs not installed (cargo install s3s-fs --version 0.14.1 --locked --features binary)".to_string(),
+                |d| d.1.clone()
+            ),
             gpt.as_ref()
                 .map_or("not measured in quick mode".to_string(), |g| g.1.clone())
         );
@@ -849,6 +857,143 @@ fn build_mnist(b: Backend, mpi: bool) -> Result<String> {
     Ok(format!("{}/release/examples/mnist", b.target_dir()))
 }
 
+/// The `s3s-fs` test server (an S3-compatible server that verifies signatures), if installed
+/// (on PATH or in ~/.cargo/bin).
+fn s3s_fs() -> Option<std::path::PathBuf> {
+    let home = std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cargo/bin"));
+    std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .unwrap_or_default()
+        .into_iter()
+        .chain(home)
+        .map(|d| d.join("s3s-fs"))
+        .find(|p| p.is_file())
+}
+
+/// Object storage against a local `s3s-fs` server: (1) the checkpoint upload (local
+/// verification, manifest last, `latest`) against plain PUTs of the same bytes, from
+/// `checkpoint_io --remote`; (2) the MNIST example's training time with checkpoints every 20
+/// batches saved locally, and saved locally and uploaded in the background, interleaved
+/// repetitions on two threads; the figure is the median of the per-repetition ratios.
+fn object_store_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Value, String)>> {
+    let Some(server_bin) = s3s_fs() else {
+        return Ok(None);
+    };
+    let mnist = build_mnist(b, false)?;
+    let tmp = std::env::temp_dir().join(format!("flashover-s3-bench-{}", std::process::id()));
+    let root = tmp.join("root");
+    std::fs::create_dir_all(root.join("bench"))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let (key, secret) = ("bench-access", "bench-secret-0f3e");
+    let mut server = Command::new(&server_bin)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--access-key", key, "--secret-key", secret])
+        .arg(&root)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", server_bin.display()))?;
+    let result = (|| -> Result<(serde_json::Value, String)> {
+        let started = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            anyhow::ensure!(started.elapsed().as_secs() < 20, "s3s-fs did not start");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let env = [
+            ("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}")),
+            ("AWS_REGION", "us-east-1".to_string()),
+            ("AWS_ACCESS_KEY_ID", key.to_string()),
+            ("AWS_SECRET_ACCESS_KEY", secret.to_string()),
+            ("RAYON_NUM_THREADS", "2".to_string()),
+        ];
+        let reps = if quick { 3 } else { 5 };
+        let io_bin = format!("{}/release/examples/checkpoint_io", b.target_dir());
+        let out = Command::new(&io_bin)
+            .args([
+                "--reps",
+                &reps.to_string(),
+                "--remote",
+                "s3://bench/io",
+                "--backend",
+                b.name(),
+            ])
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .output()
+            .with_context(|| format!("running {io_bin}"))?;
+        anyhow::ensure!(
+            out.status.success(),
+            "checkpoint_io --remote: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let io_text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let io = last_json(&io_text)?;
+        let train = |extra: &[String]| -> Result<f64> {
+            let out = Command::new(&mnist)
+                .args([
+                    "--max-duration",
+                    "1ep",
+                    "--save-interval",
+                    "20ba",
+                    "--no-progress",
+                ])
+                .args(["--backend", b.name()])
+                .args(extra)
+                .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+                .output()
+                .with_context(|| format!("running {mnist}"))?;
+            anyhow::ensure!(
+                out.status.success(),
+                "mnist {extra:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let s = last_json(&String::from_utf8_lossy(&out.stdout))?;
+            s["train_seconds"]
+                .as_f64()
+                .context("the summary has train_seconds")
+        };
+        let (mut local, mut remote, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        for rep in 0..reps {
+            let dir = tmp.join(format!("local-{rep}"));
+            let l = train(&["--save-folder".into(), dir.display().to_string()])?;
+            let r = train(&[
+                "--save-folder".into(),
+                format!("s3://bench/run-{rep}"),
+                "--checkpoint-cache".into(),
+                tmp.join(format!("cache-{rep}")).display().to_string(),
+            ])?;
+            local.push(l);
+            remote.push(r);
+            ratios.push(r / l);
+        }
+        let (l, lmin, lmax) = median_range(&mut local);
+        let (r, rmin, rmax) = median_range(&mut remote);
+        let (q, qmin, qmax) = median_range(&mut ratios);
+        let md = format!(
+            "{}\n\nTraining time of one MNIST epoch with a checkpoint every 20 batches ({reps} interleaved repetitions, 2 threads): saved locally {l:.2} s ({lmin:.2}-{lmax:.2}), saved locally and uploaded in the background {r:.2} s ({rmin:.2}-{rmax:.2}); ratio {q:.3} ({qmin:.3}-{qmax:.3}), goal <= 1.02.\n",
+            table(&io_text)
+        );
+        let json = serde_json::json!({
+            "server": "s3s-fs on 127.0.0.1",
+            "checkpoint_upload": io["remote"],
+            "bytes": io["bytes"],
+            "train_seconds_local": l,
+            "train_seconds_local_min_max": [lmin, lmax],
+            "train_seconds_uploading": r,
+            "train_seconds_uploading_min_max": [rmin, rmax],
+            "step_time_uploading_over_local": q,
+            "step_time_ratio_min_max": [qmin, qmax],
+            "reps": reps,
+        });
+        Ok((json, md))
+    })();
+    let _ = server.kill();
+    let _ = server.wait();
+    let _ = std::fs::remove_dir_all(&tmp);
+    result.map(Some)
+}
+
 /// Whether OpenMPI's launcher is installed.
 fn have_mpirun() -> bool {
     Command::new("mpirun").arg("--version").output().is_ok()
@@ -1072,10 +1217,15 @@ fn main() -> Result<()> {
             no_burn_train,
             only,
         } => match only {
-            Some(_) => {
+            Some(section) => {
                 for b in backend.each() {
-                    let (json, md) = gpt_bench(b)?;
-                    let path = format!("target/bench/{}-gpt.json", b.name());
+                    let (json, md) = if section == "s3" {
+                        object_store_bench(b, quick)?
+                            .context("s3s-fs is not installed (cargo install s3s-fs --version 0.14.1 --locked --features binary)")?
+                    } else {
+                        gpt_bench(b)?
+                    };
+                    let path = format!("target/bench/{}-{section}.json", b.name());
                     std::fs::create_dir_all("target/bench")?;
                     std::fs::write(&path, serde_json::to_string_pretty(&json)?)?;
                     println!("{md}\nwritten: {path}");
