@@ -386,7 +386,9 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     // A resumed run appends to the logs of the run it continues.
     let ck = &args.checkpoint;
     let resuming = resume.is_some() || (ck.load.is_some() && !ck.weights_only);
-    let log_sync = args.logs.start_log_sync(main)?;
+    let log_sync = args
+        .logs
+        .start_log_sync(main, args.checkpoint.save_location()?.as_ref())?;
     let (mut builder, plot) = args.logs.observe(
         builder,
         args.log_every,

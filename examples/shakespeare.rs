@@ -294,11 +294,11 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let split = ShakespeareSplit::load_with(&path, choice)?;
     // The checkpoints of a folder were trained with one tokenizer: kept beside them, and
     // compared on every later run and on --load.
-    if let Some(folder) = &args.checkpoint.local_folder() {
+    if let Some(folder) = &args.checkpoint.local_folder()? {
         split.tokenizer.keep_beside(folder)?;
     }
     // (A checkpoint loaded from an object store has no tokenizer beside it: not checked.)
-    if let Some(Location::Local(dir)) = &args.checkpoint.load {
+    if let Some(Location::Local(dir)) = &args.checkpoint.load_location()? {
         let beside = [
             dir.join(TOKENIZER_FILE),
             dir.join("..").join(TOKENIZER_FILE),
@@ -497,7 +497,9 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         builder = builder.callback(saver);
     }
     let (restore, resuming) = args.checkpoint.restore()?;
-    let log_sync = args.logs.start_log_sync(true)?;
+    let log_sync = args
+        .logs
+        .start_log_sync(true, args.checkpoint.save_location()?.as_ref())?;
     let (mut builder, plot) =
         args.logs
             .observe(builder, args.log_every, &device, None, resuming, true)?;

@@ -137,8 +137,11 @@ pub struct CheckpointArgs {
     /// az://). A remote checkpoint is written and verified in a local folder first
     /// (--checkpoint-cache), then uploaded in the background; credentials come from the
     /// environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION).
+    ///
+    /// (Parsed after the command line, so that an error never repeats a URI's text, which
+    /// may hold credentials pasted by mistake.)
     #[arg(long)]
-    pub save_folder: Option<Location>,
+    pub save_folder: Option<String>,
     /// How often to save (ep, ba, sp, tok or dur); the state at the end of training is
     /// always saved too.
     #[arg(long, default_value = "1ep")]
@@ -174,7 +177,7 @@ pub struct CheckpointArgs {
     /// or s3://bucket/prefix/<name> (or .../latest): downloaded and verified first, an error if
     /// damaged.
     #[arg(long)]
-    pub load: Option<Location>,
+    pub load: Option<String>,
     /// With --load: take the model weights only and start a new run from them.
     #[arg(long)]
     pub weights_only: bool,
@@ -203,18 +206,41 @@ impl CheckpointArgs {
             .unwrap_or_else(remote::default_cache_base)
     }
 
+    /// --save-folder, parsed.
+    pub fn save_location(&self) -> anyhow::Result<Option<Location>> {
+        let location = self
+            .save_folder
+            .as_deref()
+            .map(Location::parse)
+            .transpose()?;
+        if let Some(Location::Remote(uri)) = &location {
+            // Keep-N lists and deletes under the prefix: a bare bucket would be shared with
+            // anything else in it.
+            anyhow::ensure!(
+                !uri.prefix().is_empty(),
+                "--save-folder {uri}: give a prefix under the bucket for this run's checkpoints (such as {uri}/my-run)"
+            );
+        }
+        Ok(location)
+    }
+
+    /// --load, parsed.
+    pub fn load_location(&self) -> anyhow::Result<Option<Location>> {
+        Ok(self.load.as_deref().map(Location::parse).transpose()?)
+    }
+
     /// The local folder checkpoints are written to and resumed from: --save-folder itself,
     /// or its cache folder when it is an object store.
-    pub fn local_folder(&self) -> Option<PathBuf> {
-        self.save_folder.as_ref().map(|l| match l {
-            Location::Local(p) => p.clone(),
-            Location::Remote(uri) => remote::cache_folder(&self.cache_base(), uri),
-        })
+    pub fn local_folder(&self) -> anyhow::Result<Option<PathBuf>> {
+        Ok(self.save_location()?.map(|l| match l {
+            Location::Local(p) => p,
+            Location::Remote(uri) => remote::cache_folder(&self.cache_base(), &uri),
+        }))
     }
 
     /// The saver these options ask for, if any.
     pub fn saver(&self) -> anyhow::Result<Option<Saver>> {
-        let (Some(location), Some(folder)) = (&self.save_folder, self.local_folder()) else {
+        let (Some(location), Some(folder)) = (self.save_location()?, self.local_folder()?) else {
             return Ok(None);
         };
         let mut config = SaverConfig::new(folder);
@@ -223,7 +249,7 @@ impl CheckpointArgs {
         config.async_write = self.save_async;
         config.weights_only = self.save_weights_only;
         config.overwrite = self.overwrite;
-        if let Location::Remote(uri) = location {
+        if let Location::Remote(uri) = &location {
             config.remote = Some(connect(uri)?);
         }
         Ok(Some(Saver::new(
@@ -252,7 +278,7 @@ impl CheckpointArgs {
     /// The restore `--load` asks for, if any (an object-store checkpoint is downloaded and
     /// verified here).
     pub fn load_restore(&self) -> anyhow::Result<Option<CheckpointRestore>> {
-        Ok(match &self.load {
+        Ok(match &self.load_location()? {
             None => None,
             Some(Location::Local(path)) => Some(CheckpointRestore::new(path, self.load_options())),
             Some(Location::Remote(uri)) => {
@@ -276,11 +302,11 @@ impl CheckpointArgs {
     /// the folder (it may move damaged checkpoints aside); the others read what it left.
     pub fn autoresume(&self, main: bool) -> anyhow::Result<Option<CheckpointRestore>> {
         let (Some(location), Some(folder), true) =
-            (&self.save_folder, self.local_folder(), self.autoresume)
+            (self.save_location()?, self.local_folder()?, self.autoresume)
         else {
             return Ok(None);
         };
-        Ok(match (location, main) {
+        Ok(match (&location, main) {
             (Location::Local(_), true) => {
                 flashover::checkpoint::autoresume_with(&folder, self.autoresume_options())?
             }
@@ -343,7 +369,7 @@ pub struct LogArgs {
     /// folder lacks are downloaded first (a resumed run continues the same logs), then
     /// changed files are uploaded every --upload-logs-every and at the end of the run.
     #[arg(long, requires = "log_dir")]
-    pub upload_logs: Option<RemoteUri>,
+    pub upload_logs: Option<String>,
     /// How often --upload-logs uploads (a time with a unit: 30s, 2m).
     #[arg(long, default_value = "30s", value_parser = parse_seconds)]
     pub upload_logs_every: std::time::Duration,
@@ -447,11 +473,34 @@ impl LogArgs {
     /// With --upload-logs on the process that writes the logs: downloads what the log folder
     /// lacks and starts the background uploads. Call before `observe` (the loggers append to
     /// the downloaded files); call `finish` on the result after the last log line is written.
-    pub fn start_log_sync(&self, main: bool) -> anyhow::Result<Option<LogSync>> {
-        let (Some(uri), Some(dir), true) = (&self.upload_logs, &self.log_dir, main) else {
+    ///
+    /// `checkpoints` is the run's --save-folder: the two prefixes may not contain each other
+    /// (the logs would be listed as checkpoints, and the checkpoints downloaded as logs).
+    pub fn start_log_sync(
+        &self,
+        main: bool,
+        checkpoints: Option<&Location>,
+    ) -> anyhow::Result<Option<LogSync>> {
+        let (Some(text), Some(dir), true) = (&self.upload_logs, &self.log_dir, main) else {
             return Ok(None);
         };
-        let store = connect(uri)?;
+        let uri = RemoteUri::parse(text)?;
+        anyhow::ensure!(
+            !uri.prefix().is_empty(),
+            "--upload-logs {uri}: give a prefix under the bucket for this run's logs (such as {uri}/my-run-logs)"
+        );
+        if let Some(Location::Remote(ck)) = checkpoints {
+            let within = |a: &RemoteUri, b: &RemoteUri| {
+                a.scheme() == b.scheme()
+                    && a.bucket() == b.bucket()
+                    && a.prefix().starts_with(b.prefix())
+            };
+            anyhow::ensure!(
+                !within(&uri, ck) && !within(ck, &uri),
+                "--upload-logs {uri} and --save-folder {ck} overlap: give the logs and the checkpoints separate prefixes"
+            );
+        }
+        let store = connect(&uri)?;
         Ok(Some(
             LogSync::start(store, dir, self.upload_logs_every)
                 .with_context(|| format!("--upload-logs {uri}"))?,

@@ -263,13 +263,16 @@ fn damaged_and_incomplete_remote_checkpoints_are_skipped_by_autoresume_and_refus
     ]);
     let out = run_example_env("mnist", &short_args(&a), &env);
     assert!(out.status.success(), "{}", out.stderr);
-    for n in [&n16, &n24, &n32] {
-        assert!(
-            out.stderr.contains(&format!("d/{n}")),
-            "{n} not named:\n{}",
-            out.stderr
-        );
-    }
+    // Each is named in its skip warning, and the run resumed from batch 8.
+    let warned = |kind: &str, n: &str| {
+        out.stderr
+            .lines()
+            .any(|l| l.contains(kind) && l.contains(&format!("s3://runs/d/{n}")))
+    };
+    assert!(warned("skipping an incomplete", &n16), "{}", out.stderr);
+    assert!(warned("skipping a damaged", &n24), "{}", out.stderr);
+    assert!(warned("skipping a damaged", &n32), "{}", out.stderr);
+    assert!(warned("downloaded and verified", &n8), "{}", out.stderr);
     assert_eq!(outcome(out.summary.as_ref().unwrap()), outcome(&straight));
     assert!(server
         .object("runs", &format!("d/{n32}/manifest.json.damaged"))
@@ -326,6 +329,50 @@ fn bad_settings_are_clear_errors_and_the_secret_never_leaks() {
     fail("s3://Runs/x", &env, &["\"Runs\"", "bucket"]);
     fail("s3://runs/a/../b", &env, &["\"..\""]);
     fail("ftp://runs/x", &env, &["\"ftp\"", "s3, gs or az"]);
+    fail("s3://runs", &env, &["give a prefix"]);
+    let text = fail(
+        "s3://AKIAEXAMPLE:pasted-s3cret@runs/x",
+        &env,
+        &["without credentials"],
+    );
+    assert!(!text.contains("pasted-s3cret"), "{text}");
+    let out = run_example_env(
+        "mnist",
+        &short_args(&[
+            "--save-folder",
+            "s3://runs/x",
+            "--save-name",
+            "ep {epoch}",
+            "--checkpoint-cache",
+            cache,
+        ]),
+        &env,
+    );
+    assert!(
+        !out.status.success() && out.stderr.contains("name_template"),
+        "{}",
+        out.stderr
+    );
+    let logs_dir = tmp.path().join("l");
+    let out = run_example_env(
+        "mnist",
+        &short_args(&[
+            "--save-folder",
+            "s3://runs/x",
+            "--checkpoint-cache",
+            cache,
+            "--log-dir",
+            logs_dir.to_str().unwrap(),
+            "--upload-logs",
+            "s3://runs/x/logs",
+        ]),
+        &env,
+    );
+    assert!(
+        !out.status.success() && out.stderr.contains("overlap"),
+        "{}",
+        out.stderr
+    );
     let no_keys: Vec<(&str, String)> = env
         .iter()
         .filter(|(k, _)| !k.contains("KEY"))
@@ -603,6 +650,19 @@ fn the_store_round_trips_multipart_objects_and_keeps_to_its_prefix() {
     store.delete(&["ck", "big.bin"]).unwrap();
     store.delete(&["ck", "big.bin"]).unwrap(); // deleting what is gone is fine
     assert_eq!(store.get(&["ck", "big.bin"]).unwrap(), None);
+    // Neighbours that share the prefix's text are not under it.
+    for sibling in ["s3://runs/p/qx", "s3://runs/p/q2"] {
+        let other = RemoteStore::connect_with_config(
+            &RemoteUri::parse(sibling).unwrap(),
+            &RemoteSettings::default(),
+            config.clone(),
+        )
+        .unwrap();
+        other.put(&["ck", "other.bin"], vec![7]).unwrap();
+        other.put(&["elsewhere", "x"], vec![7]).unwrap();
+    }
+    assert_eq!(store.list_dirs(&[]).unwrap(), ["ck"]);
+    assert_eq!(store.list_files(&["ck"]).unwrap().len(), 1);
     // Keys leave the prefix through no segment; a bad one is an error naming it.
     for bad in ["..", "", "a/b", "x y"] {
         let err = store.put(&[bad], vec![1]).unwrap_err().to_string();

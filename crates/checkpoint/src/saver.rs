@@ -346,6 +346,17 @@ impl Saver {
         let uploader = match &config.remote {
             None => None,
             Some(store) => {
+                // A name that can be a folder but not a key would save locally and never
+                // upload: refused now. (Templates render digits into their fields, so the
+                // rendering at time zero shows every literal character.)
+                let name = render_name(&config.name_template, &Timestamp::default(), 0)?;
+                crate::remote::check_segment(&name).map_err(|e| CheckpointError::Config {
+                    name: "name_template",
+                    value: config.name_template.clone(),
+                    expected: format!(
+                        "a name that can be an object key with a remote store, not {e}"
+                    ),
+                })?;
                 store.check()?;
                 Some(crate::remote::sync::Uploader::start(
                     store.clone(),

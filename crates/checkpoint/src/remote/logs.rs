@@ -149,6 +149,7 @@ impl LogSync {
     /// call after the loggers have written their last lines (after `fit` and after the
     /// trainer is dropped). An upload that still fails is the error.
     pub fn finish(mut self) -> Result<(), CheckpointError> {
+        // Marks the sync finished for `Drop`.
         self.stop.take();
         let mut seen = self
             .handle
@@ -174,8 +175,18 @@ impl LogSync {
 
 impl Drop for LogSync {
     fn drop(&mut self) {
-        // Without `finish` (an error path), the thread stops and is not waited for.
-        self.stop.take();
-        self.handle.take();
+        // Without `finish` (an error path, when the logs matter most): one last upload
+        // attempt, after the background thread (bounded by the store's timeouts) stops.
+        if let Some(stop) = self.stop.take() {
+            drop(stop);
+            let mut seen = self
+                .handle
+                .take()
+                .and_then(|h| h.join().ok())
+                .unwrap_or_default();
+            if let Err(e) = sync_once(&self.store, &self.dir, &mut seen) {
+                tracing::warn!(error = %e, "the last log upload failed");
+            }
+        }
     }
 }

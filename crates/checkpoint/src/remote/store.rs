@@ -98,7 +98,8 @@ fn build_s3(
     use std::collections::BTreeMap;
     // The environment's AWS_* variables, then the explicit settings over them (by their
     // lowercase names, as the crate's own `from_env` reads them).
-    let mut vars: BTreeMap<String, String> = std::env::vars()
+    let mut vars: BTreeMap<String, String> = std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
         .filter(|(k, v)| k.starts_with("AWS_") && !v.is_empty())
         .map(|(k, v)| (k.to_ascii_lowercase(), v))
         .collect();
@@ -185,6 +186,30 @@ fn build_azure(
     Ok(Arc::new(store))
 }
 
+/// An error text with the server's XML answer cut down to its `Code` and `Message`: some
+/// answers (S3's SignatureDoesNotMatch) echo the canonical request, whose headers can carry
+/// a session token.
+fn without_body(text: &str) -> String {
+    let Some(start) = text.find("<?xml").or_else(|| text.find("<Error>")) else {
+        return text.to_string();
+    };
+    let tag = |name: &str| {
+        let open = format!("<{name}>");
+        let close = format!("</{name}>");
+        let from = text[start..].find(&open)? + start + open.len();
+        let to = text[from..].find(&close)? + from;
+        Some(text[from..to].to_string())
+    };
+    let mut out = text[..start].trim_end().to_string();
+    if let Some(code) = tag("Code") {
+        out.push_str(&format!(" {code}"));
+    }
+    if let Some(message) = tag("Message") {
+        out.push_str(&format!(": {message}"));
+    }
+    out
+}
+
 impl RemoteStore {
     /// The store for `uri`, with credentials from the environment and default settings. Makes
     /// no request; [`RemoteStore::check`] does.
@@ -205,6 +230,8 @@ impl RemoteStore {
     /// `aws_secret_access_key`, `aws_endpoint`, `aws_region`, ...), for credentials from a
     /// secrets manager or a test. An unknown key is an error naming the key (never the value).
     /// Only S3 takes settings this way; GCS and Azure read the environment.
+    ///
+    /// Not from inside an async runtime (an error there): the store blocks on its own.
     pub fn connect_with_config(
         uri: &RemoteUri,
         settings: &RemoteSettings,
@@ -254,6 +281,13 @@ impl RemoteStore {
                 return Err(missing(s));
             }
         };
+        if tokio::runtime::Handle::try_current().is_ok() {
+            // Its blocking calls would panic inside a runtime.
+            return Err(config_error(
+                uri,
+                "called from inside an async runtime: use the store from a plain thread (for example tokio's spawn_blocking)".into(),
+            ));
+        }
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -305,7 +339,7 @@ impl RemoteStore {
     ) -> CheckpointError {
         // The crate maps some statuses to variants and wraps others (a refused listing is a
         // "Generic" error with the server's 403 answer), so the answer's code is read too.
-        let text = e.to_string();
+        let text = without_body(&e.to_string());
         let said = |codes: &[&str]| codes.iter().any(|c| text.contains(c));
         let reason = if said(&["NoSuchBucket"]) {
             format!(
@@ -360,13 +394,30 @@ impl RemoteStore {
             if bytes.len() <= MULTIPART_THRESHOLD {
                 store.put(&key, PutPayload::from(bytes)).await.map(|_| ())
             } else {
+                // S3 allows 10,000 parts: larger parts for objects over about 78 GiB.
+                let part = PART_BYTES.max(bytes.len().div_ceil(10_000));
                 let upload = store.put_multipart(&key).await?;
-                let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
-                for chunk in bytes.chunks(PART_BYTES) {
-                    writer.wait_for_capacity(4).await?;
+                let mut writer = WriteMultipart::new_with_chunk_size(upload, part);
+                let mut sent = Ok(());
+                for chunk in bytes.chunks(part) {
+                    sent = writer.wait_for_capacity(4).await;
+                    if sent.is_err() {
+                        break;
+                    }
                     writer.write(chunk);
                 }
-                writer.finish().await.map(|_| ())
+                if sent.is_ok() {
+                    sent = writer.wait_for_capacity(0).await;
+                }
+                match sent {
+                    // A failed part aborts the upload, so that the store keeps no orphaned
+                    // parts (which S3 bills until a lifecycle rule removes them).
+                    Err(e) => {
+                        let _ = writer.abort().await;
+                        Err(e)
+                    }
+                    Ok(()) => writer.finish().await.map(|_| ()),
+                }
             }
         });
         result.map_err(|e| self.fail("upload", parts, e))

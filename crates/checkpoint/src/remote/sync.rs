@@ -116,6 +116,14 @@ pub fn download_checkpoint(
         )
     })?;
     let manifest = parse_manifest(&manifest_bytes, &manifest_uri)?;
+    for entry in &manifest.files {
+        if let Err(e) = super::uri::check_segment(&entry.name) {
+            return Err(CheckpointError::damaged(
+                &manifest_uri,
+                format!("lists a file name that cannot be a key: {e}"),
+            ));
+        }
+    }
     fs::create_dir_all(local).map_err(CheckpointError::io("create folder", local))?;
     let scratch = local.join(format!(".tmp-dl-{name}-{}", std::process::id()));
     if scratch.exists() {
@@ -289,6 +297,8 @@ pub fn load_remote(
     cache: &Path,
     options: LoadOptions,
 ) -> Result<CheckpointRestore, CheckpointError> {
+    // A missing bucket or refused credentials are said as such, not as a missing object.
+    store.check()?;
     let name = if name == LATEST {
         let bytes = store
             .get(&[LATEST])?
@@ -339,16 +349,18 @@ fn upload_files(
         Err(_) if !dir.exists() => return Ok(None),
         Err(e) => return Err(e),
     };
-    // A complete remote checkpoint of this name is another run's (autoresume marks the
-    // damaged ones it passes over as incomplete): replaced only when asked, as locally.
-    if !overwrite {
-        if let Some(existing) = store.get(&[name, MANIFEST])? {
-            if existing != manifest_bytes {
-                return Err(CheckpointError::Exists {
-                    path: PathBuf::from(store.describe(&[name])),
-                });
-            }
+    // A complete remote checkpoint of this name with another manifest is another run's
+    // (autoresume marks the damaged ones it passes over as incomplete): replaced only when
+    // asked, as locally.
+    match store.get(&[name, MANIFEST])? {
+        // Already complete in the store (an earlier attempt got this far).
+        Some(existing) if existing == manifest_bytes => return Ok(Some(manifest)),
+        Some(_) if !overwrite => {
+            return Err(CheckpointError::Exists {
+                path: PathBuf::from(store.describe(&[name])),
+            })
         }
+        _ => {}
     }
     store.delete(&[name, MANIFEST])?;
     for (file, bytes) in files {
@@ -368,10 +380,11 @@ pub fn upload_checkpoint(
     overwrite: bool,
 ) -> Result<(), CheckpointError> {
     if upload_files(store, local, name, overwrite)?.is_none() {
-        return Err(CheckpointError::damaged(
-            local.join(name),
-            "no such local checkpoint",
-        ));
+        return Err(CheckpointError::Io {
+            action: "upload",
+            path: local.join(name),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such local checkpoint"),
+        });
     }
     store.put(&[LATEST], name.as_bytes().to_vec())
 }
@@ -437,6 +450,8 @@ struct Worker {
     overwrite: bool,
     retry: UploadRetry,
     newest_uploaded: Option<u64>,
+    /// Checkpoints that no retry can upload (a name taken by another run's checkpoint).
+    permanent: Vec<String>,
 }
 
 impl Worker {
@@ -450,21 +465,33 @@ impl Worker {
             self.newest_uploaded = Some(manifest.batch);
         }
         tracing::info!(checkpoint = %self.store.describe(&[name]), "checkpoint uploaded");
-        self.rotate()?;
+        // The checkpoint is in the store: a failed rotation is retried after the next upload,
+        // not a reason to upload this one again.
+        if let Err(e) = self.rotate(name) {
+            tracing::warn!(error = %e, "rotating the remote checkpoints failed; retried after the next upload");
+        }
         Ok(Outcome::Done)
     }
 
-    /// Keep-N on the remote copies: the same policy as the local folder.
-    fn rotate(&self) -> Result<(), CheckpointError> {
+    /// Keep-N on the remote copies: the same policy as the local folder; the checkpoint just
+    /// uploaded, and the one `latest` names, are never deleted.
+    fn rotate(&self, uploaded: &str) -> Result<(), CheckpointError> {
         if self.keep == 0 {
             return Ok(());
         }
+        let latest = self
+            .store
+            .get(&[LATEST])?
+            .map(|b| String::from_utf8_lossy(&b).trim().to_string());
         let (found, _) = list_remote(&self.store)?;
         let existing: Vec<(String, u64)> = found
             .iter()
             .map(|c| (c.name.clone(), c.manifest.batch))
             .collect();
         for old in retention(&existing, self.keep) {
+            if old == uploaded || latest.as_deref() == Some(old.as_str()) {
+                continue;
+            }
             // The manifest first: a deletion cut short leaves an incomplete checkpoint, never
             // one that looks whole.
             self.store.delete(&[&old, MANIFEST])?;
@@ -501,6 +528,18 @@ impl Worker {
                     }
                     Ok(Outcome::Gone) => {
                         tracing::info!(checkpoint = %name, "rotated away locally before its upload; a newer checkpoint supersedes it");
+                        last = None;
+                        break;
+                    }
+                    Err(e @ (CheckpointError::Exists { .. } | CheckpointError::Config { .. })) => {
+                        // No retry can fix these: reported at the end, and the checkpoints
+                        // after it go on uploading.
+                        tracing::warn!(
+                            checkpoint = %self.store.describe(&[&name]),
+                            error = %e,
+                            "checkpoint cannot be uploaded"
+                        );
+                        self.permanent.push(format!("{name} ({e})"));
                         last = None;
                         break;
                     }
@@ -570,12 +609,12 @@ impl Worker {
                     self.round(&mut waiting);
                     for reply in flush {
                         self.round(&mut waiting);
-                        let _ = reply.send(failures(&waiting));
+                        let _ = reply.send(self.failures(&waiting));
                     }
                 }
                 Ok(Msg::Flush(reply)) => {
                     self.round(&mut waiting);
-                    let _ = reply.send(failures(&waiting));
+                    let _ = reply.send(self.failures(&waiting));
                 }
                 Err(RecvTimeoutError::Timeout) => self.round(&mut waiting),
                 Err(RecvTimeoutError::Disconnected) => return,
@@ -584,11 +623,18 @@ impl Worker {
     }
 }
 
-fn failures(waiting: &[(String, Option<String>)]) -> Vec<String> {
-    waiting
-        .iter()
-        .map(|(n, e)| format!("{n} ({})", e.as_deref().unwrap_or("not attempted")))
-        .collect()
+impl Worker {
+    fn failures(&self, waiting: &[(String, Option<String>)]) -> Vec<String> {
+        self.permanent
+            .iter()
+            .cloned()
+            .chain(
+                waiting
+                    .iter()
+                    .map(|(n, e)| format!("{n} ({})", e.as_deref().unwrap_or("not attempted"))),
+            )
+            .collect()
+    }
 }
 
 impl Uploader {
@@ -607,6 +653,7 @@ impl Uploader {
             overwrite,
             retry,
             newest_uploaded: None,
+            permanent: Vec::new(),
         };
         let handle = std::thread::Builder::new()
             .name("flashover-checkpoint-uploader".into())

@@ -90,11 +90,13 @@ pub fn check_segment(segment: &str) -> Result<(), String> {
 fn check_bucket(scheme: Scheme, bucket: &str) -> Result<(), String> {
     // The strictest common subset of S3's, GCS's and Azure's rules: 3 to 63 characters,
     // lowercase letters, digits, '-' and '.' (not Azure), starting and ending alphanumeric.
+    // GCS also allows '_'.
     let ok_char = |c: char| {
         c.is_ascii_lowercase()
             || c.is_ascii_digit()
             || c == '-'
             || (c == '.' && scheme != Scheme::Azure)
+            || (c == '_' && scheme == Scheme::Gcs)
     };
     let ends_ok = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
     if (3..=63).contains(&bucket.len())
@@ -120,6 +122,25 @@ impl RemoteUri {
             value: text.to_string(),
             expected: why,
         };
+        // Never echo what may hold credentials (user:secret@ in the authority, a presigned
+        // URL's query): the value in the error is cut down to the scheme.
+        let redacted = |why: &str| CheckpointError::Config {
+            name: "uri",
+            value: format!("{}://…", text.split_once("://").map_or("", |(s, _)| s)),
+            expected: why.to_string(),
+        };
+        if let Some((_, rest)) = text.split_once("://") {
+            if rest.split('/').next().is_some_and(|a| a.contains('@')) {
+                return Err(redacted(
+                    "a URI without credentials (no user:secret@; credentials come from the environment)",
+                ));
+            }
+            if rest.contains(['?', '#']) {
+                return Err(redacted(
+                    "no query or fragment ('?', '#'): a bucket and a prefix only (a presigned URL is not a location)",
+                ));
+            }
+        }
         let (scheme, rest) = text.split_once("://").ok_or_else(|| {
             bad("an object-store URI such as s3://bucket/prefix (schemes: s3, gs, az)".into())
         })?;
@@ -127,9 +148,6 @@ impl RemoteUri {
             .into_iter()
             .find(|s| s.as_str() == scheme)
             .ok_or_else(|| bad(format!("the scheme s3, gs or az, not {scheme:?}")))?;
-        if rest.contains(['?', '#']) {
-            return Err(bad("no query or fragment ('?', '#')".into()));
-        }
         let rest = rest.strip_suffix('/').unwrap_or(rest);
         let mut parts = rest.split('/');
         let bucket = parts.next().unwrap_or_default();
@@ -295,7 +313,8 @@ mod tests {
             ("s3://runs/../x", "\"..\""),
             ("s3://runs/a//b", "empty segment"),
             ("s3://runs/a b", "' '"),
-            ("s3://runs/a?x=1", "query"),
+            ("s3://runs/a?X-Amz-Signature=abc", "query"),
+            ("s3://AKIA:s3cret@runs/x", "without credentials"),
             ("az://my.container/x", "\"my.container\""),
         ] {
             let err = match Location::parse(text) {
@@ -305,6 +324,15 @@ mod tests {
             };
             assert!(err.contains(needle), "{text}: {err}");
         }
+        for leaky in [
+            "s3://AKIA:s3cret@runs/x",
+            "s3://runs/x?X-Amz-Signature=s3cret",
+        ] {
+            let err = RemoteUri::parse(leaky).unwrap_err().to_string();
+            assert!(!err.contains("s3cret"), "{err}");
+        }
+        assert!(RemoteUri::parse("gs://my_bucket/x").is_ok());
+        assert!(RemoteUri::parse("s3://my_bucket/x").is_err());
         assert!(RemoteUri::parse("s3://runs/x").unwrap().join("..").is_err());
         assert!(RemoteUri::parse("s3://runs/x")
             .unwrap()
