@@ -7,24 +7,10 @@
 //! never show the secret.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use flashover_tests::*;
-
-fn mnist_command(args: &[&str], env: &[(&str, String)]) -> Command {
-    let mut cmd = Command::new(example_bin("mnist"));
-    cmd.args(args).args(["--no-progress", "--backend", BACKEND]);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("AWS_") {
-            cmd.env_remove(k);
-        }
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd
-}
 
 /// The checkpoints under `prefix` of bucket `runs` that have a manifest, by batch.
 fn complete(server: &S3Server, prefix: &str) -> Vec<(u64, String)> {
@@ -453,7 +439,7 @@ fn a_stopped_server_delays_uploads_and_a_dead_one_is_an_error_at_the_end() {
             "--max-duration",
             "60ep",
         ]);
-        mnist_command(&args, &env)
+        example_command("mnist", &args, &env)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -563,7 +549,7 @@ fn sigkill_during_uploads_then_autoresume_on_a_new_disk_uses_the_newest_complete
         let cache = tmp.path().join(format!("c{i}"));
         let args = args_for(cache.to_str().unwrap());
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let mut child = mnist_command(&args, &env)
+        let mut child = example_command("mnist", &args, &env)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -266,22 +266,7 @@ pub fn run_mnist(args: &[&str]) -> RunOutput {
 /// Runs the example `name` with `args` (plus `--no-progress` and the suite's backend) and
 /// parses its summary line.
 pub fn run_example(name: &str, args: &[&str]) -> RunOutput {
-    let out = std::process::Command::new(example_bin(name))
-        .args(args)
-        .args(["--no-progress", "--backend", BACKEND])
-        .env("RUST_LOG", "info")
-        .output()
-        .expect("the example starts");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let summary = stdout
-        .lines()
-        .last()
-        .and_then(|l| serde_json::from_str(l).ok());
-    RunOutput {
-        status: out.status,
-        summary,
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    run_example_env(name, args, &[])
 }
 
 /// The arguments of a short MNIST run: 512 digits in batches of 32 (16 batches per epoch),
@@ -510,22 +495,30 @@ impl Drop for S3Server {
     }
 }
 
-/// Runs the example `name` with `args` (plus `--no-progress` and the suite's backend) and
-/// the environment `env` (added to the test's, after removing every `AWS_*` variable).
-pub fn run_example_env(name: &str, args: &[&str], env: &[(&str, String)]) -> RunOutput {
+/// The example `name` with `args` (plus `--no-progress`, the suite's backend and
+/// `RUST_LOG=info`) and the environment `env`, added to the test's after removing every
+/// `AWS_*` variable (so that only what a test gives reaches an object store).
+pub fn example_command(name: &str, args: &[&str], env: &[(&str, String)]) -> std::process::Command {
     let mut cmd = std::process::Command::new(example_bin(name));
     cmd.args(args)
         .args(["--no-progress", "--backend", BACKEND])
         .env("RUST_LOG", "info");
-    for (k, _) in std::env::vars() {
-        if k.starts_with("AWS_") {
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("AWS_") {
             cmd.env_remove(k);
         }
     }
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().expect("the example starts");
+    cmd
+}
+
+/// [`run_example`] with the environment `env` (see [`example_command`]).
+pub fn run_example_env(name: &str, args: &[&str], env: &[(&str, String)]) -> RunOutput {
+    let out = example_command(name, args, env)
+        .output()
+        .expect("the example starts");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let summary = stdout
         .lines()

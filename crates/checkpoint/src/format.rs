@@ -169,21 +169,32 @@ pub fn write_checkpoint(
             .map_err(CheckpointError::io("write", &path))?;
         f.sync_all().map_err(CheckpointError::io("sync", &path))?;
         sync_dir(&tmp);
-        if target.exists() {
-            let trash = folder.join(format!(".trash-{name}-{}", std::process::id()));
-            fs::rename(&target, &trash).map_err(CheckpointError::io("move aside", &target))?;
-            fs::rename(&tmp, &target).map_err(CheckpointError::io("rename into", &target))?;
-            let _ = fs::remove_dir_all(&trash);
-        } else {
-            fs::rename(&tmp, &target).map_err(CheckpointError::io("rename into", &target))?;
-        }
-        sync_dir(folder);
-        Ok(target.clone())
+        rename_into_place(folder, &tmp, name)
     })();
     if result.is_err() {
         let _ = fs::remove_dir_all(&tmp);
     }
     result
+}
+
+/// Renames the finished scratch directory `tmp` to `folder/name`, replacing a directory of
+/// that name (moved aside first, then deleted), and syncs the folder.
+pub(crate) fn rename_into_place(
+    folder: &Path,
+    tmp: &Path,
+    name: &str,
+) -> Result<PathBuf, CheckpointError> {
+    let target = folder.join(name);
+    if target.exists() {
+        let trash = folder.join(format!(".trash-{name}-{}", std::process::id()));
+        fs::rename(&target, &trash).map_err(CheckpointError::io("move aside", &target))?;
+        fs::rename(tmp, &target).map_err(CheckpointError::io("rename into", &target))?;
+        let _ = fs::remove_dir_all(&trash);
+    } else {
+        fs::rename(tmp, &target).map_err(CheckpointError::io("rename into", &target))?;
+    }
+    sync_dir(folder);
+    Ok(target)
 }
 
 fn safe_entry(name: &str) -> bool {

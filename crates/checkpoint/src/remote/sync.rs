@@ -152,17 +152,7 @@ pub fn download_checkpoint(
         }
         write_synced(&scratch.join(MANIFEST), &manifest_bytes)?;
         sync_dir(&scratch);
-        let target = local.join(name);
-        if target.exists() {
-            let trash = local.join(format!(".trash-{name}-{}", std::process::id()));
-            fs::rename(&target, &trash).map_err(CheckpointError::io("move aside", &target))?;
-            fs::rename(&scratch, &target).map_err(CheckpointError::io("rename into", &target))?;
-            let _ = fs::remove_dir_all(&trash);
-        } else {
-            fs::rename(&scratch, &target).map_err(CheckpointError::io("rename into", &target))?;
-        }
-        sync_dir(local);
-        Ok(target)
+        crate::format::rename_into_place(local, &scratch, name)
     })();
     if result.is_err() {
         let _ = fs::remove_dir_all(&scratch);
