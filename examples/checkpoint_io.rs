@@ -135,8 +135,15 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();
+            // Each repetition uploads under its own prefix, as a trainer uploads each
+            // checkpoint under a new name: replacing a checkpoint first downloads the old
+            // manifest, which s3s-fs answers in two TCP writes that Nagle's algorithm and
+            // delayed ACKs stall for 40 ms on loopback (seen with strace).
+            let rep_store = flashover::checkpoint::remote::RemoteStore::connect(
+                &args.remote.as_ref().expect("a store needs --remote").join(&format!("rep{rep}"))?,
+            )?;
             let t = Instant::now();
-            flashover::checkpoint::remote::upload_checkpoint(store, &folder, &name, true)?;
+            flashover::checkpoint::remote::upload_checkpoint(&rep_store, &folder, &name, false)?;
             let upload_s = t.elapsed().as_secs_f64();
             let files: Vec<(String, Vec<u8>)> = fs::read_dir(&ck)?
                 .map(|e| {

@@ -405,6 +405,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         builder = builder.restore(restore);
     }
     let mut trainer = builder.build()?;
+    let wall_before = trainer.state().timestamp.run_wall_time;
     let report = if trainer.is_finished() {
         // A run resumed from its final checkpoint: nothing left to train.
         tracing::info!(at = %trainer.state().timestamp, "max_duration already reached; evaluating only");
@@ -438,12 +439,19 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     let state = trainer.state();
     let ts = &state.timestamp;
     let train_seconds = report.wall.as_secs_f64();
+    // The run's clock stops at the last batch end; what `fit` took after it is FIT_END: the
+    // wait for the last checkpoint's write (and upload, with a remote save folder) and the
+    // callbacks' end of run.
+    let fit_end_wait_seconds = (train_seconds
+        - ts.run_wall_time.saturating_sub(wall_before).as_secs_f64())
+    .max(0.0);
     let summary = json!({
         "test_accuracy": test.get("accuracy"),
         "test_top2_accuracy": test.get("top2_accuracy"),
         "test_loss": test.get("loss"),
         "wall_seconds": started.elapsed().as_secs_f64(),
         "train_seconds": train_seconds,
+        "fit_end_wait_seconds": fit_end_wait_seconds,
         "samples_per_second": report.samples as f64 / train_seconds.max(f64::MIN_POSITIVE),
         "data_wait_fraction": report.data_wait.as_secs_f64() / train_seconds.max(f64::MIN_POSITIVE),
         "params_sha256": digest,

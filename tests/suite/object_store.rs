@@ -478,6 +478,12 @@ fn a_stopped_server_delays_uploads_and_a_dead_one_is_an_error_at_the_end() {
     assert_eq!(remote_latest(&server, "paused"), 960, "{stderr}");
     let summary: serde_json::Value =
         serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
+    // The wait for the last upload is part of the training time, and only a part of it.
+    let (train, wait) = (
+        summary["train_seconds"].as_f64().unwrap(),
+        summary["fit_end_wait_seconds"].as_f64().unwrap(),
+    );
+    assert!((0.0..train).contains(&wait), "FIT_END waited {wait} s of {train} s");
     // What the store holds resumes to the same bits on a new disk (nothing left to train).
     let fresh = tmp.path().join("c2");
     let again = run_example_env(
@@ -678,4 +684,84 @@ fn the_store_round_trips_multipart_objects_and_keeps_to_its_prefix() {
         !text.contains("not-the-secret-42") && !text.contains(S3_SECRET_KEY),
         "{text}"
     );
+}
+
+/// The nice values of the threads of process `pid` whose name starts with `prefix`, or of its
+/// main thread (the one whose id is `pid`) for `None` (Linux's `/proc/<pid>/task/<tid>/stat`,
+/// field 19; names are cut to 15 bytes there).
+#[cfg(target_os = "linux")]
+fn thread_nice(pid: u32, prefix: Option<&str>) -> Vec<i64> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            // "tid (name) state ppid ...": the name may hold spaces, so split after its ')'.
+            let (head, rest) = stat.rsplit_once(')')?;
+            let (tid, name) = head.split_once(" (")?;
+            let chosen = match prefix {
+                Some(p) => name.starts_with(p),
+                None => tid == pid.to_string(),
+            };
+            if !chosen {
+                return None;
+            }
+            // After the name, field 3 (state) is the first: nice is field 19.
+            rest.split_whitespace().nth(19 - 3)?.parse().ok()
+        })
+        .collect()
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn the_upload_threads_run_below_the_training_threads_priority() {
+    let Some(server) = S3Server::start(&["runs"]) else {
+        return;
+    };
+    let env = server.env();
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let logs = tmp.path().join("logs");
+    // Long enough to be looked at; killed once both threads are seen.
+    let args = short_args(&[
+        "--save-folder",
+        "s3://runs/nice",
+        "--save-interval",
+        "1ba",
+        "--checkpoint-cache",
+        cache.to_str().unwrap(),
+        "--log-dir",
+        logs.to_str().unwrap(),
+        "--upload-logs",
+        "s3://runs/nice-logs",
+        "--max-duration",
+        "200ep",
+    ]);
+    let mut child = example_command("mnist", &args, &env)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let t = Instant::now();
+    let (mut checkpoints, mut logs_seen, mut main) = (Vec::new(), Vec::new(), Vec::new());
+    while t.elapsed() < Duration::from_secs(60) && child.try_wait().unwrap().is_none() {
+        checkpoints = thread_nice(pid, Some("flashover-check"));
+        logs_seen = thread_nice(pid, Some("flashover-log-u"));
+        main = thread_nice(pid, None);
+        let want = main.first().map(|&n| n.max(10));
+        if want.is_some() && checkpoints.first() == want.as_ref() && logs_seen.first() == want.as_ref() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    child.wait().unwrap();
+    // The training thread keeps the process's nice value (0 unless the tests run niced); the
+    // upload threads are at 10 or, in a nicer process, at its value.
+    assert_eq!(main.len(), 1, "the main thread: {main:?}");
+    let want = main[0].max(10);
+    assert_eq!(checkpoints, [want], "the checkpoint uploader's nice value (training's: {})", main[0]);
+    assert_eq!(logs_seen, [want], "the log uploader's nice value (training's: {})", main[0]);
 }

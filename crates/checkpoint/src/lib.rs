@@ -42,7 +42,8 @@
 //! autoresume) hold an OS lock on `<folder>/.lock`, released when the process ends however it
 //! ends, and a second process fails at once with an error naming the holder.
 #![warn(missing_docs)]
-#![forbid(unsafe_code)]
+// `deny`, not `forbid`: `remote::lower_thread_priority` allows one `setpriority` call.
+#![deny(unsafe_code)]
 
 mod error;
 pub mod format;

@@ -125,6 +125,7 @@ impl LogSync {
         let handle = std::thread::Builder::new()
             .name("flashover-log-uploader".into())
             .spawn(move || {
+                super::lower_thread_priority();
                 loop {
                     match stopped.recv_timeout(interval) {
                         Err(RecvTimeoutError::Timeout) => {

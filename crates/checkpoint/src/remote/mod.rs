@@ -19,6 +19,64 @@ pub mod store;
 #[cfg(feature = "remote")]
 pub mod sync;
 
+/// The nice value of the background upload threads (the checkpoint uploader and the log
+/// mirror) on Linux: at least 10, so that when every core is busy the training threads get the
+/// CPU first (a nice-10 thread weighs about a tenth of a nice-0 one in Linux's fair scheduler)
+/// and the uploads still progress; on idle cores it changes nothing. A process already nicer
+/// than that keeps its value.
+#[cfg(feature = "remote")]
+pub const BACKGROUND_NICE: i32 = 10;
+
+/// Lowers the calling thread's scheduling priority to [`BACKGROUND_NICE`] if it is higher
+/// (Linux only; elsewhere a no-op, since there `setpriority` would lower the whole process).
+/// Best effort: a refusal is logged and the upload goes on at its priority.
+#[cfg(feature = "remote")]
+pub(crate) fn lower_thread_priority() {
+    #[cfg(target_os = "linux")]
+    if thread_nice() < BACKGROUND_NICE {
+        // SAFETY: `setpriority` takes no pointers; with PRIO_PROCESS and `who` 0 Linux applies
+        // the nice value to the calling thread alone (the nice value is per thread under NPTL,
+        // see setpriority(2), BUGS). Raising a nice value needs no privilege.
+        #[allow(unsafe_code)]
+        let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, BACKGROUND_NICE) };
+        if rc != 0 {
+            tracing::warn!(
+                error = %std::io::Error::last_os_error(),
+                "could not lower the upload thread's priority; it runs at the training's"
+            );
+        }
+    }
+}
+
+/// The calling thread's nice value (Linux only).
+#[cfg(all(feature = "remote", target_os = "linux"))]
+pub(crate) fn thread_nice() -> i32 {
+    // SAFETY: `getpriority` takes no pointers. With PRIO_PROCESS and `who` 0 it cannot fail,
+    // so its -1 is the nice value -1, not an error.
+    #[allow(unsafe_code)]
+    unsafe {
+        libc::getpriority(libc::PRIO_PROCESS, 0)
+    }
+}
+
+#[cfg(all(test, feature = "remote", target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_calling_thread_is_lowered() {
+        let before = thread_nice();
+        let lowered = std::thread::spawn(|| {
+            lower_thread_priority();
+            thread_nice()
+        })
+        .join()
+        .unwrap();
+        assert_eq!(lowered, before.max(BACKGROUND_NICE));
+        assert_eq!(thread_nice(), before, "the spawning thread kept its priority");
+    }
+}
+
 pub use uri::{check_segment, Location, RemoteUri, Scheme};
 
 #[cfg(feature = "remote")]

@@ -423,6 +423,16 @@ impl RemoteStore {
         result.map_err(|e| self.fail("upload", parts, e))
     }
 
+    /// Whether there is an object at `parts` (a HEAD request: no body comes back).
+    pub fn exists(&self, parts: &[&str]) -> Result<bool, CheckpointError> {
+        let key = self.key(parts)?;
+        match self.runtime.block_on(self.store.head(&key)) {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(self.fail("look up", parts, e)),
+        }
+    }
+
     /// The object at `parts`, or `None` if there is none.
     pub fn get(&self, parts: &[&str]) -> Result<Option<Vec<u8>>, CheckpointError> {
         let key = self.key(parts)?;

@@ -23,6 +23,7 @@
 //! the manifest, and renames the directory into place: the local copy is then an ordinary,
 //! verified checkpoint.
 
+use std::collections::{HashMap, HashSet};
 use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -342,7 +343,13 @@ fn upload_files(
     // A complete remote checkpoint of this name with another manifest is another run's
     // (autoresume marks the damaged ones it passes over as incomplete): replaced only when
     // asked, as locally.
-    match store.get(&[name, MANIFEST])? {
+    // A HEAD first: a new name (the usual case) costs no download.
+    let existing = if store.exists(&[name, MANIFEST])? {
+        store.get(&[name, MANIFEST])?
+    } else {
+        None
+    };
+    match existing {
         // Already complete in the store (an earlier attempt got this far).
         Some(existing) if existing == manifest_bytes => return Ok(Some(manifest)),
         Some(_) if !overwrite => {
@@ -407,7 +414,9 @@ enum Msg {
 }
 
 /// The background uploader a saver with a remote runs: checkpoints it is told about are
-/// uploaded in order on its own thread, so training never waits for the network.
+/// uploaded in order on its own thread, so training never waits for the network; the thread
+/// runs at a lower priority ([`super::BACKGROUND_NICE`]), so it takes no CPU time from
+/// training when every core is busy.
 pub(crate) struct Uploader {
     tx: Option<Sender<Msg>>,
     handle: Option<JoinHandle<()>>,
@@ -442,6 +451,17 @@ struct Worker {
     newest_uploaded: Option<u64>,
     /// Checkpoints that no retry can upload (a name taken by another run's checkpoint).
     permanent: Vec<String>,
+    /// What this run knows of the prefix, so that rotation lists it once per upload instead
+    /// of downloading every manifest and `latest` again: the batch of each complete remote
+    /// checkpoint it uploaded or read, ...
+    complete: HashMap<String, u64>,
+    /// ... the names it found without a readable manifest (left alone, as by
+    /// [`list_remote`]), ...
+    passed_over: HashSet<String>,
+    /// ... and what `latest` names (`None` until read or written). The uploader is the
+    /// prefix's one writer while the run lasts (as the local folder's lock makes the saver
+    /// the local folder's), so what it wrote stays true.
+    latest: Option<Option<String>>,
 }
 
 impl Worker {
@@ -449,9 +469,14 @@ impl Worker {
         let Some(manifest) = upload_files(&self.store, &self.local, name, self.overwrite)? else {
             return Ok(Outcome::Gone);
         };
+        self.passed_over.remove(name);
+        self.complete.insert(name.to_string(), manifest.batch);
         // `latest` moves forward only: a retried older checkpoint does not take it back.
         if self.newest_uploaded.is_none_or(|b| manifest.batch >= b) {
+            // Unknown while the request is out: a failed put may or may not have landed.
+            self.latest = None;
             self.store.put(&[LATEST], name.as_bytes().to_vec())?;
+            self.latest = Some(Some(name.to_string()));
             self.newest_uploaded = Some(manifest.batch);
         }
         tracing::info!(checkpoint = %self.store.describe(&[name]), "checkpoint uploaded");
@@ -465,26 +490,65 @@ impl Worker {
 
     /// Keep-N on the remote copies: the same policy as the local folder; the checkpoint just
     /// uploaded, and the one `latest` names, are never deleted.
-    fn rotate(&self, uploaded: &str) -> Result<(), CheckpointError> {
+    fn rotate(&mut self, uploaded: &str) -> Result<(), CheckpointError> {
         if self.keep == 0 {
             return Ok(());
         }
-        let latest = self
-            .store
-            .get(&[LATEST])?
-            .map(|b| String::from_utf8_lossy(&b).trim().to_string());
-        let (found, _) = list_remote(&self.store)?;
-        let existing: Vec<(String, u64)> = found
+        let latest = match &self.latest {
+            Some(known) => known.clone(),
+            None => {
+                let read = self
+                    .store
+                    .get(&[LATEST])?
+                    .map(|b| String::from_utf8_lossy(&b).trim().to_string());
+                self.latest = Some(read.clone());
+                read
+            }
+        };
+        // One listing; only the names this run has not seen yet have their manifest read
+        // (the same choice as `list_remote`: a name that cannot be a key, a hidden one, or
+        // one without a readable manifest is left alone).
+        let names = self.store.list_dirs(&[])?;
+        self.complete.retain(|n, _| names.contains(n));
+        self.passed_over.retain(|n| names.contains(n));
+        for name in names {
+            if self.complete.contains_key(&name) || self.passed_over.contains(&name) {
+                continue;
+            }
+            if super::uri::check_segment(&name).is_err() || name.starts_with('.') {
+                self.passed_over.insert(name);
+                continue;
+            }
+            let uri = PathBuf::from(self.store.describe(&[&name, MANIFEST]));
+            match self.store.get(&[&name, MANIFEST])? {
+                Some(bytes) => match parse_manifest(&bytes, &uri) {
+                    Ok(m) => {
+                        self.complete.insert(name, m.batch);
+                    }
+                    Err(CheckpointError::Damaged { .. }) => {
+                        self.passed_over.insert(name);
+                    }
+                    Err(e) => return Err(e),
+                },
+                None => {
+                    self.passed_over.insert(name);
+                }
+            }
+        }
+        let existing: Vec<(String, u64)> = self
+            .complete
             .iter()
-            .map(|c| (c.name.clone(), c.manifest.batch))
+            .map(|(n, b)| (n.clone(), *b))
             .collect();
         for old in retention(&existing, self.keep) {
             if old == uploaded || latest.as_deref() == Some(old.as_str()) {
                 continue;
             }
             // The manifest first: a deletion cut short leaves an incomplete checkpoint, never
-            // one that looks whole.
+            // one that looks whole (and left alone from then on, as any incomplete one).
             self.store.delete(&[&old, MANIFEST])?;
+            self.complete.remove(&old);
+            self.passed_over.insert(old.clone());
             for (file, _) in self.store.list_files(&[&old])? {
                 let parts: Vec<&str> = std::iter::once(old.as_str())
                     .chain(file.split('/'))
@@ -574,6 +638,8 @@ impl Worker {
     }
 
     fn run(mut self, rx: Receiver<Msg>) {
+        // Training first when the cores are all busy.
+        super::lower_thread_priority();
         let mut waiting: Vec<(String, Option<String>)> = Vec::new();
         loop {
             let msg = if waiting.is_empty() {
@@ -644,6 +710,9 @@ impl Uploader {
             retry,
             newest_uploaded: None,
             permanent: Vec::new(),
+            complete: HashMap::new(),
+            passed_over: HashSet::new(),
+            latest: None,
         };
         let handle = std::thread::Builder::new()
             .name("flashover-checkpoint-uploader".into())
