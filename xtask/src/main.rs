@@ -147,10 +147,35 @@ enum Cmd {
     },
 }
 
+/// The variables `cargo run` sets for the program it runs (xtask's package, manifest and
+/// crate). They must not reach the builds xtask starts: build scripts that watch one of them
+/// (ring's, through `rerun-if-env-changed=CARGO_PKG_NAME` and the like) would see another
+/// value than in a plain `cargo build` and rerun, rebuilding ring, reqwest, object_store and
+/// everything above them on every switch between the two (about 3 minutes each time).
+fn is_cargo_run_variable(name: &str) -> bool {
+    name.starts_with("CARGO_PKG_")
+        || matches!(
+            name,
+            "CARGO_MANIFEST_DIR"
+                | "CARGO_MANIFEST_PATH"
+                | "CARGO_MANIFEST_LINKS"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+                | "OUT_DIR"
+        )
+}
+
 fn cargo(args: &[String]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     eprintln!("$ cargo {}", args.join(" "));
-    let status = Command::new(&cargo)
+    let mut command = Command::new(&cargo);
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(is_cargo_run_variable) {
+            command.env_remove(&name);
+        }
+    }
+    let status = command
         .args(args)
         .status()
         .with_context(|| format!("running {cargo}"))?;
@@ -329,18 +354,28 @@ impl Backend {
 
 /// Runs a built example with `args`, pinned to one compute thread, and returns its stdout.
 fn run_example(backend: Backend, name: &str, args: &[String]) -> Result<String> {
+    run_example_on(backend, name, args, 1)
+}
+
+/// Runs a built example with `args` on `threads` compute threads (`RAYON_NUM_THREADS`).
+fn run_example_on(backend: Backend, name: &str, args: &[String], threads: usize) -> Result<String> {
     let bin = format!("{}/release/examples/{name}", backend.target_dir());
-    run_binary(backend, &bin, args)
+    run_binary_on(backend, &bin, args, threads)
 }
 
 /// Runs the program `bin` with `args` and `--backend`, pinned to one compute thread, and
 /// returns its stdout; a missing device is reported as "no device".
 fn run_binary(backend: Backend, bin: &str, args: &[String]) -> Result<String> {
-    eprintln!("$ {bin} {}", args.join(" "));
+    run_binary_on(backend, bin, args, 1)
+}
+
+/// [`run_binary`] on `threads` compute threads.
+fn run_binary_on(backend: Backend, bin: &str, args: &[String], threads: usize) -> Result<String> {
+    eprintln!("$ RAYON_NUM_THREADS={threads} {bin} {}", args.join(" "));
     let out = Command::new(bin)
         .args(args)
         .args(["--backend", backend.name()])
-        .env("RAYON_NUM_THREADS", "1")
+        .env("RAYON_NUM_THREADS", threads.to_string())
         .output()
         .with_context(|| format!("running {bin}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -412,12 +447,15 @@ fn machine(backend: Backend) -> serde_json::Value {
         "backend": backend.name(),
         "profile": "release",
         "rayon_num_threads": 1,
+        "rayon_num_threads_exceptions": "2 for the ResNet time to accuracy and the GPT section; the CPU fast path's rows say theirs",
         "git_commit": commit,
     })
 }
 
 fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
     for b in backend.each() {
+        // Wall seconds of each part, builds included, for the report.
+        let mut clock = Sections::start();
         let mut args = strings(&[
             "build",
             "--release",
@@ -437,9 +475,12 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             "shakespeare",
             "--example",
             "plot",
+            "--example",
+            "mnist",
         ]);
-        args.extend(b.cargo_args(&["-p", "flashover-examples"], &[]));
+        args.extend(b.cargo_args(bench_selection(), &[]));
         cargo(&args)?;
+        clock.done("build");
         let (steps, reps) = if quick { ("30", "3") } else { ("120", "5") };
         let overhead =
             match run_example(b, "overhead", &strings(&["--steps", steps, "--reps", reps])) {
@@ -450,7 +491,9 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
                 }
                 Err(e) => return Err(e),
             };
+        clock.done("overhead");
         let checkpoint = run_example(b, "checkpoint_io", &strings(&["--reps", reps]))?;
+        clock.done("checkpoint_io");
         // burn-train's Learner, from its own workspace (see benches/learner/Cargo.toml).
         let learner = if no_burn_train {
             None
@@ -473,6 +516,7 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
                 &strings(&["--steps", steps, "--reps", reps]),
             )?)
         };
+        clock.done("burn_train_learner");
         // Each repetition trains the baseline and three recipes to the end (about 100 s on
         // two CPU cores), so the quick mode runs one.
         // The quick mode also evaluates half as often (every 50 batches).
@@ -495,10 +539,13 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             ]),
         )?;
         let tta_json = last_json(&tta)?;
+        clock.done("cnn_time_to_accuracy");
         // The ResNet recipes against the plain ResNet-8 (375 batches, 3 epochs, counted in
-        // batches so that every recipe's ratio gives a different length; one thread, evaluated
-        // every 50 batches: about 1.5 minutes a repetition); quick: one epoch on a quarter of
-        // the digits.
+        // batches so that every recipe's ratio gives a different length; evaluated every 50
+        // batches); quick: one epoch on a quarter of the digits. Two threads: about 70 s a
+        // repetition against 130 s on one (2026-12-03: the baseline trains in 20.3 s against
+        // 35.5 s), which keeps the whole bench under 25 minutes; the fast path's results do
+        // not depend on the thread count, only its times do.
         let resnet_plot = format!("target/bench/{}-resnet-time-to-accuracy.png", b.name());
         let mut resnet_args = strings(&["--model", "resnet8", "--plot", &resnet_plot]);
         resnet_args.extend(if quick {
@@ -522,8 +569,9 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
                 "50",
             ])
         });
-        let resnet_tta = run_example(b, "time_to_accuracy", &resnet_args)?;
+        let resnet_tta = run_example_on(b, "time_to_accuracy", &resnet_args, 2)?;
         let resnet_json = last_json(&resnet_tta)?;
+        clock.done("resnet_time_to_accuracy");
         let (cost_steps, cost_reps) = if quick { ("5", "1") } else { ("30", "5") };
         let surgery_cost = run_example(
             b,
@@ -532,17 +580,23 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
                 "--model", "resnet8", "--steps", cost_steps, "--reps", cost_reps,
             ]),
         )?;
+        clock.done("surgery_cost");
         let (scale_steps, scale_reps) = if quick { ("10", "1") } else { ("40", "5") };
         let scaling = run_example(
             b,
             "scaling",
             &strings(&["--steps", scale_steps, "--reps", scale_reps]),
         )?;
+        clock.done("scaling");
         let distributed = distributed_bench(b, quick)?;
+        clock.done("distributed");
         let fast_path = cpu_fast_path_bench(b, quick)?;
+        clock.done("cpu_fast_path");
         let object_store = object_store_bench(b, quick)?;
+        clock.done("object_store");
         // About 10 minutes: full mode only.
         let gpt = if quick { None } else { Some(gpt_bench(b)?) };
+        clock.done("gpt");
         let report = serde_json::json!({
             "machine": machine(b),
             "quick": quick,
@@ -559,6 +613,7 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             "object_store": object_store.as_ref().map(|d| d.0.clone()),
             "gpt_recipes": gpt.as_ref().map(|g| g.0["gpt_recipes"].clone()),
             "gpt": gpt.as_ref().map(|g| g.0["gpt"].clone()),
+            "section_seconds": clock.json(),
         });
         let json_path = format!("target/bench/{}.json", b.name());
         std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
@@ -595,6 +650,19 @@ fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Result<()> {
             gpt.as_ref()
                 .map_or("not measured in quick mode".to_string(), |g| g.1.clone())
         );
+        let md = format!(
+            "{md}\n## Wall time of this run\n\n{}\n",
+            clock
+                .parts
+                .iter()
+                .map(|(n, t)| format!("{n} {t:.0} s"))
+                .chain(std::iter::once(format!(
+                    "total {:.1} min",
+                    clock.started.elapsed().as_secs_f64() / 60.0
+                )))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
         let md_path = format!("target/bench/{}.md", b.name());
         std::fs::write(&md_path, &md)?;
         println!("{md}\nwritten: {json_path}, {md_path}");
@@ -619,7 +687,7 @@ fn gpt_bench(b: Backend) -> Result<(serde_json::Value, String)> {
         "--example",
         "plot",
     ]);
-    args.extend(b.cargo_args(&["-p", "flashover-examples"], &[]));
+    args.extend(b.cargo_args(bench_selection(), &[]));
     cargo(&args)?;
     let bin = format!("{}/release/examples/shakespeare", b.target_dir());
     let plot_bin = format!("{}/release/examples/plot", b.target_dir());
@@ -834,6 +902,43 @@ fn gpt_bench(b: Backend) -> Result<(serde_json::Value, String)> {
     Ok((json, md))
 }
 
+/// The wall time of each part of a bench run (builds included), in order.
+struct Sections {
+    last: std::time::Instant,
+    started: std::time::Instant,
+    parts: Vec<(&'static str, f64)>,
+}
+
+impl Sections {
+    fn start() -> Self {
+        let now = std::time::Instant::now();
+        Sections {
+            last: now,
+            started: now,
+            parts: Vec::new(),
+        }
+    }
+
+    /// Ends the part `name` (from the end of the previous one).
+    fn done(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.parts.push((name, (now - self.last).as_secs_f64()));
+        self.last = now;
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        for (name, secs) in &self.parts {
+            m.insert(name.to_string(), serde_json::json!(secs));
+        }
+        m.insert(
+            "total".into(),
+            serde_json::json!(self.started.elapsed().as_secs_f64()),
+        );
+        serde_json::Value::Object(m)
+    }
+}
+
 /// Median and range of `v` (sorted in place).
 fn median_range(v: &mut [f64]) -> (f64, f64, f64) {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -849,16 +954,25 @@ fn median_range(v: &mut [f64]) -> (f64, f64, f64) {
     (median, v[0], v[n - 1])
 }
 
-/// Builds the `mnist` example for `b` (with MPI support when `mpi`; a GPU backend's build
-/// always has it); returns its path.
-fn build_mnist(b: Backend, mpi: bool) -> Result<String> {
-    let mut args = strings(&["build", "--release", "--example", "mnist"]);
-    let mpi: &[&str] = if mpi {
-        &["flashover-examples/mpi"]
+/// What every flex build in the bench selects: with OpenMPI installed (`mpirun` found), the
+/// whole workspace, exactly as `cargo build --release --workspace --examples` and the test
+/// command build it (their features unified; MPI support included), so that after the tests
+/// the bench builds nothing; without it, the examples package alone, without MPI. One
+/// selection for all the bench's programs: another feature set would build the examples a
+/// second time.
+fn bench_selection() -> &'static [&'static str] {
+    if have_mpirun() {
+        &["--workspace"]
     } else {
-        &[]
-    };
-    args.extend(b.cargo_args(&["-p", "flashover-examples"], mpi));
+        &["-p", "flashover-examples"]
+    }
+}
+
+/// Builds the `mnist` example for `b` as the bench builds every program (with MPI support
+/// when OpenMPI is installed; a GPU backend's build always has it); returns its path.
+fn build_mnist(b: Backend) -> Result<String> {
+    let mut args = strings(&["build", "--release", "--example", "mnist"]);
+    args.extend(b.cargo_args(bench_selection(), &[]));
     cargo(&args)?;
     Ok(format!("{}/release/examples/mnist", b.target_dir()))
 }
@@ -881,12 +995,14 @@ fn s3s_fs() -> Option<std::path::PathBuf> {
 /// `checkpoint_io --remote`; (2) the MNIST example's training time (three epochs, one training
 /// thread) with checkpoints every 25 batches saved locally, and saved locally and uploaded in
 /// the background, interleaved repetitions; the figure is the median of the per-repetition
-/// ratios.
+/// ratios of the time up to the last batch end (the step time: `train_seconds` less
+/// `fit_end_wait_seconds`), and beside it the same for the whole `fit`, whose end waits for
+/// the last upload (a fixed cost of about one upload, 1-2% of these 3-second runs).
 fn object_store_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Value, String)>> {
     let Some(server_bin) = s3s_fs() else {
         return Ok(None);
     };
-    let mnist = build_mnist(b, false)?;
+    let mnist = build_mnist(b)?;
     let tmp = std::env::temp_dir().join(format!("flashover-s3-bench-{}", std::process::id()));
     let root = tmp.join("root");
     std::fs::create_dir_all(root.join("bench"))?;
@@ -939,7 +1055,7 @@ fn object_store_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Val
         );
         let io_text = String::from_utf8_lossy(&out.stdout).into_owned();
         let io = last_json(&io_text)?;
-        let train = |extra: &[String]| -> Result<f64> {
+        let train = |extra: &[String]| -> Result<(f64, f64)> {
             let out = Command::new(&mnist)
                 .args([
                     "--max-duration",
@@ -959,11 +1075,17 @@ fn object_store_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Val
                 String::from_utf8_lossy(&out.stderr)
             );
             let s = last_json(&String::from_utf8_lossy(&out.stdout))?;
-            s["train_seconds"]
+            let train = s["train_seconds"]
                 .as_f64()
-                .context("the summary has train_seconds")
+                .context("the summary has train_seconds")?;
+            let wait = s["fit_end_wait_seconds"]
+                .as_f64()
+                .context("the summary has fit_end_wait_seconds")?;
+            // (stepping: up to the last batch end; the whole fit, with FIT_END's wait)
+            Ok((train - wait, train))
         };
-        let (mut local, mut remote, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut local, mut remote, mut ratios, mut whole) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for rep in 0..reps {
             let dir = tmp.join(format!("local-{rep}"));
             let l = train(&["--save-folder".into(), dir.display().to_string()])?;
@@ -973,15 +1095,17 @@ fn object_store_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Val
                 "--checkpoint-cache".into(),
                 tmp.join(format!("cache-{rep}")).display().to_string(),
             ])?;
-            local.push(l);
-            remote.push(r);
-            ratios.push(r / l);
+            local.push(l.0);
+            remote.push(r.0);
+            ratios.push(r.0 / l.0);
+            whole.push(r.1 / l.1);
         }
         let (l, lmin, lmax) = median_range(&mut local);
         let (r, rmin, rmax) = median_range(&mut remote);
         let (q, qmin, qmax) = median_range(&mut ratios);
+        let (w, wmin, wmax) = median_range(&mut whole);
         let md = format!(
-            "{}\n\nTraining time of three MNIST epochs (375 batches) with a checkpoint every 25 batches ({reps} interleaved repetitions, one training thread): saved locally {l:.2} s ({lmin:.2}-{lmax:.2}), saved locally and uploaded in the background {r:.2} s ({rmin:.2}-{rmax:.2}); ratio {q:.3} ({qmin:.3}-{qmax:.3}), goal <= 1.02.\n",
+            "{}\n\nThree MNIST epochs (375 batches) with a checkpoint every 25 batches ({reps} interleaved repetitions, one training thread), time up to the last batch end: saved locally {l:.2} s ({lmin:.2}-{lmax:.2}), saved locally and uploaded in the background {r:.2} s ({rmin:.2}-{rmax:.2}); step-time ratio {q:.3} ({qmin:.3}-{qmax:.3}), goal <= 1.02. With the end of `fit` (which waits for the last checkpoint's write, and upload): ratio {w:.3} ({wmin:.3}-{wmax:.3}).\n",
             table(&io_text)
         );
         let json = serde_json::json!({
@@ -994,6 +1118,8 @@ fn object_store_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Val
             "train_seconds_uploading_min_max": [rmin, rmax],
             "step_time_uploading_over_local": q,
             "step_time_ratio_min_max": [qmin, qmax],
+            "fit_time_uploading_over_local": w,
+            "fit_time_ratio_min_max": [wmin, wmax],
             "reps": reps,
         });
         Ok((json, md))
@@ -1018,7 +1144,7 @@ fn distributed_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Valu
         eprintln!("mpirun not found: the multi-process rows are skipped (install OpenMPI)");
         return Ok(None);
     }
-    let bin = build_mnist(b, true)?;
+    let bin = build_mnist(b)?;
     let run = |world: usize, extra: &[&str]| -> Result<serde_json::Value> {
         let mut a = strings(&["--no-progress"]);
         a.extend(strings(extra));
@@ -1131,7 +1257,7 @@ fn cpu_fast_path_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Va
     if !matches!(b, Backend::Flex | Backend::Ndarray) {
         return Ok(None);
     }
-    let bin = build_mnist(b, have_mpirun())?;
+    let bin = build_mnist(b)?;
     let run = |format: &str, threads: usize| -> Result<(f64, f64)> {
         let args = strings(&[
             "--no-progress",
