@@ -141,6 +141,79 @@ fn non_finite_batches_can_be_skipped_and_counted() {
     assert_eq!(t.state().skipped_batches, 1);
 }
 
+/// Makes the loss of microbatch `micro` (counted from 0 within the batch) of batch `batch`
+/// not finite.
+fn poison_microbatch(
+    batch: u64,
+    micro: usize,
+) -> impl FnMut(&mut MnistState) -> flashover::core::Result<()> + Send {
+    let mut seen = (u64::MAX, 0);
+    move |s| {
+        if seen.0 != s.timestamp.batch {
+            seen = (s.timestamp.batch, 0);
+        }
+        if s.timestamp.batch == batch && seen.1 == micro {
+            let loss = s.loss.take().expect("loss is set at AFTER_LOSS");
+            s.loss = Some(loss.mul_scalar(f32::INFINITY));
+        }
+        seen.1 += 1;
+        Ok(())
+    }
+}
+
+#[test]
+fn a_non_finite_loss_in_a_later_microbatch_skips_the_whole_batch() {
+    // Batches of 32 in microbatches of 8: the loss is read once per batch, after the four
+    // backward passes; an infinite third microbatch must still discard the batch's
+    // gradients, the first two microbatches' included.
+    let mut run = short_run(128, 32, 50, "1ep");
+    run.microbatch_size = Some(8);
+    run.skip_nonfinite_loss = true;
+    let fit = |micro: usize| {
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(At {
+                event: Event::AfterLoss,
+                f: poison_microbatch(1, micro),
+            })
+            .build()
+            .unwrap();
+        let report = t.fit().unwrap();
+        assert_eq!((report.batches, report.steps), (4, 3), "microbatch {micro}");
+        assert_eq!(t.state().skipped_batches, 1);
+        params_sha256::<TB, _>(t.model())
+    };
+    assert_eq!(
+        fit(2),
+        fit(0),
+        "skipping batch 1 at its third microbatch left other weights than at its first"
+    );
+    // Without skipping: the error names the batch and the value.
+    run.skip_nonfinite_loss = false;
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .callback(At {
+            event: Event::AfterLoss,
+            f: poison_microbatch(1, 3),
+        })
+        .build()
+        .unwrap();
+    match t.fit().unwrap_err() {
+        CoreError::NonFiniteLoss { batch, value, .. } => {
+            assert_eq!(batch, 1);
+            assert!(value.is_infinite(), "{value}");
+        }
+        other => panic!("expected NonFiniteLoss, got {other}"),
+    }
+    assert_eq!(
+        t.state().timestamp.batch,
+        1,
+        "no step on the poisoned batch"
+    );
+}
+
 #[test]
 fn eval_and_predict_report_sane_values() {
     let mut run = short_run(512, 32, 300, "1ep");

@@ -3,20 +3,22 @@
 //! - [`begin`](Trainer::begin_batch): the backend seed and learning rate of the batch,
 //!   `BATCH_START`, `BEFORE_TRAIN_BATCH`;
 //! - [`microbatch`](Trainer::microbatch): forward, loss and backward of one microbatch with
-//!   their six events, and the non-finite-loss policy;
+//!   their six events; then one read of every microbatch's loss and the non-finite-loss
+//!   policy ([`loss_policy`](Trainer::loss_policy));
 //! - [`step`](Trainer::step): the gradient-synchronisation point of a data-parallel run,
 //!   `AFTER_TRAIN_BATCH` (clipping, SAM), the optimizer step;
 //! - [`end`](Trainer::end_batch): the timestamp, `BATCH_END`, the batch's log line, due
 //!   evaluations, `BATCH_CHECKPOINT`, and the agreement of every rank on a stop request.
 //!
 //! With no algorithms, callbacks, loggers or collective, a batch here is what a hand-written
-//! Burn loop does (forward, loss, backward, optimizer step) plus one scalar read of the loss
-//! (for the non-finite check and the logs) and the bookkeeping of the timestamp.
+//! Burn loop does (forward, loss, backward, optimizer step) plus one read of the loss per
+//! optimizer step (for the non-finite check and the logs), after the backward pass is queued,
+//! and the bookkeeping of the timestamp.
 
 use std::time::{Duration, Instant};
 
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::ElementConversion;
+use burn::tensor::Tensor;
 
 use crate::collective::LocalStep;
 use crate::error::{CoreError, Result};
@@ -29,6 +31,16 @@ use crate::setup::{BatchOf, Setup};
 use crate::state::State;
 
 use super::Trainer;
+
+/// The microbatch losses (each a one-element tensor) as numbers, in one read from the
+/// device: concatenated there first.
+fn read_losses<B: burn::tensor::backend::Backend>(losses: Vec<Tensor<B, 1>>) -> Vec<f64> {
+    if losses.is_empty() {
+        return Vec::new();
+    }
+    let data = Tensor::cat(losses, 0).into_data();
+    data.iter::<f64>().collect()
+}
 
 /// Stream tag for the backend seed set at each batch start.
 const BACKEND_STREAM: u64 = 0xB4C4_E4D0;
@@ -58,25 +70,23 @@ impl<S: Setup> Trainer<S> {
             None => vec![full.clone()],
         };
         let mut accumulator = GradientsAccumulator::<S::Model>::new();
-        let mut loss = 0.0;
-        let mut finite = true;
+        let mut losses = Vec::with_capacity(microbatches.len());
         for mb in microbatches {
             // Each microbatch's loss is weighted by its share of the batch, so that the
             // summed gradient equals the full batch's.
             let weight = split.map(|_| mb.len() as f64 / n as f64);
-            match self.microbatch(mb, weight)? {
-                Some(value) => loss += value,
-                None => {
-                    finite = false;
-                    break;
-                }
-            }
+            losses.push(self.microbatch(mb, weight)?);
             if split.is_some() {
                 if let Some(g) = self.state.grads.take() {
                     accumulator.accumulate(self.state.model(), g);
                 }
             }
         }
+        // The batch's one read from the device: every microbatch's loss at once, after the
+        // last backward pass was queued (a read per microbatch, between its forward and
+        // backward, stalled a GPU's pipeline there).
+        let values = read_losses(losses);
+        let (loss, finite) = self.loss_policy(&values)?;
         self.state.batch = Some(full);
         let grads = match (finite, split) {
             (false, _) => None,
@@ -114,10 +124,37 @@ impl<S: Setup> Trainer<S> {
         self.engine.run(Event::BeforeTrainBatch, state)
     }
 
+    /// The non-finite-loss policy on the batch's microbatch losses (weighted, in order):
+    /// their sum and `true` when all are finite; with a NaN or an infinity, the error
+    /// [`CoreError::NonFiniteLoss`] naming the first such value, or (`skip_nonfinite_loss`) a
+    /// warning and `false`: the batch is skipped, no optimizer step.
+    fn loss_policy(&self, values: &[f64]) -> Result<(f64, bool)> {
+        let Some(&value) = values.iter().find(|v| !v.is_finite()) else {
+            return Ok((values.iter().sum(), true));
+        };
+        let ts = &self.state.timestamp;
+        if !self.skip_nonfinite_loss {
+            return Err(CoreError::NonFiniteLoss {
+                value,
+                epoch: ts.epoch,
+                batch: ts.batch,
+                batch_in_epoch: ts.batch_in_epoch,
+            });
+        }
+        tracing::warn!(
+            value,
+            epoch = ts.epoch,
+            batch = ts.batch,
+            "skipping batch with non-finite loss"
+        );
+        Ok((value, false))
+    }
+
     /// Forward, loss and backward of one microbatch, weighted by `weight` (its share of the
     /// batch, when the batch is split); leaves its gradients in `State::grads` and returns its
-    /// weighted loss, or `None` when the loss is not finite and the run skips such batches.
-    fn microbatch(&mut self, mb: BatchOf<S>, weight: Option<f64>) -> Result<Option<f64>> {
+    /// weighted loss, still on the device (the batch reads every microbatch's at once; a
+    /// non-finite one discards the batch's gradients then).
+    fn microbatch(&mut self, mb: BatchOf<S>, weight: Option<f64>) -> Result<Tensor<S::Backend, 1>> {
         let state = &mut self.state;
         let engine = &mut self.engine;
         state.batch = Some(mb);
@@ -150,31 +187,12 @@ impl<S: Setup> Trainer<S> {
             Some(w) => loss.mul_scalar(w),
             None => loss,
         };
-        let value: f64 = loss.clone().into_scalar().elem();
-        if !value.is_finite() {
-            let ts = &state.timestamp;
-            if !self.skip_nonfinite_loss {
-                return Err(CoreError::NonFiniteLoss {
-                    value,
-                    epoch: ts.epoch,
-                    batch: ts.batch,
-                    batch_in_epoch: ts.batch_in_epoch,
-                });
-            }
-            tracing::warn!(
-                value,
-                epoch = ts.epoch,
-                batch = ts.batch,
-                "skipping batch with non-finite loss"
-            );
-            state.outputs = None;
-            return Ok(None);
-        }
+        let value = loss.clone().detach();
         let grads = GradientsParams::from_grads(loss.backward(), state.model());
         state.grads = Some(grads);
         engine.run(Event::AfterBackward, state)?;
         state.outputs = None;
-        Ok(Some(value))
+        Ok(value)
     }
 
     /// The gradient-synchronisation point (a data-parallel run averages gradients and loss
