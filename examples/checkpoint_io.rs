@@ -140,7 +140,11 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             // manifest, which s3s-fs answers in two TCP writes that Nagle's algorithm and
             // delayed ACKs stall for 40 ms on loopback (seen with strace).
             let rep_store = flashover::checkpoint::remote::RemoteStore::connect(
-                &args.remote.as_ref().expect("a store needs --remote").join(&format!("rep{rep}"))?,
+                &args
+                    .remote
+                    .as_ref()
+                    .expect("a store needs --remote")
+                    .join(&format!("rep{rep}"))?,
             )?;
             let t = Instant::now();
             flashover::checkpoint::remote::upload_checkpoint(&rep_store, &folder, &name, false)?;

@@ -420,6 +420,15 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     } else {
         trainer.fit()?
     };
+    // The run's clock stops at the last batch end; what `fit` took after it is FIT_END: the
+    // wait for the last checkpoint's write (and upload, with a remote save folder) and the
+    // callbacks' end of run. (Read before the final evaluation, which moves the clock.)
+    let stepping = trainer
+        .state()
+        .timestamp
+        .run_wall_time
+        .saturating_sub(wall_before);
+    let fit_end_wait_seconds = (report.wall.as_secs_f64() - stepping.as_secs_f64()).max(0.0);
     // Evaluate the final weights unless the last evaluation already saw them.
     let state = trainer.state();
     let metrics = if state.last_eval_batch == Some(state.timestamp.batch) {
@@ -439,12 +448,6 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     let state = trainer.state();
     let ts = &state.timestamp;
     let train_seconds = report.wall.as_secs_f64();
-    // The run's clock stops at the last batch end; what `fit` took after it is FIT_END: the
-    // wait for the last checkpoint's write (and upload, with a remote save folder) and the
-    // callbacks' end of run.
-    let fit_end_wait_seconds = (train_seconds
-        - ts.run_wall_time.saturating_sub(wall_before).as_secs_f64())
-    .max(0.0);
     let summary = json!({
         "test_accuracy": test.get("accuracy"),
         "test_top2_accuracy": test.get("top2_accuracy"),

@@ -483,7 +483,10 @@ fn a_stopped_server_delays_uploads_and_a_dead_one_is_an_error_at_the_end() {
         summary["train_seconds"].as_f64().unwrap(),
         summary["fit_end_wait_seconds"].as_f64().unwrap(),
     );
-    assert!((0.0..train).contains(&wait), "FIT_END waited {wait} s of {train} s");
+    assert!(
+        (0.0..train).contains(&wait),
+        "FIT_END waited {wait} s of {train} s"
+    );
     // What the store holds resumes to the same bits on a new disk (nothing left to train).
     let fresh = tmp.path().join("c2");
     let again = run_example_env(
@@ -751,7 +754,10 @@ fn the_upload_threads_run_below_the_training_threads_priority() {
         logs_seen = thread_nice(pid, Some("flashover-log-u"));
         main = thread_nice(pid, None);
         let want = main.first().map(|&n| n.max(10));
-        if want.is_some() && checkpoints.first() == want.as_ref() && logs_seen.first() == want.as_ref() {
+        if want.is_some()
+            && checkpoints.first() == want.as_ref()
+            && logs_seen.first() == want.as_ref()
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(10));
@@ -762,6 +768,16 @@ fn the_upload_threads_run_below_the_training_threads_priority() {
     // upload threads are at 10 or, in a nicer process, at its value.
     assert_eq!(main.len(), 1, "the main thread: {main:?}");
     let want = main[0].max(10);
-    assert_eq!(checkpoints, [want], "the checkpoint uploader's nice value (training's: {})", main[0]);
-    assert_eq!(logs_seen, [want], "the log uploader's nice value (training's: {})", main[0]);
+    assert_eq!(
+        checkpoints,
+        [want],
+        "the checkpoint uploader's nice value (training's: {})",
+        main[0]
+    );
+    assert_eq!(
+        logs_seen,
+        [want],
+        "the log uploader's nice value (training's: {})",
+        main[0]
+    );
 }

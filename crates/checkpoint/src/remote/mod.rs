@@ -66,14 +66,18 @@ mod tests {
     #[test]
     fn only_the_calling_thread_is_lowered() {
         let before = thread_nice();
-        let lowered = std::thread::spawn(|| {
+        let thread = std::thread::spawn(|| {
             lower_thread_priority();
             thread_nice()
-        })
-        .join()
-        .unwrap();
+        });
+        // Invariant: the thread's two calls do not panic, so `join` is `Ok`.
+        let lowered = thread.join().unwrap();
         assert_eq!(lowered, before.max(BACKGROUND_NICE));
-        assert_eq!(thread_nice(), before, "the spawning thread kept its priority");
+        assert_eq!(
+            thread_nice(),
+            before,
+            "the spawning thread kept its priority"
+        );
     }
 }
 

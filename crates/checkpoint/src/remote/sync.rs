@@ -535,11 +535,8 @@ impl Worker {
                 }
             }
         }
-        let existing: Vec<(String, u64)> = self
-            .complete
-            .iter()
-            .map(|(n, b)| (n.clone(), *b))
-            .collect();
+        let existing: Vec<(String, u64)> =
+            self.complete.iter().map(|(n, b)| (n.clone(), *b)).collect();
         for old in retention(&existing, self.keep) {
             if old == uploaded || latest.as_deref() == Some(old.as_str()) {
                 continue;
