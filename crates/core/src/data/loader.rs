@@ -1,5 +1,6 @@
 //! The data loader: reads a batch's items from a dataset, turns them into tensors with a
-//! batcher, and does so on a background thread a few batches ahead of the training step.
+//! batcher, and does so on a background thread a few batches ahead of the training step (on
+//! GPU backends the thread reads the items and the tensors are made on the training thread).
 //!
 //! The loader owns no training logic and no randomness of its own: the order comes from the
 //! [`Sampler`]. Dropping a [`BatchIter`] stops its thread.
@@ -55,8 +56,9 @@ where
     }
 
     /// How many batches to prepare ahead on a background thread, from 0 to [`MAX_PREFETCH`];
-    /// 0 loads each batch on the training thread when it is asked for. GPU backends always
-    /// load on the training thread (see `threads_safe`). More than `MAX_PREFETCH` is an error
+    /// 0 loads each batch on the training thread when it is asked for. On GPU backends the
+    /// thread reads the items ahead and the batcher (which creates the tensors) runs on the
+    /// training thread (see `threads_safe`). More than `MAX_PREFETCH` is an error
     /// (the queue's slots are allocated up front, and a few batches ahead already hide the
     /// loading time).
     pub fn with_prefetch(mut self, batches: usize) -> Result<Self> {
@@ -85,6 +87,17 @@ fn load_batch<B: Backend, I, O>(
     batch: usize,
     device: &B::Device,
 ) -> Result<O> {
+    let items = read_items(name, dataset, indices, batch)?;
+    Ok(batcher.batch(items, device))
+}
+
+/// The items of one batch, in order.
+fn read_items<I>(
+    name: &str,
+    dataset: &dyn Dataset<I>,
+    indices: &[usize],
+    batch: usize,
+) -> Result<Vec<I>> {
     let mut items = Vec::with_capacity(indices.len());
     for &i in indices {
         let item = dataset.get(i).ok_or_else(|| CoreError::Loader {
@@ -97,7 +110,7 @@ fn load_batch<B: Backend, I, O>(
         })?;
         items.push(item);
     }
-    Ok(batcher.batch(items, device))
+    Ok(items)
 }
 
 impl<B, I, O> BatchSource<O> for DataLoader<B, I, O>
@@ -133,7 +146,7 @@ where
         let batcher = Arc::clone(&self.batcher);
         let device = self.device.clone();
         let name = self.name.clone();
-        if self.prefetch == 0 || !threads_safe::<B>(&self.device) {
+        if self.prefetch == 0 {
             let iter = batches.into_iter().map(move |(b, idx)| {
                 load_batch::<B, I, O>(&name, dataset.as_ref(), batcher.as_ref(), &idx, b, &device)
             });
@@ -144,18 +157,30 @@ where
         }
         let (tx, rx) = mpsc::sync_channel(self.prefetch);
         let thread_name = format!("flashover-loader-{}", self.name);
+        // On a CPU backend the whole batch is built ahead; on a GPU backend the loader
+        // thread reads the items and the batcher runs on the training thread when the batch
+        // is taken (see `threads_safe`).
+        let tensors_here = threads_safe::<B>(&self.device);
         let handle = std::thread::Builder::new()
             .name(thread_name)
             .spawn(move || {
                 for (b, idx) in batches {
-                    let out = load_batch::<B, I, O>(
-                        &name,
-                        dataset.as_ref(),
-                        batcher.as_ref(),
-                        &idx,
-                        b,
-                        &device,
-                    );
+                    let out = if tensors_here {
+                        load_batch::<B, I, O>(
+                            &name,
+                            dataset.as_ref(),
+                            batcher.as_ref(),
+                            &idx,
+                            b,
+                            &device,
+                        )
+                        .map(Staged::Ready)
+                    } else {
+                        read_items(&name, dataset.as_ref(), &idx, b).map(|items| {
+                            let (batcher, device) = (Arc::clone(&batcher), device.clone());
+                            Staged::Deferred(Box::new(move || batcher.batch(items, &device)))
+                        })
+                    };
                     let failed = out.is_err();
                     // A send error means the consumer dropped the iterator: stop quietly.
                     if tx.send(out).is_err() || failed {
@@ -181,21 +206,36 @@ where
     }
 }
 
-/// Whether batches for this backend may be built on a loader thread. On Burn 0.21's GPU
-/// backends a tensor created on one thread and used on another was seen to give wrong results
-/// (wgpu on Mesa's software Vulkan: evaluation accuracy 0.55 instead of 0.77 for the same
-/// weights and batches), so only the CPU backends prefetch on a thread; GPU backends load
-/// each batch on the training thread until that is understood.
+/// Whether a batch's tensors may be created on the loader thread (CPU backends), or only its
+/// items read there, the batcher running on the training thread (GPU backends).
+///
+/// Why: CubeCL 0.10 gives each OS thread its own stream, and on wgpu each stream its own
+/// memory pool and command encoder over one shared queue. A batch's tensors made on the
+/// loader thread live in the loader's pool; the training thread frees them (Burn's ops
+/// consume their inputs) while its kernels that read them may still wait, unsubmitted, in its
+/// own encoder, and the loader then reuses that memory for the next batch: its write is
+/// queued at once and overtakes those kernels, which read the next batch's data (seen as
+/// evaluation accuracy 0.55 instead of 0.77 for the same weights on Mesa's software Vulkan).
+/// `Backend::sync` on the loader thread would not help: it waits for the loader's own
+/// stream only. Creating every tensor on the training thread keeps all of a run's writes and
+/// kernels on one stream, in order.
 fn threads_safe<B: Backend>(device: &B::Device) -> bool {
     let name = B::name(device).to_lowercase();
     // Autodiff wraps the name ("autodiff<flex>"), hence `contains`.
     name.contains("flex") || name.contains("ndarray")
 }
 
+/// A batch as the loader thread hands it over: built, or still to be built (on the thread
+/// that takes it).
+enum Staged<T> {
+    Ready(T),
+    Deferred(Box<dyn FnOnce() -> T + Send>),
+}
+
 enum Inner<T> {
     Inline(Box<dyn Iterator<Item = Result<T>> + Send>),
     Threaded {
-        rx: Receiver<Result<T>>,
+        rx: Receiver<Result<Staged<T>>>,
         handle: Option<JoinHandle<()>>,
     },
     Failed(Option<CoreError>),
@@ -235,7 +275,9 @@ impl<T> Iterator for BatchIter<T> {
             Inner::Inline(it) => it.next(),
             Inner::Failed(err) => err.take().map(Err),
             Inner::Threaded { rx, handle } => match rx.recv() {
-                Ok(item) => Some(item),
+                Ok(Ok(Staged::Ready(batch))) => Some(Ok(batch)),
+                Ok(Ok(Staged::Deferred(build))) => Some(Ok(build())),
+                Ok(Err(e)) => Some(Err(e)),
                 Err(_) => {
                     // The thread ended without sending: it panicked. Report it as an error.
                     let reason = match handle.take().map(|h| h.join()) {
