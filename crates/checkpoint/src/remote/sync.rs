@@ -349,6 +349,7 @@ fn upload_files(
     } else {
         None
     };
+    let replacing = existing.is_some();
     match existing {
         // Already complete in the store (an earlier attempt got this far).
         Some(existing) if existing == manifest_bytes => return Ok(Some(manifest)),
@@ -359,7 +360,11 @@ fn upload_files(
         }
         _ => {}
     }
-    store.delete(&[name, MANIFEST])?;
+    // The old manifest goes first, so that a replacement cut short is incomplete, never a
+    // mix that looks whole (a new name has none to delete: one request fewer).
+    if replacing {
+        store.delete(&[name, MANIFEST])?;
+    }
     for (file, bytes) in files {
         store.put(&[name, &file], bytes)?;
     }
