@@ -58,6 +58,30 @@ pub type RemoteListing = (Vec<RemoteCheckpoint>, Vec<(String, CheckpointError)>)
 /// A local checkpoint read for upload: its manifest, the manifest's bytes, and each file.
 type LocalCopy = (Manifest, Vec<u8>, Vec<(String, Vec<u8>)>);
 
+/// The remote directory `name` as a checkpoint: `None` for a name that cannot be a key or is
+/// hidden (not a checkpoint), its manifest, or why it is passed over (no manifest: an upload
+/// that did not finish; an unreadable one). Errors are the store's.
+fn read_entry(
+    store: &RemoteStore,
+    name: &str,
+) -> Result<Option<Result<Manifest, CheckpointError>>, CheckpointError> {
+    if super::uri::check_segment(name).is_err() || name.starts_with('.') {
+        return Ok(None);
+    }
+    let manifest_uri = PathBuf::from(store.describe(&[name, MANIFEST]));
+    match store.get(&[name, MANIFEST])? {
+        None => Ok(Some(Err(CheckpointError::damaged(
+            &manifest_uri,
+            "no manifest: its upload did not finish (or it is not a checkpoint)",
+        )))),
+        Some(bytes) => match parse_manifest(&bytes, &manifest_uri) {
+            Ok(manifest) => Ok(Some(Ok(manifest))),
+            Err(e @ CheckpointError::Damaged { .. }) => Ok(Some(Err(e))),
+            Err(e) => Err(e),
+        },
+    }
+}
+
 /// What the prefix holds: checkpoints with a readable manifest (newest first: most batches,
 /// then the one `latest` names, then the later name), and the names passed over (no
 /// manifest, an unreadable one, or a name that cannot be a key) with the reason.
@@ -69,24 +93,10 @@ pub fn list_remote(store: &RemoteStore) -> Result<RemoteListing, CheckpointError
     let mut found = Vec::new();
     let mut skipped = Vec::new();
     for name in store.list_dirs(&[])? {
-        if super::uri::check_segment(&name).is_err() || name.starts_with('.') {
-            tracing::debug!(name, "not a checkpoint name; ignored");
-            continue;
-        }
-        let manifest_uri = PathBuf::from(store.describe(&[&name, MANIFEST]));
-        match store.get(&[&name, MANIFEST])? {
-            None => skipped.push((
-                name,
-                CheckpointError::damaged(
-                    &manifest_uri,
-                    "no manifest: its upload did not finish (or it is not a checkpoint)",
-                ),
-            )),
-            Some(bytes) => match parse_manifest(&bytes, &manifest_uri) {
-                Ok(manifest) => found.push(RemoteCheckpoint { name, manifest }),
-                Err(e @ CheckpointError::Damaged { .. }) => skipped.push((name, e)),
-                Err(e) => return Err(e),
-            },
+        match read_entry(store, &name)? {
+            None => tracing::debug!(name, "not a checkpoint name; ignored"),
+            Some(Ok(manifest)) => found.push(RemoteCheckpoint { name, manifest }),
+            Some(Err(e)) => skipped.push((name, e)),
         }
     }
     found.sort_by(|a, b| {
@@ -511,8 +521,8 @@ impl Worker {
             }
         };
         // One listing; only the names this run has not seen yet have their manifest read
-        // (the same choice as `list_remote`: a name that cannot be a key, a hidden one, or
-        // one without a readable manifest is left alone).
+        // (`read_entry`, as `list_remote`: a name that cannot be a key, a hidden one, or one
+        // without a readable manifest is left alone).
         let names = self.store.list_dirs(&[])?;
         self.complete.retain(|n, _| names.contains(n));
         self.passed_over.retain(|n| names.contains(n));
@@ -520,22 +530,11 @@ impl Worker {
             if self.complete.contains_key(&name) || self.passed_over.contains(&name) {
                 continue;
             }
-            if super::uri::check_segment(&name).is_err() || name.starts_with('.') {
-                self.passed_over.insert(name);
-                continue;
-            }
-            let uri = PathBuf::from(self.store.describe(&[&name, MANIFEST]));
-            match self.store.get(&[&name, MANIFEST])? {
-                Some(bytes) => match parse_manifest(&bytes, &uri) {
-                    Ok(m) => {
-                        self.complete.insert(name, m.batch);
-                    }
-                    Err(CheckpointError::Damaged { .. }) => {
-                        self.passed_over.insert(name);
-                    }
-                    Err(e) => return Err(e),
-                },
-                None => {
+            match read_entry(&self.store, &name)? {
+                Some(Ok(m)) => {
+                    self.complete.insert(name, m.batch);
+                }
+                None | Some(Err(_)) => {
                     self.passed_over.insert(name);
                 }
             }
