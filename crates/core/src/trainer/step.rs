@@ -33,12 +33,14 @@ use crate::state::State;
 use super::Trainer;
 
 /// The microbatch losses (each a one-element tensor) as numbers, in one read from the
-/// device: concatenated there first.
-fn read_losses<B: burn::tensor::backend::Backend>(losses: Vec<Tensor<B, 1>>) -> Vec<f64> {
-    if losses.is_empty() {
-        return Vec::new();
-    }
-    let data = Tensor::cat(losses, 0).into_data();
+/// device: several are concatenated there first; one (an unsplit batch, the usual case) is
+/// read as it is, without a copy on the training step's path.
+fn read_losses<B: burn::tensor::backend::Backend>(mut losses: Vec<Tensor<B, 1>>) -> Vec<f64> {
+    let data = match losses.len() {
+        0 => return Vec::new(),
+        1 => losses.swap_remove(0).into_data(),
+        _ => Tensor::cat(losses, 0).into_data(),
+    };
     data.iter::<f64>().collect()
 }
 
