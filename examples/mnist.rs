@@ -12,6 +12,7 @@ use anyhow::Context;
 use burn::optim::Optimizer;
 use clap::Parser;
 use flashover::backend::COMPILED;
+use flashover::core::precision::{LossScaling, Precision};
 use flashover::distributed::{Distributed, Options as DistOptions};
 use flashover::models::TrainBackend;
 use flashover::prelude::*;
@@ -86,6 +87,19 @@ struct Args {
     /// kernels) or channels-last. The weights are the same in every format.
     #[arg(long, default_value = "auto")]
     memory_format: MemoryFormat,
+    /// Floating-point setup: fp32; fp16 or bf16 (the whole model in the half type); amp_fp16
+    /// or amp_bf16 (float32 weights and optimizer, forward and backward in the half type;
+    /// float16 with dynamic loss scaling). Half types need a backend that computes them (flex,
+    /// wgpu with shader-f16, cuda); the run stops with an error naming the supported ones
+    /// otherwise.
+    #[arg(long, default_value = "fp32")]
+    precision: Precision,
+    /// Float16 precisions: the first loss scale (PyTorch's default, 2^16).
+    #[arg(long, default_value_t = 65536.0)]
+    loss_scale_init: f64,
+    /// Float16 precisions: clean steps in a row before the loss scale doubles.
+    #[arg(long, default_value_t = 2000)]
+    loss_scale_growth_interval: u64,
     /// The model: cnn (the small CNN, the default), resnet8, resnet20 or resnet56 (CIFAR's
     /// ResNets at widths 16-32-64, with batch norm), resnet18 (four stages at 16-32-64-128).
     #[arg(long, default_value = "cnn")]
@@ -346,6 +360,12 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         skip_nonfinite_loss: args.skip_nonfinite_loss,
         algorithms: flashover::algorithms::spec::parse_list(&args.algorithms)?,
         memory_format: args.memory_format,
+        precision: args.precision,
+        loss_scaling: LossScaling {
+            init_scale: args.loss_scale_init,
+            growth_interval: args.loss_scale_growth_interval,
+            ..LossScaling::default()
+        },
     };
     if let Some(name) = &args.recipe {
         recipe = recipe.with_recipe(name)?;
@@ -415,6 +435,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
             samples: 0,
             wall: Default::default(),
             data_wait: Default::default(),
+            device_reads: 0,
             stopped: None,
         }
     } else {
@@ -457,6 +478,8 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         "fit_end_wait_seconds": fit_end_wait_seconds,
         "samples_per_second": report.samples as f64 / train_seconds.max(f64::MIN_POSITIVE),
         "data_wait_fraction": report.data_wait.as_secs_f64() / train_seconds.max(f64::MIN_POSITIVE),
+        // The training step's device-to-host reads per batch (the losses, once per step).
+        "device_reads_per_batch": report.device_reads as f64 / (report.batches.max(1)) as f64,
         "params_sha256": digest,
         "params_sha256_by_rank": digests,
         "world_size": world.size,
@@ -468,6 +491,10 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         "samples": ts.sample,
         "train_samples_per_epoch": state.samples_per_epoch,
         "skipped_batches": state.skipped_batches,
+        "precision": state.precision.name(),
+        // Dynamic loss scaling (float16): the scale reached and the steps it skipped.
+        "loss_scale": state.loss_scaler.map(|s| s.scale),
+        "overflow_skipped_steps": state.loss_scaler.map(|s| s.skipped_steps),
         "backend": args.backend,
         "model": args.model.name(),
         "seed": args.seed,
@@ -477,6 +504,11 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         "scale_schedule_ratio": recipe.scale_schedule_ratio,
         // Whether the convolutions and pools ran channels-last (the CPU fast path).
         "channels_last": flashover::models::channels_last::<B>(trainer.model().memory_format()),
+        // Device memory the backend's pools hold now (CubeCL backends; null on the CPU):
+        // pools keep what they reserved, so this is about the run's peak.
+        "device_reserved_bytes": flashover_examples::device_memory_reader(&device)
+            .and_then(|read| read())
+            .map(|m| m.reserved),
         // Peak resident memory of the process so far (Linux; null elsewhere).
         "peak_rss_bytes": flashover::callbacks::monitors::process_memory().map(|(_, peak)| peak),
         "accuracy_curve": curve.points(),

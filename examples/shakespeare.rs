@@ -60,6 +60,9 @@ struct Args {
     /// Split each batch into microbatches of this many windows (gradient accumulation).
     #[arg(long)]
     microbatch_size: Option<usize>,
+    /// Floating-point setup: fp32, fp16, bf16, amp_fp16 or amp_bf16 (see the mnist example).
+    #[arg(long, default_value = "fp32")]
+    precision: flashover::core::precision::Precision,
     /// Tokens per training window (at most --context, or ALiBi's max_sequence_length).
     #[arg(long, default_value_t = 128)]
     seq_len: usize,
@@ -456,6 +459,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         .eval_interval(args.eval_interval)
         .evaluator(evaluator)
         .skip_nonfinite_loss(args.skip_nonfinite_loss)
+        .precision(args.precision)
         .logger(ConsoleLogger::new(args.log_every))
         .callback(curve.clone())
         .hyperparameter("backend", args.backend.clone())

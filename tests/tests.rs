@@ -6,6 +6,10 @@
 //! - `microbatch`: gradients with 1, 2, 4 (and uneven) microbatches equal the full batch's.
 //! - `resume`: a run stopped and resumed in a new process ends with the same bits (epoch
 //!   boundary, mid-epoch, after an epoch, microbatches, warmup, other schedules, async saves).
+//! - `precision`: every precision trains the CNN about as well as float32, keeps its weights
+//!   in the type it says, float16 overflow skips the step and lowers the scale, the scale
+//!   grows after clean steps, half and mixed runs resume bit for bit, checkpoints record
+//!   their precision and resume in another.
 //! - `crash`: SIGKILL at random points, autoresume, same bits as the uninterrupted run.
 //! - `damage`: damaged or hostile checkpoints and failed saves are typed errors naming the file.
 //! - `hardening`: a new user's mistakes through the example: a run that would train nothing,
@@ -75,6 +79,8 @@ mod microbatch;
 mod object_store;
 #[path = "suite/observe.rs"]
 mod observe;
+#[path = "suite/precision.rs"]
+mod precision;
 #[path = "suite/resume.rs"]
 mod resume;
 #[path = "suite/seams.rs"]

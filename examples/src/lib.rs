@@ -46,6 +46,7 @@ use flashover::core::metric::{Accuracy, LossMetric, TopKAccuracy};
 use flashover::core::model::{
     ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
 };
+use flashover::core::precision::{Autocast, LossScaling, Precision};
 use flashover::core::schedule::Scheduler;
 use flashover::core::setup::{Setup, SetupOf};
 use flashover::core::state::{State, World};
@@ -158,6 +159,7 @@ pub trait MnistModel<B: TrainBackend>:
         >,
     > + HasMemoryFormat
     + SurgeryModel
+    + Autocast
 {
 }
 
@@ -173,6 +175,7 @@ impl<B: TrainBackend, M> MnistModel<B> for M where
             >,
         > + HasMemoryFormat
         + SurgeryModel
+        + Autocast
 {
 }
 
@@ -416,6 +419,10 @@ pub struct MnistRun {
     /// The CNN's memory format (`Auto`: channels-last on the fast CPU path, channels-first on
     /// GPU backends).
     pub memory_format: MemoryFormat,
+    /// Floating-point setup (default fp32).
+    pub precision: Precision,
+    /// Dynamic loss scaling's settings (float16 precisions).
+    pub loss_scaling: LossScaling,
 }
 
 /// Defaults of the MNIST example, as strings where the CLI parses them.
@@ -455,6 +462,8 @@ impl Default for MnistRun {
             skip_nonfinite_loss: false,
             algorithms: Vec::new(),
             memory_format: MemoryFormat::Auto,
+            precision: Precision::Fp32,
+            loss_scaling: LossScaling::default(),
         }
     }
 }
@@ -526,7 +535,9 @@ impl MnistRun {
             .seed(self.seed)
             .eval_interval(self.eval_interval)
             .evaluator(evaluator)
-            .skip_nonfinite_loss(self.skip_nonfinite_loss);
+            .skip_nonfinite_loss(self.skip_nonfinite_loss)
+            .precision(self.precision)
+            .loss_scaling(self.loss_scaling);
         if let Some(mb) = self.microbatch_size {
             b = b.microbatch_size(mb);
         }

@@ -486,3 +486,43 @@ fn gpt_recipes_run_at_their_ratio() {
     assert!(!out.status.success());
     assert!(out.stderr.contains("blurpool"), "{}", out.stderr);
 }
+
+/// Low-precision layer norm joins a mixed-precision run in the run's half type (where a
+/// float32 run on the CPU refuses it, above): the checkpoint's surgery record names the type.
+#[test]
+fn low_precision_layernorm_computes_in_the_runs_half_type() {
+    use burn::tensor::backend::Backend;
+    use flashover::core::precision::Precision;
+    let Some(p) = [Precision::AmpBf16, Precision::AmpFp16]
+        .into_iter()
+        .find(|p| {
+            let d = p.compute_dtype().unwrap();
+            <TB as Backend>::supports_dtype(&device(), burn::tensor::DType::from(d))
+        })
+    else {
+        eprintln!("skipped on {BACKEND}: no half type");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let s = summary(tiny(&[
+        "--max-duration",
+        "20ba",
+        "--save-interval",
+        "20ba",
+        "--precision",
+        p.name(),
+        "--algorithms",
+        "low_precision_layernorm",
+        "--save-folder",
+        folder,
+    ]));
+    assert!(s["val_loss"].as_f64().unwrap().is_finite());
+    let name = flashover::checkpoint::format::read_latest(dir.path()).unwrap();
+    let state = std::fs::read_to_string(dir.path().join(name).join("trainer_state.json")).unwrap();
+    let half = match p {
+        Precision::AmpBf16 => "low_precision_layernorm:bf16",
+        _ => "low_precision_layernorm:f16",
+    };
+    assert!(state.contains(half), "{state}");
+}

@@ -55,3 +55,31 @@ fn microbatch_gradients_equal_the_full_batch_gradient() {
         );
     }
 }
+
+/// The training step reads from the device once per batch, however many microbatches it
+/// has (and with loss scaling's overflow check): its losses are read together after the
+/// last backward pass is queued.
+#[test]
+fn the_step_reads_from_the_device_once_per_batch() {
+    use flashover::core::precision::Precision;
+    for (microbatch, precision) in [
+        (None, Precision::Fp32),
+        (Some(8), Precision::Fp32),
+        (Some(5), Precision::AmpFp16),
+    ] {
+        let mut run = short_run(128, 32, 10, "1ep");
+        run.microbatch_size = microbatch;
+        run.precision = precision;
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .build()
+            .unwrap();
+        let report = t.fit().unwrap();
+        assert_eq!(report.batches, 4);
+        assert_eq!(
+            report.device_reads, report.batches,
+            "{microbatch:?} {precision}"
+        );
+    }
+}

@@ -25,6 +25,7 @@ use burn::tensor::DType;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
+use flashover_core::precision::Precision;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::surgery::{GroupNormSurgery, HalfType, SurgeryRecord};
@@ -43,6 +44,14 @@ pub fn accelerated_half<B: Backend>(device: &B::Device) -> Option<HalfType> {
     } else {
         None
     }
+}
+
+/// The half type the low-precision norms compute in: the run's, when it trains in a half or
+/// mixed precision (the norms then join the rest of the forward pass in that type, where
+/// they would otherwise be float32: Composer's use of them under autocast); in a float32
+/// run, the device's accelerated half type ([`accelerated_half`]); `None` where neither is.
+pub fn norm_half<B: Backend>(precision: Precision, device: &B::Device) -> Option<HalfType> {
+    precision.half().or_else(|| accelerated_half::<B>(device))
 }
 
 /// A low-precision normalisation's settings in the `--algorithms` syntax, with the half type
@@ -66,7 +75,7 @@ pub(crate) fn no_half_type(
         algorithm,
         "backend",
         backend,
-        format!("a backend whose device runs f16 or bf16 accelerated (cuda, or wgpu on a GPU with half-precision support); this one computes in float32 only, so {layer} stays in float32: remove the algorithm"),
+        format!("a run in a half or mixed precision (--precision amp_bf16, amp_fp16, bf16 or fp16), or a backend whose device runs f16 or bf16 accelerated (cuda, or wgpu on a GPU with half-precision matrix units); this float32 run on this backend would keep {layer} in float32: set a precision or remove the algorithm"),
     )
 }
 
@@ -98,7 +107,8 @@ pub fn apply_low_precision_groupnorm<M: GroupNormSurgery + ?Sized>(
 }
 
 /// The LowPrecisionGroupNorm algorithm: [`apply_low_precision_groupnorm`] at `INIT` in the
-/// backend's accelerated half type, or an error where it has none.
+/// run's half type, or in a float32 run the backend's accelerated one ([`norm_half`]); an
+/// error where there is none.
 #[derive(Debug, Clone, Default)]
 pub struct LowPrecisionGroupNorm {
     half: Option<HalfType>,
@@ -117,7 +127,7 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let half = accelerated_half::<S::Backend>(&state.device)
+        let half = norm_half::<S::Backend>(state.precision, &state.device)
             .ok_or_else(|| unsupported(S::Backend::name(&state.device)))?;
         self.half = Some(half);
         self.applied.run("low_precision_groupnorm", state, |model| {

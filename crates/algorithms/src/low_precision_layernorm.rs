@@ -22,7 +22,7 @@ use flashover_core::state::State;
 use flashover_core::surgery::{HalfType, LayerNormSurgery, SurgeryRecord};
 
 use crate::error::AlgorithmError;
-use crate::low_precision_groupnorm::{accelerated_half, describe_half, no_half_type};
+use crate::low_precision_groupnorm::{describe_half, no_half_type, norm_half};
 use crate::surgery::{surgery_at_init, Applied};
 
 /// The settings in the `--algorithms` syntax, with the half type chosen.
@@ -53,7 +53,8 @@ pub fn apply_low_precision_layernorm<M: LayerNormSurgery + ?Sized>(
 }
 
 /// The LowPrecisionLayerNorm algorithm: [`apply_low_precision_layernorm`] at `INIT` in the
-/// backend's accelerated half type, or an error where it has none.
+/// run's half type, or in a float32 run the backend's accelerated one
+/// ([`norm_half`](crate::low_precision_groupnorm::norm_half)); an error where there is none.
 #[derive(Debug, Clone, Default)]
 pub struct LowPrecisionLayerNorm {
     half: Option<HalfType>,
@@ -72,7 +73,7 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let half = accelerated_half::<S::Backend>(&state.device)
+        let half = norm_half::<S::Backend>(state.precision, &state.device)
             .ok_or_else(|| unsupported(S::Backend::name(&state.device)))?;
         self.half = Some(half);
         self.applied.run("low_precision_layernorm", state, |model| {
@@ -110,9 +111,13 @@ mod tests {
     }
 
     #[test]
-    fn the_cpu_backend_is_refused_by_name() {
+    fn the_cpu_backend_is_refused_by_name_in_a_float32_run_only() {
+        use flashover_core::precision::Precision;
         type F = burn::backend::Flex;
-        assert_eq!(accelerated_half::<F>(&Default::default()), None);
+        let d = Default::default();
+        assert_eq!(norm_half::<F>(Precision::Fp32, &d), None);
+        assert_eq!(norm_half::<F>(Precision::AmpBf16, &d), Some(HalfType::BF16));
+        assert_eq!(norm_half::<F>(Precision::Fp16, &d), Some(HalfType::F16));
         let e = unsupported(<F as Backend>::name(&Default::default())).to_string();
         assert!(
             e.contains("low_precision_layernorm") && e.contains("float32"),

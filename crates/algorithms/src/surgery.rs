@@ -27,7 +27,7 @@ use crate::factorize::{apply_factorize, log_flops, log_report, FactorizeOptions}
 use crate::ghost_batchnorm::{apply_ghost_batchnorm, check_size, describe};
 use crate::gyro_dropout::{gyro_event, gyro_matches, run_batches, Gyro, GyroDropoutOptions};
 use crate::low_precision_groupnorm::{
-    accelerated_half, apply_low_precision_groupnorm, describe as lp_describe, unsupported,
+    apply_low_precision_groupnorm, describe as lp_describe, norm_half, unsupported,
 };
 use crate::squeeze_excite::{apply_squeeze_excite, SqueezeExciteOptions};
 use crate::stochastic_depth::{
@@ -84,7 +84,7 @@ impl RunAt {
                 .to_batches(state.max_duration)
                 .map(|b| b.ceil() as u64),
             max_duration: state.max_duration,
-            half: accelerated_half::<S::Backend>(&state.device),
+            half: norm_half::<S::Backend>(state.precision, &state.device),
             backend: <S::Backend as Backend>::name(&state.device),
         }
     }

@@ -149,6 +149,22 @@ impl CheckpointRestore {
         state.seed = saved.seed;
         state.timestamp = saved.timestamp.clone();
         state.skipped_batches = saved.skipped_batches;
+        // Another precision: the builder converts the weights to this run's type after the
+        // restore; a loss scaler carries over between the float16 precisions and starts
+        // afresh otherwise.
+        if saved.precision != state.precision {
+            tracing::info!(
+                saved = %saved.precision,
+                configured = %state.precision,
+                "resuming in another precision: the weights are converted (the run is no longer bit-exact against an uninterrupted one)"
+            );
+        }
+        if let (Some(scaler), Some(saved)) = (state.loss_scaler.as_mut(), saved.loss_scaler) {
+            // The run's settings, the saved progress.
+            scaler.scale = saved.scale;
+            scaler.clean_steps = saved.clean_steps;
+            scaler.skipped_steps = saved.skipped_steps;
+        }
         state.last_eval_batch = saved.last_eval_batch;
         state.eval_metrics = saved
             .eval_metrics

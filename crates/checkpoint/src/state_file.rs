@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use flashover_core::precision::{LossScaler, Precision};
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::Timestamp;
@@ -46,6 +47,13 @@ pub struct TrainerStateFile {
     pub scheduler: String,
     /// Batches skipped for a non-finite loss.
     pub skipped_batches: u64,
+    /// The precision the run trained in (`fp32` for checkpoints older than the field). A run
+    /// may resume in another precision: its weights are converted to that one's type.
+    #[serde(default)]
+    pub precision: Precision,
+    /// Dynamic loss scaling's state (float16 runs).
+    #[serde(default)]
+    pub loss_scaler: Option<LossScaler>,
     /// Batch count at the last evaluation.
     pub last_eval_batch: Option<u64>,
     /// Latest evaluation results (`null` for a metric with no value).
@@ -93,6 +101,8 @@ impl TrainerStateFile {
             max_duration: state.max_duration.to_string(),
             scheduler: state.scheduler.describe(),
             skipped_batches: state.skipped_batches,
+            precision: state.precision,
+            loss_scaler: state.loss_scaler,
             last_eval_batch: state.last_eval_batch,
             eval_metrics: state
                 .eval_metrics

@@ -39,6 +39,19 @@ pub enum CoreError {
         expected: String,
     },
 
+    /// The backend cannot store or compute the half type a precision needs on this device.
+    #[error("precision {precision} needs {dtype} arithmetic, which backend {backend} does not support on this device; precisions it supports here: {supported}")]
+    UnsupportedPrecision {
+        /// The precision asked for.
+        precision: &'static str,
+        /// The float type it needs.
+        dtype: String,
+        /// The backend (and device), as Burn names it.
+        backend: String,
+        /// The precisions the backend supports on the device.
+        supported: String,
+    },
+
     /// The training (or evaluation) dataset has no items.
     #[error("dataset `{name}` is empty: at least one item is needed")]
     EmptyDataset {

@@ -19,6 +19,7 @@ pub mod loss;
 pub mod metric;
 pub mod model;
 pub mod params;
+pub mod precision;
 pub mod restore;
 pub mod rng;
 pub mod schedule;

@@ -11,6 +11,7 @@ use burn::tensor::Tensor;
 use crate::collective::{Collective, LocalStep};
 use crate::error::{CoreError, Result};
 use crate::model::Batch;
+use crate::precision::{LossScaler, Precision};
 
 use crate::rng::{derive_seed, Rng};
 use crate::schedule::LrSchedule;
@@ -110,6 +111,10 @@ pub struct State<S: Setup> {
     pub component_states: BTreeMap<String, serde_json::Value>,
     /// Batches whose loss was not finite and were skipped (when skipping is enabled).
     pub skipped_batches: u64,
+    /// The run's floating-point setup (see [`crate::precision`]); saved in checkpoints.
+    pub precision: Precision,
+    /// Dynamic loss scaling (runs in float16 only); its state is saved in checkpoints.
+    pub loss_scaler: Option<LossScaler>,
     /// Rank and world size.
     pub world: World,
     /// The run's seed; all randomness derives from it (see [`State::rng`]).

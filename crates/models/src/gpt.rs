@@ -17,10 +17,11 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LinearConfig};
 use burn::tensor::activation::{gelu, relu, sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use flashover_core::loss::classification_loss;
 use flashover_core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainModel};
 use flashover_core::params::init_model;
+use flashover_core::precision::{cast_like, cast_to, Autocast};
 use flashover_core::rng::{derive_seed, Rng};
 use flashover_core::surgery::{
     AttentionInfo, AttentionSurgery, AttentionVariant, ConvInfo, FactorSurgery, GluActivation,
@@ -151,6 +152,7 @@ impl GptConfig {
                     )
                 }),
                 context: self.context,
+                compute: None,
             }
         })
     }
@@ -322,6 +324,8 @@ pub struct Gpt<B: Backend> {
     /// Longest input the model takes: the rows of the position embeddings, or ALiBi's
     /// `max_sequence_length` once they are removed.
     pub context: usize,
+    /// The type the forward pass computes in (`None`: the parameters'); see [`Autocast`].
+    pub compute: Option<FloatDType>,
 }
 
 impl<B: Backend> Gpt<B> {
@@ -419,6 +423,17 @@ impl<B: Backend> FactorSurgery for Gpt<B> {
     }
 }
 
+impl<B: Backend> Autocast for Gpt<B> {
+    fn compute_dtype(&self) -> Option<FloatDType> {
+        self.compute
+    }
+
+    fn with_compute_dtype(mut self, dtype: Option<FloatDType>) -> Self {
+        self.compute = dtype;
+        self
+    }
+}
+
 impl<B: Backend> SurgeryModel for Gpt<B> {
     fn attention_surgery(&mut self) -> Option<&mut dyn AttentionSurgery> {
         Some(self)
@@ -452,19 +467,23 @@ impl<B: ChannelsLastBackend> Gpt<B> {
         if let Some(p) = &self.position_embedding {
             x = x + p.val().narrow(0, 0, t).unsqueeze::<3>();
         }
+        if let Some(dtype) = self.compute {
+            x = cast_to(x, dtype);
+        }
         for block in &self.blocks {
             x = block.forward(x);
         }
         let w = x.dims()[2];
         let x = self.final_norm.forward(x).reshape([b * t, w]);
         let fast = B::CHANNELS_LAST_IS_FAST;
-        match &self.head {
+        let logits = match &self.head {
             Some(head) => head.forward(x, fast, false),
             None => {
-                let e = self.token_embedding.weight.val();
+                let e = cast_like(self.token_embedding.weight.val(), x.dtype());
                 crate::layers::dense(x, e.transpose(), None, false)
             }
-        }
+        };
+        cast_to(logits, FloatDType::F32)
     }
 }
 

@@ -16,6 +16,7 @@ use burn::tensor::module::{avg_pool2d, conv2d, linear, max_pool2d};
 use burn::tensor::ops::{ConvOptions, PadMode, PaddedConvOptions};
 use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
+use flashover_core::precision::cast_like;
 use flashover_core::rng::{derive_seed, Rng};
 use flashover_core::surgery::{
     Blur, ConvInfo, ConvVariant, DropoutVariant, GyroMasks, LinearInfo, PoolInfo, PoolVariant,
@@ -212,6 +213,7 @@ pub fn gyro_dropout<B: Backend>(x: Tensor<B, 2>, masks: &GyroMasks) -> Tensor<B,
         mask.extend(flags.iter().map(|&k| if k { scale } else { 0.0 }));
     }
     let mask = Tensor::<B, 2>::from_data(TensorData::new(mask, [n, features]), &x.device());
+    let mask = cast_like(mask, x.dtype());
     x.mul(mask)
 }
 
@@ -400,11 +402,19 @@ impl<B: ChannelsLastBackend> Linear<B> {
             Some(g) if B::ad_enabled(&x.device()) => gyro_dropout(x, g),
             _ => x,
         };
-        let bias = self.bias.as_ref().map(|b| b.val());
+        // Weights in the input's type (mixed precision; nothing happens when they are).
+        let dt = x.dtype();
+        let bias = self.bias.as_ref().map(|b| cast_like(b.val(), dt));
         let (x, weight) = match &self.factors {
-            None => (x, self.weight.val()),
-            Some(f) if fast => (dense(x, f.first.val(), None, false), f.second.val()),
-            Some(f) => (linear(x, f.first.val(), None), f.second.val()),
+            None => (x, cast_like(self.weight.val(), dt)),
+            Some(f) if fast => (
+                dense(x, cast_like(f.first.val(), dt), None, false),
+                cast_like(f.second.val(), dt),
+            ),
+            Some(f) => (
+                linear(x, cast_like(f.first.val(), dt), None),
+                cast_like(f.second.val(), dt),
+            ),
         };
         if fast {
             return dense(x, weight, bias, relu);
@@ -607,7 +617,11 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
         channels_last: bool,
         relu: bool,
     ) -> Tensor<B, 4> {
-        let bias = self.bias.as_ref().map(|b| b.val());
+        // Weights in the input's type (mixed precision; nothing happens when they are).
+        let dt = x.dtype();
+        let bias = self.bias.as_ref().map(|b| cast_like(b.val(), dt));
+        let kernel = cast_like(self.kernel(), dt);
+        let second = self.factors.as_ref().map(|f| cast_like(f.second.val(), dt));
         if !channels_last {
             let [_, _, h, w] = x.dims();
             let ((top, bottom), (left, right)) =
@@ -619,16 +633,11 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
                 self.dilation,
                 self.groups,
             );
-            let y = match &self.factors {
-                None => conv2d(x, self.kernel(), bias, options),
-                Some(f) => {
-                    let y = conv2d(x, self.kernel(), None, options);
-                    conv2d(
-                        y,
-                        f.second.val(),
-                        bias,
-                        ConvOptions::new([1, 1], [0, 0], [1, 1], 1),
-                    )
+            let y = match second {
+                None => conv2d(x, kernel, bias, options),
+                Some(second) => {
+                    let y = conv2d(x, kernel, None, options);
+                    conv2d(y, second, bias, ConvOptions::new([1, 1], [0, 0], [1, 1], 1))
                 }
             };
             return if relu {
@@ -646,12 +655,12 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
             (pad_nhwc(x, pairs, 0.0), [0, 0])
         };
         let options = ConvOptions::new(stride, padding, self.dilation, self.groups);
-        match &self.factors {
-            None => conv2d_nhwc(x, self.kernel(), bias, options, relu),
-            Some(f) => {
-                let y = conv2d_nhwc(x, self.kernel(), None, options, false);
+        match second {
+            None => conv2d_nhwc(x, kernel, bias, options, relu),
+            Some(second) => {
+                let y = conv2d_nhwc(x, kernel, None, options, false);
                 let pointwise = ConvOptions::new([1, 1], [0, 0], [1, 1], 1);
-                conv2d_nhwc(y, f.second.val(), bias, pointwise, relu)
+                conv2d_nhwc(y, second, bias, pointwise, relu)
             }
         }
     }

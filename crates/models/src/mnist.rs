@@ -6,12 +6,13 @@ use burn::nn::conv::Conv2dConfig;
 use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::adaptive_avg_pool2d;
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor};
 use flashover_core::loss::classification_loss;
 use flashover_core::model::{
     ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
 };
 use flashover_core::params::init_model;
+use flashover_core::precision::{cast_to, Autocast};
 use flashover_core::surgery::{
     ConvInfo, ConvSurgery, ConvVariant, DropoutInfo, DropoutSurgery, DropoutVariant, ExciteSurgery,
     FactorSurgery, LinearInfo, PoolInfo, PoolSurgery, PoolVariant, SurgeryModel,
@@ -36,6 +37,8 @@ pub struct MnistCnn<B: Backend> {
     fc2: Linear<B>,
     pool: MaxPool2d,
     format: MemoryFormat,
+    /// The type the forward pass computes in (`None`: the parameters'); see [`Autocast`].
+    compute: Option<FloatDType>,
 }
 
 impl<B: Backend> MnistCnn<B> {
@@ -64,6 +67,7 @@ impl<B: Backend> MnistCnn<B> {
             fc2: Linear::new(&LinearConfig::new(hidden, 10), d),
             pool: MaxPool2d::new([2, 2], [2, 2]),
             format: MemoryFormat::Auto,
+            compute: None,
         })
     }
 
@@ -84,6 +88,10 @@ impl<B: ChannelsLastBackend> MnistCnn<B> {
     /// classifier expects; at full size that step is skipped, so the baseline is unchanged.
     pub fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
         let nhwc = channels_last::<B>(self.format);
+        let images = match self.compute {
+            Some(dtype) => cast_to(images, dtype),
+            None => images,
+        };
         // Images come channels-first; with one channel, channels-last is the same memory, and
         // a reshape (unlike a permutation) keeps the tensor contiguous, so nothing is copied.
         let x = match (nhwc, images.dims()) {
@@ -104,8 +112,21 @@ impl<B: ChannelsLastBackend> MnistCnn<B> {
         };
         let x: Tensor<B, 2> = x.flatten(1, 3);
         // The dense layers take the fast path with the convolutions.
-        self.fc2
-            .forward(self.fc1.forward(x, nhwc, true), nhwc, false)
+        let logits = self
+            .fc2
+            .forward(self.fc1.forward(x, nhwc, true), nhwc, false);
+        cast_to(logits, FloatDType::F32)
+    }
+}
+
+impl<B: Backend> Autocast for MnistCnn<B> {
+    fn compute_dtype(&self) -> Option<FloatDType> {
+        self.compute
+    }
+
+    fn with_compute_dtype(mut self, dtype: Option<FloatDType>) -> Self {
+        self.compute = dtype;
+        self
     }
 }
 

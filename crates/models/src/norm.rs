@@ -27,6 +27,7 @@ use burn::module::{Module, Param, RunningState};
 use burn::nn::BatchNormConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
+use flashover_core::precision::{cast_like, cast_to};
 use flashover_core::surgery::{
     GroupNormVariant, HalfType, LayerNormVariant, NormInfo, NormVariant,
 };
@@ -72,7 +73,16 @@ impl<B: Backend> BatchNorm<B> {
 
     /// `x` normalised over its channels: axis 1 of NCHW, or axis 3 of NHWC when
     /// `channels_last`.
+    ///
+    /// Statistics and the normalisation are computed in float32 whatever the activations'
+    /// type (half and mixed precision); the result is in the activations' type.
     pub fn forward(&self, x: Tensor<B, 4>, channels_last: bool) -> Tensor<B, 4> {
+        let dtype = x.dtype();
+        let y = self.forward_f32(cast_to(x, FloatDType::F32), channels_last);
+        cast_like(y, dtype)
+    }
+
+    fn forward_f32(&self, x: Tensor<B, 4>, channels_last: bool) -> Tensor<B, 4> {
         let training = B::ad_enabled(&x.device());
         let c = self.channels();
         let dims = x.dims();
@@ -101,8 +111,11 @@ impl<B: Backend> BatchNorm<B> {
         } else {
             let device = x.device();
             (
-                self.running_mean.value().to_device(&device),
-                self.running_var.value().to_device(&device),
+                cast_to(
+                    self.running_mean.value().to_device(&device),
+                    FloatDType::F32,
+                ),
+                cast_to(self.running_var.value().to_device(&device), FloatDType::F32),
             )
         };
         self.normalise(x, mean, var, channels_last)
@@ -147,12 +160,18 @@ impl<B: Backend> BatchNorm<B> {
         let m = self.momentum;
         let running_mean = self.running_mean.value_sync().to_device(&device);
         let running_var = self.running_var.value_sync().to_device(&device);
-        let running_mean = running_mean
+        // In float32, stored back in the statistics' own type (half in a pure half run).
+        let stored = running_mean.dtype();
+        let running_mean = cast_to(running_mean, FloatDType::F32)
             .mul_scalar(1.0 - m)
             .add(mean.detach().mul_scalar(m));
-        let running_var = running_var
+        let running_var = cast_to(running_var, FloatDType::F32)
             .mul_scalar(1.0 - m)
             .add(var.detach().mul_scalar(m));
+        let (running_mean, running_var) = (
+            cast_like(running_mean, stored),
+            cast_like(running_var, stored),
+        );
         self.running_mean.update(running_mean.detach());
         self.running_var.update(running_var.detach());
         // Fold the update in now. Burn's `RunningState` keeps it pending until the next
@@ -179,10 +198,12 @@ impl<B: Backend> BatchNorm<B> {
         channels_last: bool,
     ) -> Tensor<B, 4> {
         let c = self.channels();
+        let gamma = cast_to(self.gamma.val(), FloatDType::F32);
+        let beta = cast_to(self.beta.val(), FloatDType::F32);
         if channels_last {
             let [n, h, w, _] = x.dims();
-            let scale = self.gamma.val().div(var.add_scalar(self.epsilon).sqrt());
-            let shift = self.beta.val().sub(mean.mul(scale.clone()));
+            let scale = gamma.div(var.add_scalar(self.epsilon).sqrt());
+            let shift = beta.sub(mean.mul(scale.clone()));
             x.reshape([n * h * w, c])
                 .mul(rows(scale, n * h * w))
                 .add(rows(shift, n * h * w))
@@ -192,8 +213,8 @@ impl<B: Backend> BatchNorm<B> {
             let std = var.reshape(shape).add_scalar(self.epsilon).sqrt();
             x.sub(mean.reshape(shape))
                 .div(std)
-                .mul(self.gamma.val().reshape(shape))
-                .add(self.beta.val().reshape(shape))
+                .mul(gamma.reshape(shape))
+                .add(beta.reshape(shape))
         }
     }
 }
@@ -276,7 +297,7 @@ pub struct GroupNorm<B: Backend> {
     pub groups: usize,
     /// Added to the variance before the square root.
     pub epsilon: f64,
-    /// The variant model surgery chose (default: computed in the activations' type).
+    /// The variant model surgery chose (default: computed in float32).
     pub variant: GroupNormVariant,
 }
 
@@ -313,21 +334,20 @@ impl<B: Backend> GroupNorm<B> {
     /// `x` normalised per sample and group: channels on axis 1 of NCHW, or axis 3 of NHWC
     /// when `channels_last`.
     pub fn forward(&self, x: Tensor<B, 4>, channels_last: bool) -> Tensor<B, 4> {
-        let (gamma, beta) = (self.gamma.val(), self.beta.val());
-        match self.variant.low_precision {
-            None => self.normalise(x, gamma, beta, channels_last),
-            Some(half) => {
-                let dtype = x.dtype();
-                let half = half_dtype(half);
-                let y = self.normalise(
-                    x.cast(half),
-                    gamma.cast(half),
-                    beta.cast(half),
-                    channels_last,
-                );
-                y.cast(dtype)
-            }
-        }
+        // Float32 statistics (whatever the activations' type), or the low-precision
+        // variant's half type; the result in the activations' type.
+        let dtype = x.dtype();
+        let compute = self
+            .variant
+            .low_precision
+            .map_or(FloatDType::F32, half_dtype);
+        let y = self.normalise(
+            cast_to(x, compute),
+            cast_to(self.gamma.val(), compute),
+            cast_to(self.beta.val(), compute),
+            channels_last,
+        );
+        cast_like(y, dtype)
     }
 
     fn normalise(
@@ -391,7 +411,7 @@ pub struct LayerNorm<B: Backend> {
     pub beta: Param<Tensor<B, 1>>,
     /// Added to the variance before the square root.
     pub epsilon: f64,
-    /// The variant model surgery chose (default: computed in the activations' type).
+    /// The variant model surgery chose (default: computed in float32).
     pub variant: LayerNormVariant,
 }
 
@@ -431,17 +451,19 @@ impl<B: Backend> LayerNorm<B> {
         );
         let n = dims[..D - 1].iter().product::<usize>();
         let x = x.reshape([n, w]);
-        let (gamma, beta) = (self.gamma.val(), self.beta.val());
-        let y = match self.variant.low_precision {
-            None => self.normalise(x, gamma, beta),
-            Some(half) => {
-                let dtype = x.dtype();
-                let half = half_dtype(half);
-                self.normalise(x.cast(half), gamma.cast(half), beta.cast(half))
-                    .cast(dtype)
-            }
-        };
-        y.reshape(dims)
+        // Float32 statistics (whatever the activations' type), or the low-precision
+        // variant's half type; the result in the activations' type.
+        let dtype = x.dtype();
+        let compute = self
+            .variant
+            .low_precision
+            .map_or(FloatDType::F32, half_dtype);
+        let y = self.normalise(
+            cast_to(x, compute),
+            cast_to(self.gamma.val(), compute),
+            cast_to(self.beta.val(), compute),
+        );
+        cast_like(y, dtype).reshape(dims)
     }
 
     fn normalise(&self, x: Tensor<B, 2>, gamma: Tensor<B, 1>, beta: Tensor<B, 1>) -> Tensor<B, 2> {

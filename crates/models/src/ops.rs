@@ -262,11 +262,16 @@ pub fn burn_causal_attention<B: Backend>(
         burn::tensor::TensorData::new(mask, [1, bias_heads, t, t]),
         &device,
     );
+    // The softmax in float32 whatever the activations' type (as PyTorch's autocast runs
+    // it), its probabilities back in that type.
+    let dtype = q.dtype();
     let scores = q
         .matmul(k.swap_dims(2, 3))
-        .mul_scalar(1.0 / (dh as f64).sqrt())
-        .add(mask);
-    let probs = burn::tensor::activation::softmax(scores, 3);
+        .mul_scalar(1.0 / (dh as f64).sqrt());
+    let scores =
+        flashover_core::precision::cast_to(scores, burn::tensor::FloatDType::F32).add(mask);
+    let probs =
+        flashover_core::precision::cast_like(burn::tensor::activation::softmax(scores, 3), dtype);
     let out = merge_heads(probs.clone().matmul(v));
     (primitive(out), primitive(probs))
 }

@@ -23,12 +23,13 @@ use burn::nn::conv::Conv2dConfig;
 use burn::nn::{BatchNormConfig, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{FloatDType, Tensor, TensorData};
 use flashover_core::loss::classification_loss;
 use flashover_core::model::{
     ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
 };
 use flashover_core::params::init_model;
+use flashover_core::precision::{cast_to, Autocast};
 use flashover_core::surgery::{
     ConvInfo, ConvSurgery, ConvVariant, DepthDrop, DropoutInfo, DropoutSurgery, DropoutVariant,
     ExciteSurgery, FactorSurgery, Keep, LinearInfo, NormInfo, NormSurgery, NormVariant, PoolInfo,
@@ -134,6 +135,7 @@ impl ResNetConfig {
                 blocks,
                 head: Linear::new(&LinearConfig::new(width, self.classes), d),
                 format: MemoryFormat::Auto,
+                compute: None,
             }
         })
     }
@@ -239,6 +241,7 @@ impl<B: ChannelsLastBackend> BasicBlock<B> {
                 let mask: Vec<f32> = keep.iter().map(|&k| if k { 1.0 } else { 0.0 }).collect();
                 let mask =
                     Tensor::<B, 4>::from_data(TensorData::new(mask, [n, 1, 1, 1]), &y.device());
+                let mask = flashover_core::precision::cast_like(mask, y.dtype());
                 y = y.mul(mask);
             }
             _ => {}
@@ -259,6 +262,8 @@ pub struct ResNet<B: Backend> {
     /// The classifier on the globally averaged features.
     pub head: Linear<B>,
     format: MemoryFormat,
+    /// The type the forward pass computes in (`None`: the parameters'); see [`Autocast`].
+    compute: Option<FloatDType>,
 }
 
 impl<B: Backend> ResNet<B> {
@@ -296,6 +301,10 @@ impl<B: ChannelsLastBackend> ResNet<B> {
     /// (the features are averaged over whatever resolution remains).
     pub fn logits(&self, images: Tensor<B, 4>) -> Tensor<B, 2> {
         let nhwc = channels_last::<B>(self.format);
+        let images = match self.compute {
+            Some(dtype) => cast_to(images, dtype),
+            None => images,
+        };
         let x = match (nhwc, images.dims()) {
             (false, _) => images,
             (true, [n, 1, h, w]) => images.reshape([n, h, w, 1]),
@@ -316,7 +325,18 @@ impl<B: ChannelsLastBackend> ResNet<B> {
             let [n, c, h, w] = x.dims();
             x.reshape([n, c, h * w]).mean_dim(2).reshape([n, c])
         };
-        self.head.forward(features, nhwc, false)
+        cast_to(self.head.forward(features, nhwc, false), FloatDType::F32)
+    }
+}
+
+impl<B: Backend> Autocast for ResNet<B> {
+    fn compute_dtype(&self) -> Option<FloatDType> {
+        self.compute
+    }
+
+    fn with_compute_dtype(mut self, dtype: Option<FloatDType>) -> Self {
+        self.compute = dtype;
+        self
     }
 }
 

@@ -14,6 +14,9 @@ use crate::error::{CoreError, Result};
 use crate::event::Event;
 use crate::logger::{Logger, LoggerDestination};
 use crate::model::Batch;
+use crate::precision::{
+    cast_params, check_precision, Autocast, LossScaler, LossScaling, Precision,
+};
 use crate::restore::Restore;
 use crate::schedule::{LrSchedule, Scheduler};
 use crate::setup::{BatchOf, DeviceOf, Setup};
@@ -45,6 +48,8 @@ pub struct TrainerBuilder<S: Setup> {
     hyperparameters: serde_json::Map<String, Value>,
     restore: Option<Box<dyn Restore<S>>>,
     collective: Option<Box<dyn Collective<S>>>,
+    precision: Precision,
+    loss_scaling: LossScaling,
 }
 
 impl<S: Setup> TrainerBuilder<S> {
@@ -76,6 +81,8 @@ impl<S: Setup> TrainerBuilder<S> {
             hyperparameters: serde_json::Map::new(),
             restore: None,
             collective: None,
+            precision: Precision::Fp32,
+            loss_scaling: LossScaling::default(),
         }
     }
 
@@ -164,6 +171,13 @@ impl<S: Setup> TrainerBuilder<S> {
     /// Extra hyperparameters to log once, at the first `FIT_START` (the trainer adds its own).
     pub fn hyperparameter(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
         self.hyperparameters.insert(key.into(), value.into());
+        self
+    }
+
+    /// Dynamic loss scaling's settings for the float16 precisions (default: PyTorch's
+    /// `GradScaler`'s: 2^16, doubled after 2000 clean steps, halved on overflow).
+    pub fn loss_scaling(mut self, scaling: LossScaling) -> Self {
+        self.loss_scaling = scaling;
         self
     }
 
@@ -278,6 +292,7 @@ impl<S: Setup> TrainerBuilder<S> {
                 });
             }
         }
+        self.loss_scaling.validate()?;
         // An algorithm added twice would apply its change twice (two label smoothings, two
         // MixUps) and its two states would share one checkpoint key: refuse it.
         let mut names = BTreeSet::new();
@@ -298,6 +313,7 @@ impl<S: Setup> TrainerBuilder<S> {
     /// trainer.
     pub fn build(self) -> Result<Trainer<S>> {
         self.validate()?;
+        check_precision::<S::Backend>(self.precision, &self.device)?;
         let world = self.resolve_world()?;
         let ssr = self.scale_schedule_ratio;
         let batches_per_epoch = self.train.num_batches() as u64;
@@ -335,6 +351,7 @@ impl<S: Setup> TrainerBuilder<S> {
         );
         hp.insert("microbatch_size".into(), json!(self.microbatch_size));
         hp.insert("seed".into(), json!(self.seed));
+        hp.insert("precision".into(), json!(self.precision.name()));
         hp.insert("world_size".into(), json!(world.size));
         hp.insert(
             "algorithms".into(),
@@ -366,6 +383,11 @@ impl<S: Setup> TrainerBuilder<S> {
             evaluated: Vec::new(),
             component_states: BTreeMap::new(),
             skipped_batches: 0,
+            precision: self.precision,
+            loss_scaler: self
+                .precision
+                .scales_loss()
+                .then(|| LossScaler::new(self.loss_scaling)),
             world,
             seed: self.seed,
             device: self.device,
@@ -388,6 +410,7 @@ impl<S: Setup> TrainerBuilder<S> {
             skip_nonfinite_loss: self.skip_nonfinite_loss,
             hyperparameters: Some(hp),
             clock: None,
+            device_reads: 0,
         };
         trainer.engine.run(Event::Init, &mut trainer.state)?;
         trainer.engine.run(Event::BeforeLoad, &mut trainer.state)?;
@@ -398,6 +421,12 @@ impl<S: Setup> TrainerBuilder<S> {
                 trainer.engine.restore_component_states(components)?;
             }
         }
+        // Parameters in the precision's type: a cast for the pure half precisions, and for a
+        // checkpoint saved in another precision (nothing happens when they already are).
+        let dtype = trainer.state.precision.parameter_dtype();
+        trainer
+            .state
+            .map_model(|m| cast_params::<S::Backend, S::Model>(m, dtype));
         if world.size > 1 {
             if let Some(mut c) = trainer.state.collective.take() {
                 let agreed = agree_on_position(c.as_mut(), &trainer.state.timestamp, world);
@@ -412,6 +441,20 @@ impl<S: Setup> TrainerBuilder<S> {
         }
         trainer.engine.run(Event::AfterLoad, &mut trainer.state)?;
         Ok(trainer)
+    }
+}
+
+impl<S: Setup> TrainerBuilder<S>
+where
+    S::Model: Autocast,
+{
+    /// The run's floating-point setup (Composer's `precision`; default `fp32`): see
+    /// [`crate::precision`]. The model computes in the precision's type from here on; the
+    /// backend's support for it is checked by `build`.
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self.model = self.model.with_compute_dtype(precision.compute_dtype());
+        self
     }
 }
 

@@ -62,6 +62,8 @@ pub struct Trainer<S: Setup> {
     hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
     /// When the current `fit` call started, and the run's wall-clock time then.
     clock: Option<(Instant, Duration)>,
+    /// Device-to-host reads the training step made (see [`FitReport::device_reads`]).
+    device_reads: u64,
 }
 
 impl<B, M, O> Trainer<SetupOf<B, M, O>>
@@ -216,6 +218,7 @@ impl<S: Setup> Trainer<S> {
         let start = Instant::now();
         self.clock = Some((start, self.state.timestamp.run_wall_time));
         let before = self.state.timestamp.clone();
+        let reads_before = self.device_reads;
         let mut steps = 0;
         let mut data_wait = Duration::ZERO;
         self.state.stop_reason = None;
@@ -284,6 +287,7 @@ impl<S: Setup> Trainer<S> {
             samples: after.sample - before.sample,
             wall: start.elapsed(),
             data_wait,
+            device_reads: self.device_reads - reads_before,
             stopped: self.state.stop_reason.clone(),
         })
     }

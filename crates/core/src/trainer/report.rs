@@ -15,6 +15,11 @@ pub struct FitReport {
     pub wall: Duration,
     /// Time the training thread waited for the data loader.
     pub data_wait: Duration,
+    /// Reads of device data to the host the trainer's batches made (one per batch: the
+    /// losses, with the overflow check of loss scaling), not counting those of a collective,
+    /// algorithms, callbacks or evaluation: the synchronisations the training step itself
+    /// costs a GPU's pipeline.
+    pub device_reads: u64,
     /// Why training stopped before `max_duration`, if a stop was requested.
     pub stopped: Option<String>,
 }

@@ -17,14 +17,18 @@
 
 use std::time::{Duration, Instant};
 
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::Tensor;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{FloatDType, Tensor};
 
 use crate::collective::LocalStep;
 use crate::error::{CoreError, Result};
 use crate::event::Event;
 use crate::model::{Batch, TrainModel};
 use crate::params::seed_backend;
+use crate::precision::Precision;
+use crate::precision::{cast_params, cast_to, ScaleChange};
 use crate::rng::derive_seed;
 use crate::schedule::ScheduleContext;
 use crate::setup::{BatchOf, Setup};
@@ -34,7 +38,8 @@ use super::Trainer;
 
 /// The microbatch losses (each a one-element tensor) as numbers, in one read from the
 /// device: several are concatenated there first; one (an unsplit batch, the usual case) is
-/// read as it is, without a copy on the training step's path.
+/// read as it is, without a copy on the training step's path. (The overflow check of loss
+/// scaling rides along as one more element.)
 fn read_losses<B: burn::tensor::backend::Backend>(mut losses: Vec<Tensor<B, 1>>) -> Vec<f64> {
     let data = match losses.len() {
         0 => return Vec::new(),
@@ -42,6 +47,53 @@ fn read_losses<B: burn::tensor::backend::Backend>(mut losses: Vec<Tensor<B, 1>>)
         _ => Tensor::cat(losses, 0).into_data(),
     };
     data.iter::<f64>().collect()
+}
+
+/// Brings a batch's gradients to float32 and divides them by the loss scale (when there is
+/// one), and, when `check` is set, returns a one-element tensor that is finite exactly when
+/// every gradient is: the sum over every gradient of its elements times zero (0 for a finite
+/// element, NaN for an infinite or NaN one), so the order of the additions cannot change the
+/// outcome (unlike a sum of values, see ARCHITECTURE.md). In float32 runs without scaling
+/// nothing happens.
+fn prepare_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    grads: GradientsParams,
+    inv_scale: Option<f64>,
+    check: bool,
+) -> (GradientsParams, Option<Tensor<AB::InnerBackend, 1>>) {
+    struct Prepare<AB: AutodiffBackend> {
+        grads: GradientsParams,
+        inv_scale: Option<f64>,
+        check: bool,
+        flags: Vec<Tensor<AB::InnerBackend, 1>>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Prepare<AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) else {
+                return;
+            };
+            let g = cast_to(g, FloatDType::F32);
+            let g = match self.inv_scale {
+                Some(inv) => g.mul_scalar(inv),
+                None => g,
+            };
+            if self.check {
+                let n = g.shape().num_elements();
+                self.flags
+                    .push(g.clone().reshape([n]).mul_scalar(0.0).sum());
+            }
+            self.grads.register::<AB::InnerBackend, D>(param.id, g);
+        }
+    }
+    let mut v = Prepare::<AB> {
+        grads,
+        inv_scale,
+        check,
+        flags: Vec::new(),
+    };
+    model.visit(&mut v);
+    let flag = (check && !v.flags.is_empty()).then(|| Tensor::cat(v.flags, 0).sum());
+    (v.grads, flag)
 }
 
 /// Stream tag for the backend seed set at each batch start.
@@ -53,6 +105,8 @@ struct Accumulated {
     grads: Option<GradientsParams>,
     /// The batch's loss (the sum of the weighted microbatch losses).
     loss: f64,
+    /// The gradients overflowed under loss scaling (the step is skipped, the scale lowered).
+    overflowed: bool,
 }
 
 impl<S: Setup> Trainer<S> {
@@ -84,18 +138,46 @@ impl<S: Setup> Trainer<S> {
                 }
             }
         }
-        // The batch's one read from the device: every microbatch's loss at once, after the
-        // last backward pass was queued (a read per microbatch, between its forward and
-        // backward, stalled a GPU's pipeline there).
-        let values = read_losses(losses);
+        let grads = match split {
+            Some(_) => Some(accumulator.grads()),
+            None => self.state.grads.take(),
+        };
+        // Float32 gradients for the optimizer, unscaled, with their overflow check (the
+        // half precisions; a float32 run skips this).
+        let scaler = self.state.loss_scaler;
+        let (grads, overflow) = match grads {
+            Some(g) if self.state.precision != Precision::Fp32 => {
+                let (g, flag) = prepare_grads::<S::Backend, S::Model>(
+                    self.state.model(),
+                    g,
+                    scaler.map(|s| 1.0 / s.scale),
+                    scaler.is_some(),
+                );
+                (Some(g), flag)
+            }
+            g => (g, None),
+        };
+        let checked = overflow.is_some();
+        if let Some(flag) = overflow {
+            losses.push(Tensor::from_inner(flag));
+        }
+        // The batch's one read from the device: every microbatch's loss at once (and the
+        // overflow check), after the last backward pass was queued (a read per microbatch,
+        // between its forward and backward, stalled a GPU's pipeline there).
+        let mut values = read_losses(losses);
+        self.device_reads += 1;
+        let overflowed = checked && values.pop().is_some_and(|v| !v.is_finite());
         let (loss, finite) = self.loss_policy(&values)?;
         self.state.batch = Some(full);
-        let grads = match (finite, split) {
-            (false, _) => None,
-            (true, Some(_)) => Some(accumulator.grads()),
-            (true, None) => self.state.grads.take(),
-        };
-        let stepped = self.step(Accumulated { grads, loss }, finite)?;
+        let grads = grads.filter(|_| finite && !overflowed);
+        let stepped = self.step(
+            Accumulated {
+                grads,
+                loss,
+                overflowed,
+            },
+            finite,
+        )?;
         self.end_batch(n as u64, tokens, started.elapsed())?;
         Ok(stepped)
     }
@@ -185,11 +267,18 @@ impl<S: Setup> Trainer<S> {
             .loss
             .take()
             .ok_or_else(|| missing("loss", Event::BeforeBackward))?;
+        // A model in a half precision may return its loss in the half type: the loss (and
+        // its scaling) is float32 from here.
+        let loss = cast_to(loss, FloatDType::F32);
         let loss = match weight {
             Some(w) => loss.mul_scalar(w),
             None => loss,
         };
         let value = loss.clone().detach();
+        let loss = match state.loss_scaler {
+            Some(s) => loss.mul_scalar(s.scale),
+            None => loss,
+        };
         let grads = GradientsParams::from_grads(loss.backward(), state.model());
         state.grads = Some(grads);
         engine.run(Event::AfterBackward, state)?;
@@ -204,13 +293,20 @@ impl<S: Setup> Trainer<S> {
         let batch = self.state.timestamp.batch;
         let samples = self.state.batch.as_ref().map_or(0, |b| b.len() as u64);
         let (model, collective) = self.state.model_and_collective();
+        let overflowed = local.overflowed;
         let (grads, loss, skipped) = match collective {
-            None => (local.grads, finite.then_some(local.loss), !finite),
+            None => (
+                local.grads,
+                finite.then_some(local.loss),
+                !finite || overflowed,
+            ),
             Some(c) => {
+                // An overflowed rank skips like a rank with a non-finite loss, so that every
+                // rank skips the step (and lowers its scale) together.
                 let local = LocalStep {
                     grads: local.grads,
                     loss: local.loss,
-                    finite,
+                    finite: finite && !overflowed,
                     samples,
                 };
                 let global = c.sync_gradients(model, local)?;
@@ -225,8 +321,34 @@ impl<S: Setup> Trainer<S> {
             }
         };
         let state = &mut self.state;
-        if skipped {
-            state.skipped_batches += 1;
+        // Under loss scaling a skipped step lowers the scale on every rank (a non-finite loss
+        // anywhere would also have overflowed the gradients); otherwise it counts as a batch
+        // skipped for its loss.
+        match state.loss_scaler.as_mut() {
+            Some(scaler) => {
+                let scale = scaler.scale;
+                if let ScaleChange::BackedOff(to) = scaler.update(skipped) {
+                    tracing::warn!(
+                        batch,
+                        from = scale,
+                        to,
+                        "loss scaling: gradients overflowed in float16, step skipped, scale lowered"
+                    );
+                    let ts = state.timestamp.clone();
+                    self.engine.logger().log_text(
+                        &ts,
+                        "loss_scaling",
+                        &format!(
+                            "batch {batch}: gradients overflowed, step skipped; loss scale {scale} -> {to}"
+                        ),
+                    )?;
+                }
+                if skipped && !finite {
+                    state.skipped_batches += 1;
+                }
+            }
+            None if skipped => state.skipped_batches += 1,
+            None => {}
         }
         state.grads = grads;
         state.loss_value = loss;
@@ -240,7 +362,17 @@ impl<S: Setup> Trainer<S> {
             .model
             .take()
             .expect("model is present outside the optimizer step");
-        state.model = Some(state.optimizer.step(lr, model, grads));
+        // The pure half precisions step in float32 (the optimizer's moments are float32, see
+        // `crate::precision`) and round the new weights to the half type.
+        let stored = state.precision.parameter_dtype();
+        let model = if stored == FloatDType::F32 {
+            state.optimizer.step(lr, model, grads)
+        } else {
+            let model = cast_params::<S::Backend, S::Model>(model, FloatDType::F32);
+            let model = state.optimizer.step(lr, model, grads);
+            cast_params::<S::Backend, S::Model>(model, stored)
+        };
+        state.model = Some(model);
         Ok(true)
     }
 
@@ -257,6 +389,10 @@ impl<S: Setup> Trainer<S> {
             let mut values = vec![("train/lr", self.state.lr)];
             if let Some(l) = self.state.loss_value {
                 values.push(("train/loss", l));
+            }
+            if let Some(s) = &self.state.loss_scaler {
+                values.push(("train/loss_scale", s.scale));
+                values.push(("train/skipped_steps", s.skipped_steps as f64));
             }
             self.engine.logger().log_metrics(&ts, &values)?;
         }

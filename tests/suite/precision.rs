@@ -1,0 +1,273 @@
+//! Precision (`--precision`, `TrainerBuilder::precision`): every precision trains the CNN
+//! about as well as float32; mixed precision keeps float32 weights and the pure half
+//! precisions the half type (running statistics included); float16 overflow skips the step,
+//! lowers the scale and leaves the weights, and clean steps grow it; runs in each kind of
+//! precision resume bit for bit; checkpoints record the precision and resume in another one.
+//!
+//! Runs on the test backend when it computes the half types (flex does, through `gemm`'s
+//! float16 kernels and bfloat16 through float32; wgpu needs shader-f16 and has no bfloat16),
+//! and says which precisions it skipped otherwise.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, FloatDType, Tensor};
+use flashover::core::params::params_sha256;
+use flashover::core::precision::{params_dtype, LossScaling, Precision};
+use flashover::models::ResNetConfig;
+use flashover_examples::MnistRun;
+use flashover_tests::*;
+
+use crate::resume::{autoresume, resumed};
+
+/// Whether the test backend computes `p`'s type; prints the skip otherwise.
+fn runs(p: Precision) -> bool {
+    let ok = p
+        .compute_dtype()
+        .is_none_or(|d| <TB as Backend>::supports_dtype(&device(), DType::from(d)));
+    if !ok {
+        eprintln!("skipped on {BACKEND}: it does not compute {p}'s type on this device");
+    }
+    ok
+}
+
+/// Every float tensor of a module (parameters and running statistics) and its type.
+fn dtypes<B: Backend, M: Module<B>>(m: &M) -> Vec<DType> {
+    struct All(Vec<DType>);
+    impl<B: Backend> ModuleVisitor<B> for All {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0.push(p.val().dtype());
+        }
+    }
+    let mut v = All(Vec::new());
+    m.visit(&mut v);
+    v.0
+}
+
+#[test]
+fn every_precision_trains_the_cnn_about_as_well_as_float32() {
+    let base = summary_of(&short_args(&[]));
+    let base_accuracy = base["test_accuracy"].as_f64().unwrap();
+    assert_eq!(base["precision"], "fp32");
+    assert!(base["loss_scale"].is_null());
+    for p in [
+        Precision::AmpBf16,
+        Precision::AmpFp16,
+        Precision::Bf16,
+        Precision::Fp16,
+    ] {
+        if !runs(p) {
+            continue;
+        }
+        let s = summary_of(&short_args(&["--precision", p.name()]));
+        assert_eq!(s["precision"], p.name());
+        assert_eq!(s["batches"], base["batches"]);
+        assert!(s["test_loss"].as_f64().unwrap().is_finite(), "{p}: {s}");
+        let accuracy = s["test_accuracy"].as_f64().unwrap();
+        // 200 test digits: 0.03 is six digits either way, on a run that reaches about 0.85.
+        assert!(
+            (accuracy - base_accuracy).abs() <= 0.03,
+            "{p}: accuracy {accuracy} against float32's {base_accuracy}"
+        );
+        assert_eq!(s["loss_scale"].is_null(), !p.scales_loss(), "{p}: {s}");
+        assert_ne!(
+            s["params_sha256"], base["params_sha256"],
+            "{p} trained in float32"
+        );
+    }
+}
+
+#[test]
+fn mixed_precision_keeps_float32_weights_and_pure_precision_the_half_type() {
+    use FloatDType::*;
+    for (p, stored) in [
+        (Precision::Fp32, F32),
+        (Precision::AmpFp16, F32),
+        (Precision::AmpBf16, F32),
+        (Precision::Fp16, F16),
+        (Precision::Bf16, BF16),
+    ] {
+        if !runs(p) {
+            continue;
+        }
+        let mut run = short_run(64, 32, 32, "2ba");
+        run.precision = p;
+        // The ResNet: its batch norms' running statistics are float tensors too.
+        let model = ResNetConfig::cifar(8, 8)
+            .unwrap()
+            .with_io(1, 10)
+            .init::<TB>(&device(), run.seed);
+        let optimizer = burn::optim::AdamWConfig::new().init();
+        let mut t = run
+            .builder_with::<TB, _, _>(model, optimizer, &device())
+            .unwrap()
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        let all = dtypes::<TB, _>(t.model());
+        assert!(
+            all.iter().all(|&d| d == DType::from(stored)),
+            "{p}: expected every tensor in {stored:?}, got {all:?}"
+        );
+        let metrics = t.eval().unwrap();
+        assert!(metrics["test"]["loss"].is_finite(), "{p}");
+        let cnn = trained(&run);
+        assert_eq!(
+            params_dtype::<TB, _>(cnn.model()),
+            Some(DType::from(stored))
+        );
+    }
+}
+
+#[test]
+fn an_overflow_skips_the_step_lowers_the_scale_and_leaves_the_weights() {
+    if !runs(Precision::AmpFp16) {
+        return;
+    }
+    // A scale of 2^100 overflows float16 in the first backward pass, and in the next ones.
+    let mut run = short_run(96, 32, 32, "3ba");
+    run.precision = Precision::AmpFp16;
+    run.loss_scaling = LossScaling {
+        init_scale: 2f64.powi(100),
+        ..LossScaling::default()
+    };
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .build()
+        .unwrap();
+    let report = t.fit().unwrap();
+    assert_eq!(report.steps, 0, "every step overflowed");
+    assert_eq!(report.batches, 3);
+    let state = t.state();
+    let scaler = state.loss_scaler.unwrap();
+    assert_eq!(scaler.skipped_steps, 3);
+    assert_eq!(scaler.scale, 2f64.powi(97));
+    assert_eq!(
+        state.skipped_batches, 0,
+        "a finite loss is not a skipped batch"
+    );
+    assert!(
+        state.loss_value.unwrap().is_finite(),
+        "the loss is reported unscaled"
+    );
+    let untrained = flashover_examples::MnistCnn::<TB>::new(&device(), run.seed);
+    assert_eq!(
+        params_sha256::<TB, _>(t.model()),
+        params_sha256::<TB, _>(&untrained),
+        "a skipped step changes no weight"
+    );
+
+    // From 2^24 the scale halves until the gradients fit, then training goes on: every
+    // batch is either a step or a skip, and each skip halved the scale once.
+    run.max_duration = "12ba".parse().unwrap();
+    run.loss_scaling.init_scale = 2f64.powi(24);
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .build()
+        .unwrap();
+    let report = t.fit().unwrap();
+    let scaler = t.state().loss_scaler.unwrap();
+    assert!(scaler.skipped_steps >= 1, "2^24 overflows float16 at first");
+    assert!(report.steps >= 1, "the scale came down to one that fits");
+    assert_eq!(report.steps + scaler.skipped_steps, 12);
+    assert_eq!(
+        scaler.scale,
+        2f64.powi(24 - scaler.skipped_steps as i32),
+        "one halving per skipped step"
+    );
+}
+
+#[test]
+fn the_scale_doubles_after_each_interval_of_clean_steps() {
+    if !runs(Precision::Fp16) {
+        return;
+    }
+    for p in [Precision::AmpFp16, Precision::Fp16] {
+        let mut run = short_run(384, 32, 32, "1ep");
+        run.precision = p;
+        run.loss_scaling = LossScaling {
+            init_scale: 1.0,
+            growth_interval: 4,
+            ..LossScaling::default()
+        };
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .build()
+            .unwrap();
+        let report = t.fit().unwrap();
+        assert_eq!(report.steps, 12, "{p}");
+        let scaler = t.state().loss_scaler.unwrap();
+        assert_eq!((scaler.scale, scaler.skipped_steps), (8.0, 0), "{p}");
+    }
+}
+
+#[test]
+fn runs_in_each_kind_of_precision_resume_bit_for_bit() {
+    // A growth interval of 5 doubles the scale until float16 overflows, so the resumed run
+    // must carry the scale, its clean-step count and the skips to end with the same bits.
+    if runs(Precision::AmpFp16) {
+        resumed(
+            &[
+                "--precision",
+                "amp_fp16",
+                "--loss-scale-growth-interval",
+                "5",
+            ],
+            &["--stop-after", "8ba"],
+            autoresume,
+        );
+    }
+    if runs(Precision::Bf16) {
+        resumed(
+            &["--precision", "bf16"],
+            &["--stop-after", "8ba"],
+            autoresume,
+        );
+    }
+}
+
+#[test]
+fn a_checkpoint_records_its_precision_and_resumes_in_another() {
+    if !runs(Precision::Fp16) || !runs(Precision::AmpBf16) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let partial = summary_of(&short_args(&[
+        "--precision",
+        "fp16",
+        "--save-folder",
+        folder,
+        "--stop-after",
+        "8ba",
+    ]));
+    assert_eq!(partial["batches"], 8);
+    let name = flashover::checkpoint::format::read_latest(dir.path()).unwrap();
+    let text = std::fs::read_to_string(dir.path().join(name).join("trainer_state.json")).unwrap();
+    let saved: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(saved["precision"], "fp16");
+    assert_eq!(saved["loss_scaler"]["scale"], partial["loss_scale"]);
+
+    let out = run_mnist(&short_args(&[
+        "--precision",
+        "amp_bf16",
+        "--save-folder",
+        folder,
+        "--autoresume",
+    ]));
+    assert!(out.status.success(), "{}", out.stderr);
+    let s = out.summary.unwrap();
+    assert_eq!(s["precision"], "amp_bf16");
+    assert_eq!(
+        s["batches"], 48,
+        "resumed at batch 8 and trained to the end"
+    );
+    assert!(s["test_loss"].as_f64().unwrap().is_finite());
+    assert!(
+        out.stderr.contains("resuming in another precision"),
+        "{}",
+        out.stderr
+    );
+}
