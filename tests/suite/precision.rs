@@ -271,3 +271,33 @@ fn a_checkpoint_records_its_precision_and_resumes_in_another() {
         out.stderr
     );
 }
+
+/// Every algorithm the CNN takes trains in a pure half precision (weights in the half type,
+/// SAM's perturbation and second gradients included) and in mixed float16 (float32 weights,
+/// loss scaling), to a finite loss with weights in the precision's type.
+#[test]
+fn every_algorithm_trains_in_half_and_mixed_precision() {
+    let pure = if runs(Precision::Bf16) {
+        Precision::Bf16
+    } else {
+        Precision::Fp16
+    };
+    for p in [pure, Precision::AmpFp16] {
+        if !runs(p) {
+            continue;
+        }
+        for spec in crate::algorithms::ACTIVE {
+            let mut run = short_run(128, 32, 100, "3ep");
+            run.precision = p;
+            run.algorithms = flashover::algorithms::spec::parse_list(spec).unwrap();
+            let mut t = trained(&run);
+            let loss = t.eval().unwrap()["test"]["loss"];
+            assert!(loss.is_finite(), "{p} {spec}: loss {loss}");
+            assert_eq!(
+                params_dtype::<TB, _>(t.model()),
+                Some(DType::from(p.parameter_dtype())),
+                "{p} {spec}"
+            );
+        }
+    }
+}

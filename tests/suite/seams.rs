@@ -492,6 +492,54 @@ fn a_non_finite_loss_on_one_rank_skips_the_step_on_both() {
     assert_eq!(a.2, b.2);
 }
 
+/// Under float16 loss scaling, gradients that overflow on one rank (its scale is 2^100, the
+/// other's 1) skip the step on both, and both lower their scale; the steps after are taken
+/// alike, so the ranks keep equal weights.
+#[test]
+fn a_float16_overflow_on_one_rank_skips_the_step_on_both() {
+    use flashover::core::precision::{LossScaling, Precision};
+    use flashover::core::setup::Setup;
+    let supported = <<Run as Setup>::Backend as burn::tensor::backend::Backend>::supports_dtype(
+        &device(),
+        burn::tensor::DType::F16,
+    );
+    if !supported {
+        eprintln!("skipped on {BACKEND}: no float16");
+        return;
+    }
+    let (a, b) = two_ranks(|rank, c| {
+        let init_scale = if rank == 0 { 2f64.powi(100) } else { 1.0 };
+        let mut t = builder(World { rank, size: 2 }, 16, 3, "2ba")
+            .collective(c)
+            .precision(Precision::AmpFp16)
+            .loss_scaling(LossScaling {
+                init_scale,
+                ..LossScaling::default()
+            })
+            .build()
+            .unwrap();
+        let report = t.fit().unwrap();
+        let scaler = t.state().loss_scaler.unwrap();
+        (
+            report.steps,
+            scaler.skipped_steps,
+            scaler.scale,
+            weights(t.model()),
+        )
+    });
+    assert_eq!(
+        (a.0, a.1, a.2),
+        (0, 2, 2f64.powi(98)),
+        "rank 0 overflowed twice"
+    );
+    assert_eq!(
+        (b.0, b.1, b.2),
+        (0, 2, 0.25),
+        "rank 1's gradients fitted, but it skipped and backed off with rank 0"
+    );
+    assert_eq!(a.3, b.3);
+}
+
 /// A callback that writes, and so acts on rank 0 only.
 struct Writer(Log);
 

@@ -303,6 +303,7 @@ const GPU_SUBSET: &[&str] = &[
     "seams::sam_steps_alike_on_every_rank",
     "observe::device_memory_is_read_where_the_backend_reports_it",
     "observe::nan_monitor_names_the_batch_of_a_bad_loss_or_gradient",
+    "precision::",
     "distributed::two_processes_train_like_one_process_on_the_whole_batch_and_repeat_bit_exactly",
 ];
 

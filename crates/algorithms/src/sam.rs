@@ -24,6 +24,7 @@ use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::model::TrainModel;
+use flashover_core::precision::cast_like;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
@@ -42,7 +43,10 @@ pub fn perturbed_weights<B: Backend>(views: &[GradView<B>], rho: f64, epsilon: f
                 id: v.id,
                 path: v.path.clone(),
                 shape: v.shape.clone(),
-                value: v.param.clone() + v.grad.clone().mul_scalar(scale),
+                // In the parameter's type (half in the pure half precisions, where the
+                // gradients are float32).
+                value: v.param.clone()
+                    + cast_like(v.grad.clone().mul_scalar(scale), v.param.dtype()),
             })
             .collect(),
     }

@@ -368,6 +368,9 @@ impl<S: Setup> Trainer<S> {
         let model = if stored == FloatDType::F32 {
             state.optimizer.step(lr, model, grads)
         } else {
+            // Float32 gradients also where an algorithm computed its own at
+            // `AFTER_TRAIN_BATCH` (SAM's second pass) in the model's half type.
+            let (grads, _) = prepare_grads::<S::Backend, S::Model>(&model, grads, None, false);
             let model = cast_params::<S::Backend, S::Model>(model, FloatDType::F32);
             let model = state.optimizer.step(lr, model, grads);
             cast_params::<S::Backend, S::Model>(model, stored)
