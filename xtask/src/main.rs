@@ -1364,7 +1364,13 @@ fn cpu_fast_path_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Va
 /// the host). A precision the backend cannot compute is a row that says so.
 fn precision_bench(b: Backend, quick: bool) -> Result<(serde_json::Value, String)> {
     let bin = build_mnist(b)?;
-    let (reps, train_limit) = if quick { (3, "1024") } else { (5, "2048") };
+    // The quick run's epoch is 16 batches: shorter than the default 30-batch warmup, which the
+    // example refuses, so it warms up over its first 4.
+    let (reps, train_limit, warmup) = if quick {
+        (3, "1024", "4ba")
+    } else {
+        (5, "2048", "30ba")
+    };
     const PRECISIONS: [&str; 5] = ["fp32", "amp_bf16", "amp_fp16", "bf16", "fp16"];
     // Per precision: samples/s, memory, accuracy of each repetition, or why it cannot run.
     let mut sps: Vec<Vec<f64>> = vec![vec![]; PRECISIONS.len()];
@@ -1385,6 +1391,8 @@ fn precision_bench(b: Backend, quick: bool) -> Result<(serde_json::Value, String
                 "1ep",
                 "--train-limit",
                 train_limit,
+                "--warmup",
+                warmup,
             ]);
             match run_binary_on(b, &bin, &args, 1) {
                 Ok(out) => {
