@@ -196,7 +196,9 @@ where
         match event {
             Event::BeforeForward => {
                 let ts = &state.timestamp;
-                let stream = self.calls.next("mixup", ts.epoch, ts.batch_in_epoch);
+                let stream =
+                    self.calls
+                        .next("mixup", ts.epoch, ts.batch_in_epoch, state.batch_attempt);
                 let mut rng = state.rng(&stream);
                 let Some(batch) = state.batch.as_mut() else {
                     return Ok(());

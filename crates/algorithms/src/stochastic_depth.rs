@@ -187,6 +187,8 @@ pub(crate) struct DrawInputs {
     rank_seed: u64,
     samples: usize,
     fraction: f64,
+    /// The attempt at the batch (see `State::batch_attempt`).
+    attempt: u32,
 }
 
 impl DrawInputs {
@@ -199,6 +201,7 @@ impl DrawInputs {
             rank_seed: state.rng("stochastic_depth").next_u64(),
             samples: state.batch.as_ref().map_or(0, Batch::len),
             fraction: crate::util::fraction(state),
+            attempt: state.batch_attempt,
         }
     }
 }
@@ -206,8 +209,9 @@ impl DrawInputs {
 /// The per-batch part shared by the typed and the by-name algorithm.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Draws {
-    /// `(epoch, batch_in_epoch)` of the last draw and the forward passes drawn for it.
-    last: Option<((u64, u64), u64)>,
+    /// `(epoch, batch_in_epoch, attempt)` of the last draw and the forward passes drawn for
+    /// it (a retried batch counts again from 0).
+    last: Option<((u64, u64, u32), u64)>,
 }
 
 impl Draws {
@@ -218,7 +222,7 @@ impl Draws {
         options: &StochasticDepthOptions,
         inputs: &DrawInputs,
     ) {
-        let at = (inputs.epoch, inputs.batch_in_epoch);
+        let at = (inputs.epoch, inputs.batch_in_epoch, inputs.attempt);
         let call = match self.last {
             Some((last, n)) if last == at => n + 1,
             _ => 0,

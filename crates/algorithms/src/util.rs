@@ -63,18 +63,28 @@ pub(crate) fn fraction<S: Setup>(state: &State<S>) -> f64 {
 }
 
 /// Counts an algorithm's calls within one batch, so that each microbatch draws from its own
-/// random stream (`name/0`, `name/1`, ...). Reset at every `BATCH_START`; nothing to save.
+/// random stream (`name/0`, `name/1`, ...). Reset at every batch, and at every attempt at a
+/// batch (automatic microbatching retries a batch that ran out of memory in smaller
+/// microbatches, which must draw what a run started at that size draws); nothing to save.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct CallCounter {
-    batch: Option<(u64, u64)>,
+    batch: Option<(u64, u64, u32)>,
     calls: u64,
 }
 
 impl CallCounter {
-    /// The stream name for the next call in the batch `(epoch, batch_in_epoch)`.
-    pub(crate) fn next(&mut self, name: &str, epoch: u64, batch_in_epoch: u64) -> String {
-        if self.batch != Some((epoch, batch_in_epoch)) {
-            self.batch = Some((epoch, batch_in_epoch));
+    /// The stream name for the next call in attempt `attempt` at the batch
+    /// `(epoch, batch_in_epoch)`.
+    pub(crate) fn next(
+        &mut self,
+        name: &str,
+        epoch: u64,
+        batch_in_epoch: u64,
+        attempt: u32,
+    ) -> String {
+        let key = (epoch, batch_in_epoch, attempt);
+        if self.batch != Some(key) {
+            self.batch = Some(key);
             self.calls = 0;
         }
         let s = format!("{name}/{}", self.calls);

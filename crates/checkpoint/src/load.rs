@@ -149,6 +149,8 @@ impl CheckpointRestore {
         state.seed = saved.seed;
         state.timestamp = saved.timestamp.clone();
         state.skipped_batches = saved.skipped_batches;
+        // Used only by a run with automatic microbatching.
+        state.auto_microbatch_size = saved.auto_microbatch_size;
         // Another precision: the builder converts the weights to this run's type after the
         // restore; a loss scaler carries over between the float16 precisions and starts
         // afresh otherwise.

@@ -54,6 +54,10 @@ pub struct TrainerStateFile {
     /// Dynamic loss scaling's state (float16 runs).
     #[serde(default)]
     pub loss_scaler: Option<LossScaler>,
+    /// The microbatch size automatic microbatching settled on (`None`: not automatic, not
+    /// needed, or a checkpoint older than the field); a resumed automatic run continues at it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_microbatch_size: Option<usize>,
     /// Batch count at the last evaluation.
     pub last_eval_batch: Option<u64>,
     /// Latest evaluation results (`null` for a metric with no value).
@@ -103,6 +107,7 @@ impl TrainerStateFile {
             skipped_batches: state.skipped_batches,
             precision: state.precision,
             loss_scaler: state.loss_scaler,
+            auto_microbatch_size: state.auto_microbatch_size,
             last_eval_batch: state.last_eval_batch,
             eval_metrics: state
                 .eval_metrics

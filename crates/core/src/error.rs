@@ -174,6 +174,32 @@ pub enum CoreError {
         reason: String,
     },
 
+    /// The device ran out of memory on a batch even in microbatches of one sample (automatic
+    /// microbatching halves them down to 1), or outside the batch's forward and backward
+    /// passes, where smaller microbatches do not help.
+    #[error("the device ran out of memory at epoch {epoch}, batch {batch} {during}: {reason}")]
+    OutOfMemory {
+        /// Epoch of the batch.
+        epoch: u64,
+        /// Batch index (since the start of training).
+        batch: u64,
+        /// Where: `in microbatches of N samples`, or `before the batch's forward pass`.
+        during: String,
+        /// What would help.
+        reason: String,
+    },
+
+    /// The device reported an error that is not running out of memory.
+    #[error("device error at epoch {epoch}, batch {batch}: {message}")]
+    Device {
+        /// Epoch of the batch.
+        epoch: u64,
+        /// Batch index (since the start of training).
+        batch: u64,
+        /// The backend's message.
+        message: String,
+    },
+
     /// The background data loader stopped without delivering a batch it promised.
     #[error("data loader for `{name}` stopped early at batch {batch}: {reason}")]
     Loader {

@@ -16,6 +16,7 @@ pub mod error;
 pub mod event;
 pub mod logger;
 pub mod loss;
+pub mod memory;
 pub mod metric;
 pub mod model;
 pub mod params;

@@ -115,6 +115,15 @@ pub struct State<S: Setup> {
     pub precision: Precision,
     /// Dynamic loss scaling (runs in float16 only); its state is saved in checkpoints.
     pub loss_scaler: Option<LossScaler>,
+    /// The microbatch size automatic microbatching has settled on after running out of
+    /// memory (`None`: not automatic, or not needed yet: the configured size); saved in
+    /// checkpoints, so that a resumed run continues at it.
+    pub auto_microbatch_size: Option<usize>,
+    /// Which attempt at the current batch this is: 0, or more when automatic microbatching
+    /// retried the batch in smaller microbatches. Algorithms that count their random draws
+    /// within a batch start counting again with each attempt, so that a retried batch draws
+    /// what a run started at the smaller size draws.
+    pub batch_attempt: u32,
     /// Rank and world size.
     pub world: World,
     /// The run's seed; all randomness derives from it (see [`State::rng`]).

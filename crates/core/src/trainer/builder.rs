@@ -37,6 +37,7 @@ pub struct TrainerBuilder<S: Setup> {
     scheduler: Box<dyn LrSchedule>,
     scale_schedule_ratio: f64,
     microbatch_size: Option<usize>,
+    auto_microbatching: bool,
     seed: u64,
     world: Option<World>,
     eval_interval: Time,
@@ -70,6 +71,7 @@ impl<S: Setup> TrainerBuilder<S> {
             scheduler: Box::new(Scheduler::constant()),
             scale_schedule_ratio: 1.0,
             microbatch_size: None,
+            auto_microbatching: false,
             seed: 0,
             world: None,
             eval_interval: Time::Epoch(1),
@@ -104,6 +106,19 @@ impl<S: Setup> TrainerBuilder<S> {
     /// Splits each batch into microbatches of this many samples (gradient accumulation).
     pub fn microbatch_size(mut self, size: usize) -> Self {
         self.microbatch_size = Some(size);
+        self
+    }
+    /// Automatic microbatching (Composer's `device_train_microbatch_size="auto"`): when the
+    /// device runs out of memory in a batch's forward or backward pass, the batch is retried
+    /// in microbatches of half the size (from the whole batch, or the
+    /// [`microbatch_size`](Self::microbatch_size) given), with the same random draws, so
+    /// that the step equals one of a run started at that size; the size is kept for the rest
+    /// of the run (and in checkpoints), never grown back, and each change is logged. Costs one
+    /// synchronisation of the device before each batch's forward pass and one after its loss
+    /// read. See [`crate::memory`] for how running out of memory is detected on the CubeCL
+    /// backends; the CPU backends never retry (a failed host allocation aborts the process).
+    pub fn auto_microbatching(mut self, enabled: bool) -> Self {
+        self.auto_microbatching = enabled;
         self
     }
     /// The run's seed; default 0.
@@ -350,6 +365,7 @@ impl<S: Setup> TrainerBuilder<S> {
             json!(self.train.batch_size() * ranks as usize),
         );
         hp.insert("microbatch_size".into(), json!(self.microbatch_size));
+        hp.insert("auto_microbatching".into(), json!(self.auto_microbatching));
         hp.insert("seed".into(), json!(self.seed));
         hp.insert("precision".into(), json!(self.precision.name()));
         hp.insert("world_size".into(), json!(world.size));
@@ -362,6 +378,9 @@ impl<S: Setup> TrainerBuilder<S> {
                 .collect::<Vec<_>>()),
         );
 
+        // Allocations that failed before this trainer (on its device) are not its batches'.
+        let failures_seen =
+            crate::memory::allocation_failures(burn::tensor::backend::DeviceOps::id(&self.device));
         let state = State {
             model: Some(self.model),
             optimizer: self.optimizer,
@@ -383,6 +402,8 @@ impl<S: Setup> TrainerBuilder<S> {
             evaluated: Vec::new(),
             component_states: BTreeMap::new(),
             skipped_batches: 0,
+            auto_microbatch_size: None,
+            batch_attempt: 0,
             precision: self.precision,
             loss_scaler: self
                 .precision
@@ -400,6 +421,9 @@ impl<S: Setup> TrainerBuilder<S> {
             Logger::new(self.loggers),
             world,
         );
+        // Every trainer notices failed device allocations (see `crate::memory`); with
+        // automatic microbatching it retries the batch, otherwise it stops with an error.
+        crate::memory::install_allocation_failure_hook();
         let mut trainer = Trainer {
             state,
             engine,
@@ -407,6 +431,8 @@ impl<S: Setup> TrainerBuilder<S> {
             evaluators: self.evaluators,
             eval_interval: self.eval_interval,
             microbatch_size: self.microbatch_size,
+            auto_microbatching: self.auto_microbatching,
+            failures_seen,
             skip_nonfinite_loss: self.skip_nonfinite_loss,
             hyperparameters: Some(hp),
             clock: None,

@@ -57,6 +57,9 @@ pub struct Trainer<S: Setup> {
     evaluators: Vec<Evaluator<S::Backend, S::Model>>,
     eval_interval: Time,
     microbatch_size: Option<usize>,
+    auto_microbatching: bool,
+    /// The allocation failures (`crate::memory`) already accounted for.
+    failures_seen: u64,
     skip_nonfinite_loss: bool,
     /// The run's configuration until it has been logged (at the first `FIT_START`).
     hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,

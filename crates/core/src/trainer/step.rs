@@ -19,12 +19,13 @@ use std::time::{Duration, Instant};
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend, DeviceOps};
 use burn::tensor::{FloatDType, Tensor};
 
 use crate::collective::LocalStep;
 use crate::error::{CoreError, Result};
 use crate::event::Event;
+use crate::memory::{self, RunningStats};
 use crate::model::{Batch, TrainModel};
 use crate::params::seed_backend;
 use crate::precision::Precision;
@@ -109,6 +110,20 @@ struct Accumulated {
     overflowed: bool,
 }
 
+/// One attempt at a batch: its gradients, its microbatch losses as read (with the overflow
+/// flag last when `checked`).
+struct Attempted {
+    grads: Option<GradientsParams>,
+    values: Vec<f64>,
+    checked: bool,
+}
+
+/// What automatic microbatching keeps across the attempts at one batch.
+struct AttemptGuard<B: Backend> {
+    /// The running statistics before the first attempt.
+    running: RunningStats<B>,
+}
+
 impl<S: Setup> Trainer<S> {
     /// One batch (already in `State::batch`, after `AFTER_DATALOADER`): returns whether an
     /// optimizer step was taken.
@@ -120,7 +135,58 @@ impl<S: Setup> Trainer<S> {
         let full = take_batch(&mut self.state, Event::BeforeTrainBatch)?;
         let n = full.len();
         let tokens = full.num_tokens();
-        let split = self.microbatch_size.filter(|&s| s < n);
+        let guard = match self.auto_microbatching {
+            true => Some(self.guard_attempts()?),
+            false => None,
+        };
+        let attempted = loop {
+            let size = self.current_microbatch_size();
+            let attempted = self.attempt(&full, n, size)?;
+            let Some(guard) = &guard else {
+                self.check_allocations(size.unwrap_or(n).min(n))?;
+                break attempted;
+            };
+            if !self.ran_out_of_memory()? {
+                break attempted;
+            }
+            // Everything the failed attempt held goes before the memory is cleaned up.
+            drop(attempted);
+            self.prepare_retry(guard, size.unwrap_or(n).min(n))?;
+        };
+        let Attempted {
+            grads,
+            mut values,
+            checked,
+        } = attempted;
+        let overflowed = checked && values.pop().is_some_and(|v| !v.is_finite());
+        let (loss, finite) = self.loss_policy(&values)?;
+        self.state.batch = Some(full);
+        let grads = grads.filter(|_| finite && !overflowed);
+        let stepped = self.step(
+            Accumulated {
+                grads,
+                loss,
+                overflowed,
+            },
+            finite,
+        )?;
+        self.end_batch(n as u64, tokens, started.elapsed())?;
+        Ok(stepped)
+    }
+
+    /// The microbatch size the next attempt at a batch uses (`None`: the whole batch).
+    fn current_microbatch_size(&self) -> Option<usize> {
+        match self.auto_microbatching {
+            true => self.state.auto_microbatch_size.or(self.microbatch_size),
+            false => self.microbatch_size,
+        }
+    }
+
+    /// Forward, loss and backward of every microbatch of `full` (`n` samples) in microbatches
+    /// of `size` (`None` or at least `n`: unsplit), the gradients prepared for the optimizer,
+    /// and the batch's one read from the device.
+    fn attempt(&mut self, full: &BatchOf<S>, n: usize, size: Option<usize>) -> Result<Attempted> {
+        let split = size.filter(|&s| s < n);
         let microbatches = match split {
             Some(size) => full.clone().split(size),
             None => vec![full.clone()],
@@ -164,28 +230,170 @@ impl<S: Setup> Trainer<S> {
         // The batch's one read from the device: every microbatch's loss at once (and the
         // overflow check), after the last backward pass was queued (a read per microbatch,
         // between its forward and backward, stalled a GPU's pipeline there).
-        let mut values = read_losses(losses);
+        let values = read_losses(losses);
         self.device_reads += 1;
-        let overflowed = checked && values.pop().is_some_and(|v| !v.is_finite());
-        let (loss, finite) = self.loss_policy(&values)?;
-        self.state.batch = Some(full);
-        let grads = grads.filter(|_| finite && !overflowed);
-        let stepped = self.step(
-            Accumulated {
-                grads,
-                loss,
-                overflowed,
-            },
-            finite,
+        Ok(Attempted {
+            grads,
+            values,
+            checked,
+        })
+    }
+
+    /// Automatic microbatching, before a batch's first attempt: the device is synchronised, so
+    /// that an error of earlier work (the previous optimizer step, the batch's data and
+    /// augmentations) is not taken for one of the attempt (smaller microbatches would not
+    /// help there); returns the running statistics to restore after a failed attempt.
+    fn guard_attempts(&mut self) -> Result<AttemptGuard<S::Backend>> {
+        let synced = S::Backend::sync(&self.state.device);
+        let failures = memory::allocation_failures(self.state.device.id());
+        let ts = &self.state.timestamp;
+        let before = std::mem::replace(&mut self.failures_seen, failures);
+        if failures > before {
+            return Err(CoreError::OutOfMemory {
+                epoch: ts.epoch,
+                batch: ts.batch,
+                during: "before the batch's forward pass".into(),
+                reason: "the previous optimizer step, or the batch's data or augmentations, did not fit, and smaller microbatches do not help there: use a smaller batch, model or precision".into(),
+            });
+        }
+        if let Err(e) = synced {
+            return Err(CoreError::Device {
+                epoch: ts.epoch,
+                batch: ts.batch,
+                message: e.to_string(),
+            });
+        }
+        Ok(AttemptGuard {
+            running: RunningStats::take(self.state.model()),
+        })
+    }
+
+    /// Automatic microbatching, after an attempt's read: whether the device ran out of memory
+    /// during the attempt (on any rank of a data-parallel run, so that every rank retries
+    /// together); any other device error is an error of the run.
+    ///
+    /// The allocation-failure count decides, not the sync's result: a kernel that meets the
+    /// unbound handle of a failed allocation records an error only when the handle's memory
+    /// slot is vacant; when another tensor occupies it, CubeCL panics on the device thread
+    /// (an assertion) and the sync succeeds. The sync makes sure every queued task (and so
+    /// every allocation) has run.
+    fn ran_out_of_memory(&mut self) -> Result<bool> {
+        let synced = S::Backend::sync(&self.state.device);
+        let failures = memory::allocation_failures(self.state.device.id());
+        let mut oom = failures > self.failures_seen;
+        self.failures_seen = failures;
+        if let (Err(e), false) = (synced, oom) {
+            let ts = &self.state.timestamp;
+            return Err(CoreError::Device {
+                epoch: ts.epoch,
+                batch: ts.batch,
+                message: e.to_string(),
+            });
+        }
+        if let Some(c) = self.state.collective.as_mut() {
+            let mut flag = [f64::from(u8::from(oom))];
+            c.all_reduce_sum_host(&mut flag)?;
+            oom = flag[0] > 0.0;
+        }
+        Ok(oom)
+    }
+
+    /// Without automatic microbatching: an error when device allocations failed since the
+    /// last check (see [`crate::memory`]; the batch's tensors would be unbound buffers, and
+    /// reads of them return whatever the memory held). Costs no synchronisation, so a failure
+    /// in work still queued after the read (the last backward pass) is caught at the next
+    /// batch.
+    fn check_allocations(&mut self, size: usize) -> Result<()> {
+        let failures = memory::allocation_failures(self.state.device.id());
+        if failures <= self.failures_seen {
+            return Ok(());
+        }
+        self.failures_seen = failures;
+        let ts = &self.state.timestamp;
+        Err(CoreError::OutOfMemory {
+            epoch: ts.epoch,
+            batch: ts.batch,
+            during: format!("in microbatches of {size} samples"),
+            reason: "device allocations failed; use automatic microbatching (`--microbatch-size auto`, `TrainerBuilder::auto_microbatching`) or a smaller microbatch size".into(),
+        })
+    }
+
+    /// After an attempt at microbatches of `size` ran out of memory: halves the size (an
+    /// error below 1), puts back the running statistics the attempt changed, frees its memory
+    /// and sets up the same random draws for the next attempt.
+    fn prepare_retry(&mut self, guard: &AttemptGuard<S::Backend>, size: usize) -> Result<()> {
+        let ts = self.state.timestamp.clone();
+        if size <= 1 {
+            return Err(CoreError::OutOfMemory {
+                epoch: ts.epoch,
+                batch: ts.batch,
+                during: "in microbatches of 1 sample".into(),
+                reason: "automatic microbatching cannot split further: use a smaller model, sequence or image size, or a half precision".into(),
+            });
+        }
+        let next = size / 2;
+        let state = &mut self.state;
+        state.batch = None;
+        state.outputs = None;
+        state.loss = None;
+        state.grads = None;
+        state.loss_value = None;
+        // Invariant: the model is only taken out here, between events.
+        let model = state
+            .model
+            .take()
+            .expect("model is present between attempts at a batch");
+        state.model = Some(guard.running.restore(model));
+        S::Backend::memory_cleanup(&state.device);
+        if let Err(e) = S::Backend::sync(&state.device) {
+            return Err(CoreError::Device {
+                epoch: ts.epoch,
+                batch: ts.batch,
+                message: format!("after freeing a batch that ran out of memory: {e}"),
+            });
+        }
+        state.batch_attempt += 1;
+        state.auto_microbatch_size = Some(next);
+        self.seed_batch();
+        tracing::warn!(
+            epoch = ts.epoch,
+            batch = ts.batch,
+            from = size,
+            to = next,
+            "out of memory: retrying the batch in smaller microbatches"
+        );
+        self.engine.logger().log_text(
+            &ts,
+            "auto_microbatching",
+            &format!(
+                "batch {}: out of device memory in microbatches of {size}; retried in microbatches of {next}",
+                ts.batch
+            ),
         )?;
-        self.end_batch(n as u64, tokens, started.elapsed())?;
-        Ok(stepped)
+        Ok(())
     }
 
     /// Seeds the backend for the batch, sets its learning rate, runs `BATCH_START` and
     /// `BEFORE_TRAIN_BATCH`.
     fn begin_batch(&mut self) -> Result<()> {
+        self.state.batch_attempt = 0;
+        self.seed_batch();
         let state = &mut self.state;
+        let ts = &state.timestamp;
+        let ctx = ScheduleContext {
+            batch: ts.batch as f64,
+            progress: state.progress(),
+            scale_schedule_ratio: state.scale_schedule_ratio,
+        };
+        state.lr = state.base_lr * state.scheduler.factor(&ctx);
+        state.loss_value = None;
+        self.engine.run(Event::BatchStart, state)?;
+        self.engine.run(Event::BeforeTrainBatch, state)
+    }
+
+    /// Seeds the backend with the batch's seed (at its start, and again for each retry).
+    fn seed_batch(&self) {
+        let state = &self.state;
         let ts = &state.timestamp;
         seed_backend::<S::Backend>(
             &state.device,
@@ -197,15 +405,6 @@ impl<S: Setup> Trainer<S> {
                 BACKEND_STREAM,
             ]),
         );
-        let ctx = ScheduleContext {
-            batch: ts.batch as f64,
-            progress: state.progress(),
-            scale_schedule_ratio: state.scale_schedule_ratio,
-        };
-        state.lr = state.base_lr * state.scheduler.factor(&ctx);
-        state.loss_value = None;
-        self.engine.run(Event::BatchStart, state)?;
-        self.engine.run(Event::BeforeTrainBatch, state)
     }
 
     /// The non-finite-loss policy on the batch's microbatch losses (weighted, in order):
@@ -392,6 +591,11 @@ impl<S: Setup> Trainer<S> {
             let mut values = vec![("train/lr", self.state.lr)];
             if let Some(l) = self.state.loss_value {
                 values.push(("train/loss", l));
+            }
+            if self.auto_microbatching {
+                let n = self.state.batch.as_ref().map_or(0, |b| b.len());
+                let size = self.current_microbatch_size().map_or(n, |s| s.min(n));
+                values.push(("train/microbatch_size", size as f64));
             }
             if let Some(s) = &self.state.loss_scaler {
                 values.push(("train/loss_scale", s.scale));
