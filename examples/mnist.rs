@@ -45,9 +45,10 @@ struct Args {
     #[arg(long, default_value_t = defaults::BATCH_SIZE)]
     batch_size: usize,
     /// Split each process's share of a batch into microbatches of this size (gradient
-    /// accumulation).
+    /// accumulation), or `auto`: the whole share, halved whenever the device runs out of
+    /// memory (the batch is retried with the same random draws; the size is kept).
     #[arg(long)]
-    microbatch_size: Option<usize>,
+    microbatch_size: Option<cli::MicrobatchSize>,
     /// Peak learning rate.
     #[arg(long, default_value_t = defaults::LR)]
     lr: f64,
@@ -351,7 +352,8 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
             record_indices,
         },
         max_duration: args.max_duration,
-        microbatch_size: args.microbatch_size,
+        microbatch_size: args.microbatch_size.and_then(cli::MicrobatchSize::fixed),
+        auto_microbatching: args.microbatch_size == Some(cli::MicrobatchSize::Auto),
         lr: args.lr,
         scheduler: cli::scheduler(args.schedule, args.warmup),
         scale_schedule_ratio: 1.0,

@@ -57,9 +57,10 @@ struct Args {
     /// Windows per batch (per optimizer step).
     #[arg(long, default_value_t = 32)]
     batch_size: usize,
-    /// Split each batch into microbatches of this many windows (gradient accumulation).
+    /// Split each batch into microbatches of this many windows (gradient accumulation), or
+    /// `auto` (see the mnist example).
     #[arg(long)]
-    microbatch_size: Option<usize>,
+    microbatch_size: Option<cli::MicrobatchSize>,
     /// Floating-point setup: fp32, fp16, bf16, amp_fp16 or amp_bf16 (see the mnist example).
     #[arg(long, default_value = "fp32")]
     precision: flashover::core::precision::Precision,
@@ -465,8 +466,10 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         .hyperparameter("backend", args.backend.clone())
         .hyperparameter("optimizer", args.optimizer.name())
         .hyperparameter("model", format!("{:?}", p.config));
-    if let Some(mb) = args.microbatch_size {
-        builder = builder.microbatch_size(mb);
+    match args.microbatch_size {
+        Some(cli::MicrobatchSize::Fixed(mb)) => builder = builder.microbatch_size(mb),
+        Some(cli::MicrobatchSize::Auto) => builder = builder.auto_microbatching(true),
+        None => {}
     }
     for spec in &p.algorithms {
         builder = builder.boxed_algorithm(build_language_model(spec)?);

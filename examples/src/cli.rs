@@ -24,6 +24,41 @@ use std::sync::Arc;
 /// The device type of a setup's backend.
 type DeviceOf<S> = <<S as Setup>::Backend as burn::tensor::backend::BackendTypes>::Device;
 
+/// `--microbatch-size`: a number of samples, or `auto` (start with the whole batch and halve
+/// it whenever the device runs out of memory; see `TrainerBuilder::auto_microbatching`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MicrobatchSize {
+    /// This many samples per microbatch.
+    Fixed(usize),
+    /// Automatic microbatching.
+    Auto,
+}
+
+impl std::str::FromStr for MicrobatchSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s.eq_ignore_ascii_case("auto") {
+            return Ok(Self::Auto);
+        }
+        match s.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Self::Fixed(n)),
+            _ => Err(format!(
+                "invalid microbatch size {s:?}: expected a positive number of samples or `auto`"
+            )),
+        }
+    }
+}
+
+impl MicrobatchSize {
+    /// The fixed size (`None` for `auto`).
+    pub fn fixed(self) -> Option<usize> {
+        match self {
+            Self::Fixed(n) => Some(n),
+            Self::Auto => None,
+        }
+    }
+}
+
 /// The optimizers the examples offer.
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum OptimizerKind {

@@ -125,6 +125,45 @@ pub fn device_memory_reader<D: std::any::Any + Clone + Send + Sync>(
     None
 }
 
+/// The wgpu device of the first CPU adapter (Mesa's software Vulkan driver, lavapipe, where
+/// the tests run; `WgpuDevice::Cpu`, a device id the rest of Flashover never uses) with memory
+/// pools that accept no single allocation larger than `max_allocation` bytes: a larger
+/// reservation fails for real in CubeCL's memory management (`can't allocate buffer`), as on
+/// a device that is out of memory. For testing automatic microbatching on a driver whose
+/// memory is the host's. One such device per process (CubeCL keeps one client per device
+/// id, and the first use of the id fixes its memory configuration); a second call with
+/// another limit is an error naming both. A machine without a CPU adapter has no such device
+/// (CubeCL panics: `No CPU device found`).
+#[cfg(feature = "wgpu")]
+pub fn wgpu_device_with_allocation_limit(
+    max_allocation: u64,
+) -> anyhow::Result<cubecl::wgpu::WgpuDevice> {
+    use cubecl::wgpu::{init_setup, AutoGraphicsApi, RuntimeOptions, WgpuDevice};
+    use cubecl_runtime::memory_management::{MemoryConfiguration, MemoryPoolOptions, PoolType};
+    static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let device = WgpuDevice::Cpu;
+    let limit = *LIMIT.get_or_init(|| {
+        let options = RuntimeOptions {
+            memory_config: MemoryConfiguration::Custom {
+                pool_options: vec![MemoryPoolOptions {
+                    pool_type: PoolType::ExclusivePages {
+                        max_alloc_size: max_allocation,
+                    },
+                    dealloc_period: None,
+                }],
+            },
+            ..Default::default()
+        };
+        init_setup::<AutoGraphicsApi>(&device, options);
+        max_allocation
+    });
+    anyhow::ensure!(
+        limit == max_allocation,
+        "the limited wgpu device of this process allows {limit} bytes per allocation; it cannot be made again with {max_allocation}"
+    );
+    Ok(device)
+}
+
 /// Median, minimum and maximum of repeated measurements (the median of an even count is the
 /// upper middle value). `v` must not be empty.
 pub fn median_min_max(v: &[f64]) -> (f64, f64, f64) {
@@ -402,6 +441,8 @@ pub struct MnistRun {
     pub max_duration: Time,
     /// Microbatch size, if batches are split.
     pub microbatch_size: Option<usize>,
+    /// Automatic microbatching (starting from `microbatch_size`, or the whole batch).
+    pub auto_microbatching: bool,
     /// Peak learning rate.
     pub lr: f64,
     /// Learning-rate schedule.
@@ -454,6 +495,7 @@ impl Default for MnistRun {
                 .parse()
                 .expect("the default duration is a valid time"),
             microbatch_size: None,
+            auto_microbatching: false,
             lr: defaults::LR,
             scheduler: Scheduler::cosine(Time::Duration(1.0), 0.0).with_warmup(warmup),
             scale_schedule_ratio: 1.0,
@@ -537,7 +579,8 @@ impl MnistRun {
             .evaluator(evaluator)
             .skip_nonfinite_loss(self.skip_nonfinite_loss)
             .precision(self.precision)
-            .loss_scaling(self.loss_scaling);
+            .loss_scaling(self.loss_scaling)
+            .auto_microbatching(self.auto_microbatching);
         if let Some(mb) = self.microbatch_size {
             b = b.microbatch_size(mb);
         }

@@ -40,6 +40,40 @@ fn microbatch_size_zero_or_above_the_batch_is_rejected() {
     }
 }
 
+/// `--microbatch-size` takes a positive number or `auto`; anything else is refused by name.
+#[test]
+fn the_example_takes_auto_or_a_positive_microbatch_size() {
+    let args = |size| {
+        [
+            "--train-limit",
+            "64",
+            "--test-limit",
+            "50",
+            "--batch-size",
+            "32",
+            "--warmup",
+            "0ba",
+            "--max-duration",
+            "2ba",
+            "--microbatch-size",
+            size,
+        ]
+    };
+    let out = run_mnist(&args("auto"));
+    assert!(out.status.success(), "{}", out.stderr);
+    for bad in ["0", "half"] {
+        let out = run_mnist(&args(bad));
+        assert!(!out.status.success());
+        assert!(
+            out.stderr.contains(&format!(
+                "invalid microbatch size \"{bad}\": expected a positive number of samples or `auto`"
+            )),
+            "{}",
+            out.stderr
+        );
+    }
+}
+
 #[test]
 fn zero_batch_size_and_empty_datasets_are_rejected() {
     let err = Sampler::new(10, 0, true, 0).unwrap_err();

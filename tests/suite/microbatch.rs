@@ -83,3 +83,220 @@ fn the_step_reads_from_the_device_once_per_batch() {
         );
     }
 }
+
+/// With nothing running out of memory (the CPU backends never do), automatic microbatching
+/// trains exactly as the whole batch does.
+#[test]
+fn auto_microbatching_changes_nothing_while_memory_suffices() {
+    use flashover::core::params::params_sha256;
+    let sha = |auto: bool| {
+        let mut run = short_run(96, 32, 10, "3ba");
+        run.auto_microbatching = auto;
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        assert_eq!(t.state().auto_microbatch_size, None);
+        params_sha256::<TB, _>(t.model())
+    };
+    assert_eq!(sha(true), sha(false));
+}
+
+/// What a retried batch restores: the running statistics a forward pass moved (batch norm's),
+/// bit for bit, and nothing else changes.
+#[test]
+fn running_statistics_are_restored_after_a_forward_pass() {
+    use burn::module::{Module, ModuleVisitor, Param};
+    use burn::tensor::{Distribution, Tensor};
+    use flashover::core::memory::RunningStats;
+    use flashover::core::model::{ClassificationBatch, TrainModel};
+
+    struct Floats(Vec<Vec<f32>>);
+    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Floats {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+            self.0.push(p.val().into_data().to_vec::<f32>().unwrap());
+        }
+    }
+    let floats = |m: &flashover_examples::ResNet<TB>| {
+        let mut f = Floats(Vec::new());
+        m.visit(&mut f);
+        f.0
+    };
+    let model = flashover_examples::ResNetConfig::cifar(8, 8)
+        .unwrap()
+        .with_io(1, 10)
+        .init::<TB>(&device(), 3);
+    let before = floats(&model);
+    let snapshot = RunningStats::<TB>::take(&model);
+    // The running mean and variance of each of the ResNet-8's 9 batch norms (stem, two per
+    // block, two projection shortcuts); its trained parameters are not in the snapshot.
+    assert_eq!(snapshot.len(), 18);
+    let images = Tensor::<TB, 4>::random([4, 1, 28, 28], Distribution::Normal(0.0, 1.0), &device());
+    let targets = Tensor::<TB, 1, burn::tensor::Int>::from_ints([1, 2, 3, 4], &device());
+    let batch = ClassificationBatch::new(images, targets);
+    let _ = model.forward(&batch);
+    let moved = floats(&model);
+    assert_ne!(
+        moved, before,
+        "the forward pass moves the running statistics"
+    );
+    let model = snapshot.restore(model);
+    assert_eq!(floats(&model), before);
+}
+
+/// Automatic microbatching on a real out-of-memory: a wgpu device whose memory pools take no
+/// allocation above 1 MiB (CubeCL's memory configuration; on the software Vulkan driver), a
+/// ResNet with batch norms (running statistics a failed attempt changes) and mixup (random
+/// draws counted per microbatch). Whole batches of 64 do not fit; the trainer halves until
+/// they do, and the run equals, bit for bit, one started at the size it settled on.
+#[cfg(feature = "wgpu")]
+mod out_of_memory {
+    use super::*;
+    use flashover::core::params::params_sha256;
+
+    const LIMIT: u64 = 1 << 20;
+
+    /// The count of allocation failures that tells the trainer it ran out of memory is per
+    /// device (`flashover::core::memory`), and these tests share one: they take turns, so
+    /// that one's failures are not counted in the other's batch.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// Records logged text as `tag: text` and the logged microbatch size as `size N`.
+    struct TextLines(Log);
+
+    impl flashover::core::logger::LoggerDestination for TextLines {
+        fn name(&self) -> &str {
+            "text"
+        }
+        fn log_text(
+            &mut self,
+            _ts: &flashover::core::time::Timestamp,
+            tag: &str,
+            text: &str,
+        ) -> flashover::core::Result<()> {
+            self.0.lock().unwrap().push(format!("{tag}: {text}"));
+            Ok(())
+        }
+        fn log_metrics(
+            &mut self,
+            _ts: &flashover::core::time::Timestamp,
+            metrics: &[(&str, f64)],
+        ) -> flashover::core::Result<()> {
+            for (k, v) in metrics {
+                if *k == "train/microbatch_size" {
+                    self.0.lock().unwrap().push(format!("size {v}"));
+                }
+            }
+            Ok(())
+        }
+    }
+
+    fn run(auto: bool, size: Option<usize>) -> (String, Option<usize>, Vec<String>) {
+        let device = flashover_examples::wgpu_device_with_allocation_limit(LIMIT).unwrap();
+        let mut run = short_run(192, 64, 16, "3ba");
+        run.microbatch_size = size;
+        run.auto_microbatching = auto;
+        run.algorithms = flashover::algorithms::spec::parse_list("mixup").unwrap();
+        let model = flashover_examples::ResNetConfig::cifar(8, 8)
+            .unwrap()
+            .with_io(1, 10)
+            .init::<TB>(&device, run.seed);
+        let optimizer = burn::optim::AdamWConfig::new().init();
+        let log = new_log();
+        let mut t = run
+            .builder_with::<TB, _, _>(model, optimizer, &device)
+            .unwrap()
+            .logger(TextLines(log.clone()))
+            .build()
+            .unwrap();
+        let report = t.fit().unwrap();
+        assert_eq!(report.batches, 3);
+        let sha = params_sha256::<TB, _>(t.model());
+        (sha, t.state().auto_microbatch_size, lines(&log))
+    }
+
+    #[test]
+    fn auto_microbatching_survives_it_and_equals_a_run_started_at_its_size() {
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let (auto_sha, settled, texts) = run(true, None);
+        // The stem's activation, 8 channels of 28 x 28 float32, is 1,605,632 bytes for 64
+        // samples, over the 1 MiB limit, and 802,816 for 32: one halving.
+        let settled = settled.expect("batches of 64 exceed the 1 MiB allocation limit");
+        assert_eq!(settled, 32);
+        let changes: Vec<_> = texts
+            .iter()
+            .filter(|l| l.contains("auto_microbatching"))
+            .collect();
+        assert!(!changes.is_empty(), "each change is logged: {texts:?}");
+        assert!(changes[0].contains("microbatches of 64"), "{changes:?}");
+        // Every batch logs the size it trained in: the settled one from the first batch on.
+        let sizes: Vec<_> = texts.iter().filter(|l| l.starts_with("size")).collect();
+        assert_eq!(sizes.len(), 3, "{texts:?}");
+        assert!(
+            sizes.iter().all(|l| **l == format!("size {settled}")),
+            "{texts:?}"
+        );
+        let (fixed_sha, none, _) = run(false, Some(settled));
+        assert_eq!(none, None);
+        assert_eq!(auto_sha, fixed_sha, "auto settled on {settled}");
+    }
+
+    /// A layer whose activation of a single sample exceeds the limit: halving down to one
+    /// sample does not help, and the run stops with an error that says so (no hang, no
+    /// training on the unbound buffers).
+    #[test]
+    fn one_sample_too_large_is_a_clear_error() {
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        use flashover::core::CoreError;
+        let device = flashover_examples::wgpu_device_with_allocation_limit(LIMIT).unwrap();
+        let mut run = short_run(64, 16, 16, "2ba");
+        run.auto_microbatching = true;
+        // 400 channels of 28 x 28 float32: 1.25 MB per sample.
+        let model = flashover_examples::MnistCnn::<TB>::with_widths(&device, run.seed, 400, 8, 16);
+        let optimizer = burn::optim::AdamWConfig::new().init();
+        let mut t = run
+            .builder_with::<TB, _, _>(model, optimizer, &device)
+            .unwrap()
+            .build()
+            .unwrap();
+        match t.fit() {
+            Err(CoreError::OutOfMemory {
+                batch: 0, during, ..
+            }) => {
+                assert_eq!(during, "in microbatches of 1 sample");
+            }
+            other => panic!("expected running out of memory at one sample, got {other:?}"),
+        }
+        // The device works again afterwards.
+        let x = burn::tensor::Tensor::<Inner, 1>::ones([4], &device).sum();
+        assert_eq!(x.into_scalar(), 4.0);
+    }
+
+    /// Without automatic microbatching a batch that does not fit stops the run with an error
+    /// that names the size and the way out (it would otherwise train on unbound buffers).
+    #[test]
+    fn without_auto_a_batch_that_does_not_fit_is_a_clear_error() {
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let device = flashover_examples::wgpu_device_with_allocation_limit(LIMIT).unwrap();
+        let run = short_run(64, 64, 16, "1ba");
+        let model = flashover_examples::ResNetConfig::cifar(8, 8)
+            .unwrap()
+            .with_io(1, 10)
+            .init::<TB>(&device, run.seed);
+        let optimizer = burn::optim::AdamWConfig::new().init();
+        let mut t = run
+            .builder_with::<TB, _, _>(model, optimizer, &device)
+            .unwrap()
+            .build()
+            .unwrap();
+        let err = t.fit().unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("ran out of memory at epoch 0, batch 0 in microbatches of 64 samples")
+                && msg.contains("--microbatch-size auto"),
+            "{msg}"
+        );
+    }
+}
