@@ -299,4 +299,64 @@ mod out_of_memory {
             "{msg}"
         );
     }
+
+    /// The settled size is in the checkpoint: a run resumed from it continues in microbatches
+    /// of 32 without running out of memory again, and ends with the uninterrupted run's bits.
+    #[test]
+    fn a_resumed_run_continues_at_the_settled_size() {
+        use flashover::callbacks::StopAt;
+        use flashover::checkpoint::{autoresume, SaveInterval, Saver, SaverConfig};
+        use flashover::core::time::Time;
+        let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let (straight, _, _) = run(true, None);
+        let device = flashover_examples::wgpu_device_with_allocation_limit(LIMIT).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let trainer = |resume: bool, log: Log| {
+            let mut run = short_run(192, 64, 16, "3ba");
+            run.auto_microbatching = true;
+            run.algorithms = flashover::algorithms::spec::parse_list("mixup").unwrap();
+            let model = flashover_examples::ResNetConfig::cifar(8, 8)
+                .unwrap()
+                .with_io(1, 10)
+                .init::<TB>(&device, run.seed);
+            let optimizer = burn::optim::AdamWConfig::new().init();
+            let mut b = run
+                .builder_with::<TB, _, _>(model, optimizer, &device)
+                .unwrap()
+                .logger(TextLines(log))
+                .callback(
+                    Saver::new(
+                        SaverConfig::new(dir.path()),
+                        SaveInterval::Every(Time::Batch(1)),
+                    )
+                    .unwrap(),
+                );
+            if resume {
+                b = b.restore(autoresume(dir.path()).unwrap().expect("a checkpoint"));
+            } else {
+                b = b.callback(StopAt::new(Time::Batch(2)));
+            }
+            b.build().unwrap()
+        };
+        let first_log = new_log();
+        let mut first = trainer(false, first_log.clone());
+        first.fit().unwrap();
+        assert_eq!(first.state().auto_microbatch_size, Some(32));
+        drop(first);
+        let log = new_log();
+        let mut resumed = trainer(true, log.clone());
+        assert_eq!(resumed.state().auto_microbatch_size, Some(32));
+        resumed.fit().unwrap();
+        let lines = lines(&log);
+        assert!(
+            lines.iter().all(|l| !l.contains("auto_microbatching")),
+            "no new out-of-memory: {lines:?}"
+        );
+        assert_eq!(
+            lines.iter().filter(|l| *l == "size 32").count(),
+            1,
+            "{lines:?}"
+        );
+        assert_eq!(params_sha256::<TB, _>(resumed.model()), straight);
+    }
 }
