@@ -92,12 +92,7 @@ fn auto_microbatching_changes_nothing_while_memory_suffices() {
     let sha = |auto: bool| {
         let mut run = short_run(96, 32, 10, "3ba");
         run.auto_microbatching = auto;
-        let mut t = run
-            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
-            .unwrap()
-            .build()
-            .unwrap();
-        t.fit().unwrap();
+        let t = trained(&run);
         assert_eq!(t.state().auto_microbatch_size, None);
         params_sha256::<TB, _>(t.model())
     };
@@ -193,7 +188,20 @@ mod out_of_memory {
         }
     }
 
-    fn run(auto: bool, size: Option<usize>) -> (String, Option<usize>, Vec<String>) {
+    type ResNetBuilder = flashover::core::trainer::TrainerBuilder<
+        flashover::core::setup::SetupOf<
+            TB,
+            flashover_examples::ResNet<TB>,
+            burn::optim::adaptor::OptimizerAdaptor<
+                burn::optim::AdamW,
+                flashover_examples::ResNet<TB>,
+                TB,
+            >,
+        >,
+    >;
+
+    /// Three batches of 64 of a ResNet-8 with mixup on the limited device, logging to `log`.
+    fn limited(auto: bool, size: Option<usize>, log: Log) -> ResNetBuilder {
         let device = flashover_examples::wgpu_device_with_allocation_limit(LIMIT).unwrap();
         let mut run = short_run(192, 64, 16, "3ba");
         run.microbatch_size = size;
@@ -204,13 +212,14 @@ mod out_of_memory {
             .with_io(1, 10)
             .init::<TB>(&device, run.seed);
         let optimizer = burn::optim::AdamWConfig::new().init();
-        let log = new_log();
-        let mut t = run
-            .builder_with::<TB, _, _>(model, optimizer, &device)
+        run.builder_with::<TB, _, _>(model, optimizer, &device)
             .unwrap()
-            .logger(TextLines(log.clone()))
-            .build()
-            .unwrap();
+            .logger(TextLines(log))
+    }
+
+    fn run(auto: bool, size: Option<usize>) -> (String, Option<usize>, Vec<String>) {
+        let log = new_log();
+        let mut t = limited(auto, size, log.clone()).build().unwrap();
         let report = t.fit().unwrap();
         assert_eq!(report.batches, 3);
         let sha = params_sha256::<TB, _>(t.model());
@@ -309,33 +318,18 @@ mod out_of_memory {
         use flashover::core::time::Time;
         let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let (straight, _, _) = run(true, None);
-        let device = flashover_examples::wgpu_device_with_allocation_limit(LIMIT).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let trainer = |resume: bool, log: Log| {
-            let mut run = short_run(192, 64, 16, "3ba");
-            run.auto_microbatching = true;
-            run.algorithms = flashover::algorithms::spec::parse_list("mixup").unwrap();
-            let model = flashover_examples::ResNetConfig::cifar(8, 8)
-                .unwrap()
-                .with_io(1, 10)
-                .init::<TB>(&device, run.seed);
-            let optimizer = burn::optim::AdamWConfig::new().init();
-            let mut b = run
-                .builder_with::<TB, _, _>(model, optimizer, &device)
-                .unwrap()
-                .logger(TextLines(log))
-                .callback(
-                    Saver::new(
-                        SaverConfig::new(dir.path()),
-                        SaveInterval::Every(Time::Batch(1)),
-                    )
-                    .unwrap(),
-                );
-            if resume {
-                b = b.restore(autoresume(dir.path()).unwrap().expect("a checkpoint"));
-            } else {
-                b = b.callback(StopAt::new(Time::Batch(2)));
-            }
+            let saver = Saver::new(
+                SaverConfig::new(dir.path()),
+                SaveInterval::Every(Time::Batch(1)),
+            )
+            .unwrap();
+            let b = limited(true, None, log).callback(saver);
+            let b = match resume {
+                true => b.restore(autoresume(dir.path()).unwrap().expect("a checkpoint")),
+                false => b.callback(StopAt::new(Time::Batch(2))),
+            };
             b.build().unwrap()
         };
         let first_log = new_log();
