@@ -118,12 +118,6 @@ struct Attempted {
     checked: bool,
 }
 
-/// What automatic microbatching keeps across the attempts at one batch.
-struct AttemptGuard<B: Backend> {
-    /// The running statistics before the first attempt.
-    running: RunningStats<B>,
-}
-
 impl<S: Setup> Trainer<S> {
     /// One batch (already in `State::batch`, after `AFTER_DATALOADER`): returns whether an
     /// optimizer step was taken.
@@ -135,14 +129,15 @@ impl<S: Setup> Trainer<S> {
         let full = take_batch(&mut self.state, Event::BeforeTrainBatch)?;
         let n = full.len();
         let tokens = full.num_tokens();
-        let guard = match self.auto_microbatching {
+        // With automatic microbatching, the running statistics a failed attempt must put back.
+        let running = match self.auto_microbatching {
             true => Some(self.guard_attempts()?),
             false => None,
         };
         let attempted = loop {
             let size = self.current_microbatch_size();
             let attempted = self.attempt(&full, n, size)?;
-            let Some(guard) = &guard else {
+            let Some(running) = &running else {
                 self.check_allocations(size.unwrap_or(n).min(n))?;
                 break attempted;
             };
@@ -151,7 +146,7 @@ impl<S: Setup> Trainer<S> {
             }
             // Everything the failed attempt held goes before the memory is cleaned up.
             drop(attempted);
-            self.prepare_retry(guard, size.unwrap_or(n).min(n))?;
+            self.prepare_retry(running, size.unwrap_or(n).min(n))?;
         };
         let Attempted {
             grads,
@@ -243,7 +238,7 @@ impl<S: Setup> Trainer<S> {
     /// that an error of earlier work (the previous optimizer step, the batch's data and
     /// augmentations) is not taken for one of the attempt (smaller microbatches would not
     /// help there); returns the running statistics to restore after a failed attempt.
-    fn guard_attempts(&mut self) -> Result<AttemptGuard<S::Backend>> {
+    fn guard_attempts(&mut self) -> Result<RunningStats<S::Backend>> {
         let synced = S::Backend::sync(&self.state.device);
         let failures = memory::allocation_failures(self.state.device.id());
         let ts = &self.state.timestamp;
@@ -263,9 +258,7 @@ impl<S: Setup> Trainer<S> {
                 message: e.to_string(),
             });
         }
-        Ok(AttemptGuard {
-            running: RunningStats::take(self.state.model()),
-        })
+        Ok(RunningStats::take(self.state.model()))
     }
 
     /// Automatic microbatching, after an attempt's read: whether the device ran out of memory
@@ -321,7 +314,7 @@ impl<S: Setup> Trainer<S> {
     /// After an attempt at microbatches of `size` ran out of memory: halves the size (an
     /// error below 1), puts back the running statistics the attempt changed, frees its memory
     /// and sets up the same random draws for the next attempt.
-    fn prepare_retry(&mut self, guard: &AttemptGuard<S::Backend>, size: usize) -> Result<()> {
+    fn prepare_retry(&mut self, running: &RunningStats<S::Backend>, size: usize) -> Result<()> {
         let ts = self.state.timestamp.clone();
         if size <= 1 {
             return Err(CoreError::OutOfMemory {
@@ -343,7 +336,7 @@ impl<S: Setup> Trainer<S> {
             .model
             .take()
             .expect("model is present between attempts at a batch");
-        state.model = Some(guard.running.restore(model));
+        state.model = Some(running.restore(model));
         S::Backend::memory_cleanup(&state.device);
         if let Err(e) = S::Backend::sync(&state.device) {
             return Err(CoreError::Device {
