@@ -288,18 +288,7 @@ mod out_of_memory {
     #[test]
     fn without_auto_a_batch_that_does_not_fit_is_a_clear_error() {
         let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-        let device = flashover_examples::wgpu_device_with_allocation_limit(LIMIT).unwrap();
-        let run = short_run(64, 64, 16, "1ba");
-        let model = flashover_examples::ResNetConfig::cifar(8, 8)
-            .unwrap()
-            .with_io(1, 10)
-            .init::<TB>(&device, run.seed);
-        let optimizer = burn::optim::AdamWConfig::new().init();
-        let mut t = run
-            .builder_with::<TB, _, _>(model, optimizer, &device)
-            .unwrap()
-            .build()
-            .unwrap();
+        let mut t = limited(false, None, new_log()).build().unwrap();
         let err = t.fit().unwrap_err();
         let msg = err.to_string();
         assert!(
