@@ -14,7 +14,7 @@ use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::{avg_pool2d, conv2d, linear, max_pool2d};
 use burn::tensor::ops::{ConvOptions, PadMode, PaddedConvOptions};
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 
 use flashover_core::precision::cast_like;
 use flashover_core::rng::{derive_seed, Rng};
@@ -94,7 +94,18 @@ pub fn blur2d<B: ChannelsLastBackend>(
 /// `(w - mean) / sqrt(var + 1e-10)`, Composer's constant; the paper's code adds `1e-5` to an
 /// unbiased standard deviation instead. Gradients flow through the standardization to the
 /// raw weights, as with PyTorch's parametrizations.
+///
+/// Half-precision weights (the `fp16`/`bf16` precisions, and `amp_*` where the forward pass
+/// casts them) are standardised in float32 and the result cast back, as PyTorch's autocast
+/// runs its reductions: in float16 the `1e-10` rounds to zero and the squares of weights
+/// below about `2.4e-4` underflow, so a constant or near-constant channel would divide by
+/// zero (NaN or infinity) instead of coming out zero or unit-variance.
 pub fn standardize_weight<B: Backend>(w: Tensor<B, 4>) -> Tensor<B, 4> {
+    let dtype = w.dtype();
+    let w = match dtype {
+        DType::F16 | DType::BF16 => w.cast(FloatDType::F32),
+        _ => w,
+    };
     let dims = w.dims();
     let [o, i, kh, kw] = dims;
     let n = i * kh * kw;
@@ -109,7 +120,7 @@ pub fn standardize_weight<B: Backend>(w: Tensor<B, 4>) -> Tensor<B, 4> {
         .add_scalar(1e-10)
         .sqrt()
         .repeat_dim(1, n);
-    centered.div(std).reshape(dims)
+    cast_like(centered.div(std).reshape(dims), dtype)
 }
 
 /// Channels-last convolution of NHWC `x` (see [`ChannelsLastBackend::conv2d_nhwc`]).

@@ -634,6 +634,38 @@ fn weight_standardization_is_the_papers_per_channel_formula() {
     );
 }
 
+/// In float16, `1e-10` is zero and squares below about `6e-8` underflow: a constant channel
+/// (variance 0) and one of +-1e-4 (variance 1e-8) must still standardise to 0 and to +-1,
+/// in float16, as they do in float32 (the statistics are computed in float32).
+#[test]
+fn weight_standardization_in_float16_neither_divides_by_zero_nor_underflows() {
+    use burn::tensor::{DType, FloatDType};
+    use flashover_models::layers::standardize_weight;
+    let device = Default::default();
+    let mut raw = vec![0.5f32; 9];
+    raw.extend((0..9).map(|k| if k % 2 == 0 { 1e-4f32 } else { -1e-4 }));
+    // Nine values of +-1e-4 have mean 1e-4 / 9; the exact standardisation is computed here.
+    let row = &raw[9..];
+    let mean = row.iter().map(|v| *v as f64).sum::<f64>() / 9.0;
+    let var = row.iter().map(|v| (*v as f64 - mean).powi(2)).sum::<f64>() / 9.0;
+    let mut want = vec![0.0f64; 9];
+    want.extend(
+        row.iter()
+            .map(|v| (*v as f64 - mean) / (var + 1e-10).sqrt()),
+    );
+    let w = Tensor::<B, 4>::from_data(TensorData::new(raw, [2, 1, 3, 3]), &device)
+        .cast(FloatDType::F16);
+    let out = standardize_weight(w);
+    assert_eq!(out.dtype(), DType::F16, "the result stays in float16");
+    let got = values(out.cast(FloatDType::F32));
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            g.is_finite() && (*g as f64 - w).abs() < 2e-3,
+            "element {k}: {g} against {w}"
+        );
+    }
+}
+
 /// Squeeze-and-excitation by hand: channel means, `relu(s W1)`, `sigmoid(. W2)`, each
 /// channel scaled; through the block alone and after a convolution (before its ReLU), in
 /// both layouts, with the block's initialisation in PyTorch's bounds.
