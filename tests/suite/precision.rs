@@ -1,7 +1,8 @@
 //! Precision (`--precision`, `TrainerBuilder::precision`): every precision trains the CNN
 //! about as well as float32; mixed precision keeps float32 weights and the pure half
 //! precisions the half type (running statistics included); float16 overflow skips the step,
-//! lowers the scale and leaves the weights, and clean steps grow it; runs in each kind of
+//! lowers the scale and leaves the weights, and clean steps grow it; SAM's second pass is
+//! scaled, unscaled and checked like the first; runs in each kind of
 //! precision resume bit for bit; checkpoints record the precision and resume in another one.
 //!
 //! Runs on the test backend when it computes the half types (flex does, through `gemm`'s
@@ -300,4 +301,83 @@ fn every_algorithm_trains_in_half_and_mixed_precision() {
             );
         }
     }
+}
+
+/// SAM's second forward and backward pass under float16 loss scaling: its loss is scaled
+/// like the batch's and its gradients unscaled, so they are the float32 run's within float16
+/// rounding (a missing division would leave them 2^10 times too large).
+#[test]
+fn sams_second_pass_gradients_are_unscaled_under_loss_scaling() {
+    if !runs(Precision::AmpFp16) {
+        return;
+    }
+    let sam_grads = |p: Precision| {
+        let mut run = short_run(64, 32, 32, "1ba");
+        run.precision = p;
+        run.loss_scaling.init_scale = 2f64.powi(10);
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = seen.clone();
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .algorithm(flashover::algorithms::sam::Sam::new(0.05, 1e-12, 1).unwrap())
+            // Callbacks run after the algorithms at an event: these are SAM's gradients.
+            .callback(At {
+                event: flashover::core::event::Event::AfterTrainBatch,
+                f: move |s: &mut MnistState| {
+                    let g = s.grads.as_ref().expect("SAM's gradients");
+                    *sink.lock().unwrap() = flat_grads::<TB, _>(s.model(), g);
+                    Ok(())
+                },
+            })
+            .build()
+            .unwrap();
+        assert_eq!(t.fit().unwrap().steps, 1, "{p}");
+        let g = seen.lock().unwrap().clone();
+        g
+    };
+    let reference = sam_grads(Precision::Fp32);
+    let mixed = sam_grads(Precision::AmpFp16);
+    assert_eq!(reference.len(), mixed.len());
+    let norm = |v: &[f32]| v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+    let diff: Vec<f32> = reference.iter().zip(&mixed).map(|(a, b)| a - b).collect();
+    let relative = norm(&diff) / norm(&reference);
+    assert!(
+        relative < 0.05,
+        "SAM's gradients in amp_fp16 differ from float32's by {relative} (relative L2)"
+    );
+}
+
+/// When SAM's second pass overflows float16 (here: a radius so large that the perturbed
+/// weights overflow it, while the first pass at scale 1 fits), the step is skipped and the
+/// scale halved, as for an overflow of the batch's own gradients; no weight changes.
+#[test]
+fn an_overflow_in_sams_second_pass_skips_the_step_and_lowers_the_scale() {
+    if !runs(Precision::AmpFp16) {
+        return;
+    }
+    let mut run = short_run(96, 32, 32, "3ba");
+    run.precision = Precision::AmpFp16;
+    run.loss_scaling.init_scale = 1.0;
+    let mut t = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .algorithm(flashover::algorithms::sam::Sam::new(1e6, 1e-12, 1).unwrap())
+        .build()
+        .unwrap();
+    let report = t.fit().unwrap();
+    let state = t.state();
+    let scaler = state.loss_scaler.unwrap();
+    assert_eq!(
+        (report.steps, scaler.skipped_steps, scaler.scale),
+        (0, 3, 0.125),
+        "every second pass overflowed: three skips, three halvings"
+    );
+    assert_eq!(state.skipped_batches, 0, "the batches' losses were finite");
+    let untrained = flashover_examples::MnistCnn::<TB>::new(&device(), run.seed);
+    assert_eq!(
+        params_sha256::<TB, _>(t.model()),
+        params_sha256::<TB, _>(&untrained),
+        "a skipped step changes no weight"
+    );
 }

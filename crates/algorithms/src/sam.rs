@@ -13,18 +13,25 @@
 //! perturbation uses the averaged gradient, and the second pass's gradient is averaged over
 //! the ranks too (as under PyTorch's DDP), so every rank steps alike.
 //!
+//! Under float16 loss scaling (`amp_fp16`, `fp16`) the second pass is scaled like the first:
+//! its loss is multiplied by the current scale before the backward pass and its gradients
+//! divided by it ([`State::replace_gradients`]); if they overflow (on any rank), the step is
+//! skipped and the scale lowered, as PyTorch's `GradScaler` does when any backward pass of a
+//! step overflowed. (Composer runs SAM under AMP through a closure-aware scaler to the same
+//! end.) This costs one more read from the device on SAM's batches under loss scaling.
+//!
 //! Hyperparameters: `rho` 0.05, `epsilon` 1e-12, `interval` 1 (Composer's defaults). With
 //! `interval = k`, the extra pass runs on batches k, 2k, 3k... of the run, counted from 1
 //! after the batch (the k-th batch is the first to get it; with k = 2, every second batch).
 
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor};
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::model::TrainModel;
-use flashover_core::precision::cast_like;
+use flashover_core::precision::{cast_like, cast_to};
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
@@ -101,18 +108,27 @@ impl Sam {
     }
 }
 
-/// The gradient of `model`'s loss on `batch` at the perturbed weights.
+/// The gradient of `model`'s loss on `batch` at the perturbed weights, the loss (brought to
+/// float32) multiplied by `loss_scale` first (1 outside loss scaling; see
+/// [`State::loss_scale`]), so the gradients are `loss_scale` times the true ones, in the
+/// type the backward pass left them.
 pub fn sam_gradients<B: AutodiffBackend, M: TrainModel<B>>(
     model: &M,
     batch: &M::Batch,
     grads: &GradientsParams,
     rho: f64,
     epsilon: f64,
+    loss_scale: f64,
 ) -> Result<GradientsParams> {
     let views = grads_of(model, grads);
     let perturbed = perturbed_weights(&views, rho, epsilon).load_some_into(model.clone(), "sam")?;
     let out = perturbed.forward(batch);
-    let loss: Tensor<B, 1> = perturbed.loss(&out, batch);
+    let loss: Tensor<B, 1> = cast_to(perturbed.loss(&out, batch), FloatDType::F32);
+    let loss = if loss_scale == 1.0 {
+        loss
+    } else {
+        loss.mul_scalar(loss_scale)
+    };
     Ok(GradientsParams::from_grads(loss.backward(), &perturbed))
 }
 
@@ -137,9 +153,11 @@ impl<S: Setup> Algorithm<S> for Sam {
         let (Some(grads), Some(batch)) = (state.grads.as_ref(), state.batch.as_ref()) else {
             return Ok(());
         };
-        let g = sam_gradients(state.model(), batch, grads, self.rho, self.epsilon)?;
-        // In a data-parallel run the second pass's gradients are averaged like the first's.
-        state.grads = Some(state.average_gradients(g)?);
+        let scale = state.loss_scale();
+        let g = sam_gradients(state.model(), batch, grads, self.rho, self.epsilon, scale)?;
+        // Unscaled and checked for overflow under loss scaling, and in a data-parallel run
+        // averaged over the ranks, like the first pass's gradients.
+        state.replace_gradients(g)?;
         Ok(())
     }
 }
@@ -232,7 +250,7 @@ mod tests {
         for (a, b) in got.iter().zip(w1) {
             assert!((*a as f64 - b).abs() < 1e-5, "{got:?}");
         }
-        let g2 = sam_gradients(&m, &b, &g, 0.5, 0.0).unwrap();
+        let g2 = sam_gradients(&m, &b, &g, 0.5, 0.0, 1.0).unwrap();
         let got: Vec<f32> = grads_of(&m, &g2)[0]
             .grad
             .clone()

@@ -12,7 +12,8 @@
 //!    non-finite loss: one all-reduce per step. If any rank's loss was not finite (and the run
 //!    skips such batches), every rank skips the step. An algorithm that computes gradients of
 //!    its own (SAM's second pass) averages them through
-//!    [`State::average_gradients`](crate::state::State::average_gradients), the same call.
+//!    [`State::replace_gradients`](crate::state::State::replace_gradients) (or
+//!    [`State::average_gradients`](crate::state::State::average_gradients)), the same call.
 //! 3. **Progress** ([`Collective::sync_progress`]): at every batch end, before `BATCH_END`,
 //!    the ranks agree on the samples and tokens of the whole data-parallel batch (the
 //!    timestamp counts those, as Composer's does) and on the run's wall-clock time (the

@@ -35,7 +35,8 @@
 use std::fmt;
 use std::str::FromStr;
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{DType, FloatDType, Tensor};
 use serde::{Deserialize, Serialize};
@@ -268,6 +269,53 @@ pub fn params_dtype<B: Backend, M: Module<B>>(model: &M) -> Option<DType> {
     let mut v = First(None);
     model.visit(&mut v);
     v.0
+}
+
+/// Brings a batch's gradients to float32 and divides them by the loss scale (when there is
+/// one), and, when `check` is set, returns a one-element tensor that is finite exactly when
+/// every gradient is: the sum over every gradient of its elements times zero (0 for a finite
+/// element, NaN for an infinite or NaN one), so the order of the additions cannot change the
+/// outcome (unlike a sum of values, see ARCHITECTURE.md). In float32 runs without scaling
+/// nothing happens.
+pub(crate) fn prepare_gradients<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    grads: GradientsParams,
+    inv_scale: Option<f64>,
+    check: bool,
+) -> (GradientsParams, Option<Tensor<AB::InnerBackend, 1>>) {
+    struct Prepare<AB: AutodiffBackend> {
+        grads: GradientsParams,
+        inv_scale: Option<f64>,
+        check: bool,
+        flags: Vec<Tensor<AB::InnerBackend, 1>>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Prepare<AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) else {
+                return;
+            };
+            let g = cast_to(g, FloatDType::F32);
+            let g = match self.inv_scale {
+                Some(inv) => g.mul_scalar(inv),
+                None => g,
+            };
+            if self.check {
+                let n = g.shape().num_elements();
+                self.flags
+                    .push(g.clone().reshape([n]).mul_scalar(0.0).sum());
+            }
+            self.grads.register::<AB::InnerBackend, D>(param.id, g);
+        }
+    }
+    let mut v = Prepare::<AB> {
+        grads,
+        inv_scale,
+        check,
+        flags: Vec::new(),
+    };
+    model.visit(&mut v);
+    let flag = (check && !v.flags.is_empty()).then(|| Tensor::cat(v.flags, 0).sum());
+    (v.grads, flag)
 }
 
 /// Dynamic loss scaling's settings; the defaults are PyTorch's `GradScaler`'s.

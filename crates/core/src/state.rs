@@ -131,6 +131,10 @@ pub struct State<S: Setup> {
     /// The device the model trains on.
     pub device: DeviceOf<S>,
     pub(crate) stop_reason: Option<String>,
+    /// Gradients an algorithm computed itself at `AFTER_TRAIN_BATCH` overflowed under loss
+    /// scaling on some rank (see [`State::replace_gradients`]): the trainer skips the step and
+    /// lowers the scale after the event. Reset by the trainer at each batch.
+    pub(crate) algorithm_overflow: bool,
     /// How this rank meets the others of a data-parallel run (`None`: a single process).
     pub(crate) collective: Option<Box<dyn Collective<S>>>,
 }
@@ -181,6 +185,67 @@ impl<S: Setup> State<S> {
             .as_ref()
             .expect("model is present outside the optimizer step");
         (model, self.collective.as_mut())
+    }
+
+    /// The factor an algorithm that runs its own backward pass at `AFTER_TRAIN_BATCH` (SAM's
+    /// second pass) multiplies its float32 loss by before `backward`, as the trainer does with
+    /// the batch's loss: the loss scale under dynamic loss scaling (float16 precisions), 1
+    /// otherwise. The gradients then go to [`State::replace_gradients`], which divides by it.
+    pub fn loss_scale(&self) -> f64 {
+        self.loss_scaler.map_or(1.0, |s| s.scale)
+    }
+
+    /// Puts gradients an algorithm computed with its own backward pass at `AFTER_TRAIN_BATCH`
+    /// (SAM's second pass, of a loss multiplied by [`State::loss_scale`]) in place of the
+    /// batch's, treated as the trainer treats its own: brought to float32 (the half
+    /// precisions) and divided by the loss scale, checked for overflow under loss scaling (one
+    /// read from the device), and averaged over every rank of a data-parallel run. When they
+    /// overflowed on any rank, every rank drops them (`grads` becomes `None`): the optimizer
+    /// step is skipped and the scale lowered, as when the batch's own gradients overflow
+    /// (PyTorch's `GradScaler` records an overflow in any backward pass of a step the same
+    /// way). Every rank must call it at the same point, as for
+    /// [`State::average_gradients`].
+    pub fn replace_gradients(&mut self, grads: GradientsParams) -> Result<()> {
+        let scaler = self.loss_scaler;
+        let (grads, flag) = if self.precision == Precision::Fp32 {
+            (grads, None)
+        } else {
+            crate::precision::prepare_gradients::<S::Backend, S::Model>(
+                self.model(),
+                grads,
+                scaler.map(|s| 1.0 / s.scale),
+                scaler.is_some(),
+            )
+        };
+        let overflowed = match flag {
+            Some(flag) => {
+                let v = flag.into_data().iter::<f64>().next();
+                !v.is_some_and(f64::is_finite)
+            }
+            None => false,
+        };
+        let synced = if self.world.size <= 1 || self.collective.is_none() {
+            (!overflowed).then_some(grads)
+        } else {
+            let samples = self.batch.as_ref().map_or(1, |b| b.len() as u64);
+            let (model, collective) = self.model_and_collective();
+            let local = LocalStep {
+                grads: (!overflowed).then_some(grads),
+                loss: 0.0,
+                finite: !overflowed,
+                samples,
+            };
+            // Invariant: the branch above handles a run without a collective.
+            let global = collective
+                .expect("a collective in a data-parallel run")
+                .sync_gradients(model, local)?;
+            global.grads.filter(|_| global.skipped_ranks == 0)
+        };
+        if synced.is_none() {
+            self.algorithm_overflow = true;
+        }
+        self.grads = synced;
+        Ok(())
     }
 
     /// Averages gradients an algorithm computed itself (SAM's second pass) over every rank of

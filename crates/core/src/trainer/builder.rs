@@ -413,6 +413,7 @@ impl<S: Setup> TrainerBuilder<S> {
             seed: self.seed,
             device: self.device,
             stop_reason: None,
+            algorithm_overflow: false,
             collective: self.collective,
         };
         let engine = Engine::new(

@@ -17,9 +17,8 @@
 
 use std::time::{Duration, Instant};
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::{AutodiffBackend, Backend, DeviceOps};
+use burn::tensor::backend::{Backend, DeviceOps};
 use burn::tensor::{FloatDType, Tensor};
 
 use crate::collective::LocalStep;
@@ -29,7 +28,7 @@ use crate::memory::{self, RunningStats};
 use crate::model::{Batch, TrainModel};
 use crate::params::seed_backend;
 use crate::precision::Precision;
-use crate::precision::{cast_params, cast_to, ScaleChange};
+use crate::precision::{cast_params, cast_to, prepare_gradients, ScaleChange};
 use crate::rng::derive_seed;
 use crate::schedule::ScheduleContext;
 use crate::setup::{BatchOf, Setup};
@@ -48,53 +47,6 @@ fn read_losses<B: burn::tensor::backend::Backend>(mut losses: Vec<Tensor<B, 1>>)
         _ => Tensor::cat(losses, 0).into_data(),
     };
     data.iter::<f64>().collect()
-}
-
-/// Brings a batch's gradients to float32 and divides them by the loss scale (when there is
-/// one), and, when `check` is set, returns a one-element tensor that is finite exactly when
-/// every gradient is: the sum over every gradient of its elements times zero (0 for a finite
-/// element, NaN for an infinite or NaN one), so the order of the additions cannot change the
-/// outcome (unlike a sum of values, see ARCHITECTURE.md). In float32 runs without scaling
-/// nothing happens.
-fn prepare_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
-    model: &M,
-    grads: GradientsParams,
-    inv_scale: Option<f64>,
-    check: bool,
-) -> (GradientsParams, Option<Tensor<AB::InnerBackend, 1>>) {
-    struct Prepare<AB: AutodiffBackend> {
-        grads: GradientsParams,
-        inv_scale: Option<f64>,
-        check: bool,
-        flags: Vec<Tensor<AB::InnerBackend, 1>>,
-    }
-    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Prepare<AB> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
-            let Some(g) = self.grads.remove::<AB::InnerBackend, D>(param.id) else {
-                return;
-            };
-            let g = cast_to(g, FloatDType::F32);
-            let g = match self.inv_scale {
-                Some(inv) => g.mul_scalar(inv),
-                None => g,
-            };
-            if self.check {
-                let n = g.shape().num_elements();
-                self.flags
-                    .push(g.clone().reshape([n]).mul_scalar(0.0).sum());
-            }
-            self.grads.register::<AB::InnerBackend, D>(param.id, g);
-        }
-    }
-    let mut v = Prepare::<AB> {
-        grads,
-        inv_scale,
-        check,
-        flags: Vec::new(),
-    };
-    model.visit(&mut v);
-    let flag = (check && !v.flags.is_empty()).then(|| Tensor::cat(v.flags, 0).sum());
-    (v.grads, flag)
 }
 
 /// Stream tag for the backend seed set at each batch start.
@@ -208,7 +160,7 @@ impl<S: Setup> Trainer<S> {
         let scaler = self.state.loss_scaler;
         let (grads, overflow) = match grads {
             Some(g) if self.state.precision != Precision::Fp32 => {
-                let (g, flag) = prepare_grads::<S::Backend, S::Model>(
+                let (g, flag) = prepare_gradients::<S::Backend, S::Model>(
                     self.state.model(),
                     g,
                     scaler.map(|s| 1.0 / s.scale),
@@ -513,13 +465,21 @@ impl<S: Setup> Trainer<S> {
             }
         };
         let state = &mut self.state;
+        state.grads = grads;
+        state.loss_value = loss;
+        state.algorithm_overflow = false;
+        self.engine.run(Event::AfterTrainBatch, state)?;
+        // Gradients an algorithm computed itself at the event (SAM's second pass) may have
+        // overflowed too (`State::replace_gradients`); the scaler learns of it here, once per
+        // step, as PyTorch's `GradScaler.update` does after every backward pass of a step.
+        let overflowed_later = std::mem::take(&mut state.algorithm_overflow);
         // Under loss scaling a skipped step lowers the scale on every rank (a non-finite loss
         // anywhere would also have overflowed the gradients); otherwise it counts as a batch
         // skipped for its loss.
         match state.loss_scaler.as_mut() {
             Some(scaler) => {
                 let scale = scaler.scale;
-                if let ScaleChange::BackedOff(to) = scaler.update(skipped) {
+                if let ScaleChange::BackedOff(to) = scaler.update(skipped || overflowed_later) {
                     tracing::warn!(
                         batch,
                         from = scale,
@@ -542,9 +502,6 @@ impl<S: Setup> Trainer<S> {
             None if skipped => state.skipped_batches += 1,
             None => {}
         }
-        state.grads = grads;
-        state.loss_value = loss;
-        self.engine.run(Event::AfterTrainBatch, state)?;
         let Some(grads) = state.grads.take() else {
             return Ok(false);
         };
@@ -560,9 +517,9 @@ impl<S: Setup> Trainer<S> {
         let model = if stored == FloatDType::F32 {
             state.optimizer.step(lr, model, grads)
         } else {
-            // Float32 gradients also where an algorithm computed its own at
-            // `AFTER_TRAIN_BATCH` (SAM's second pass) in the model's half type.
-            let (grads, _) = prepare_grads::<S::Backend, S::Model>(&model, grads, None, false);
+            // Float32 gradients also where an algorithm put its own at `AFTER_TRAIN_BATCH`
+            // in the model's half type without `State::replace_gradients`.
+            let (grads, _) = prepare_gradients::<S::Backend, S::Model>(&model, grads, None, false);
             let model = cast_params::<S::Backend, S::Model>(model, FloatDType::F32);
             let model = state.optimizer.step(lr, model, grads);
             cast_params::<S::Backend, S::Model>(model, stored)
