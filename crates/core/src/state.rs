@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
-use crate::collective::{Collective, LocalStep};
+use crate::collective::{Collective, GlobalStep, LocalStep};
 use crate::error::{CoreError, Result};
 use crate::model::Batch;
 use crate::precision::{LossScaler, Precision};
@@ -224,22 +224,12 @@ impl<S: Setup> State<S> {
             }
             None => false,
         };
-        let synced = if self.world.size <= 1 || self.collective.is_none() {
-            (!overflowed).then_some(grads)
-        } else {
-            let samples = self.batch.as_ref().map_or(1, |b| b.len() as u64);
-            let (model, collective) = self.model_and_collective();
-            let local = LocalStep {
-                grads: (!overflowed).then_some(grads),
-                loss: 0.0,
-                finite: !overflowed,
-                samples,
-            };
-            // Invariant: the branch above handles a run without a collective.
-            let global = collective
-                .expect("a collective in a data-parallel run")
-                .sync_gradients(model, local)?;
+        let local = (!overflowed).then_some(grads);
+        let synced = if self.is_data_parallel() {
+            let global = self.sync_own_gradients(local, !overflowed)?;
             global.grads.filter(|_| global.skipped_ranks == 0)
+        } else {
+            local
         };
         if synced.is_none() {
             self.algorithm_overflow = true;
@@ -253,27 +243,41 @@ impl<S: Setup> State<S> {
     /// gradients; in a single process they come back unchanged. Every rank must call it at
     /// the same point, as algorithms do (their schedules are functions of the timestamp).
     pub fn average_gradients(&mut self, grads: GradientsParams) -> Result<GradientsParams> {
-        if self.world.size <= 1 {
+        if !self.is_data_parallel() {
             return Ok(grads);
         }
-        let samples = self.batch.as_ref().map_or(1, |b| b.len() as u64);
-        let (model, collective) = self.model_and_collective();
-        let Some(c) = collective else {
-            return Ok(grads);
-        };
-        let local = LocalStep {
-            grads: Some(grads),
-            loss: 0.0,
-            finite: true,
-            samples,
-        };
-        c.sync_gradients(model, local)?
+        self.sync_own_gradients(Some(grads), true)?
             .grads
             .ok_or_else(|| CoreError::Component {
                 component: "collective".into(),
                 event: "average_gradients",
                 message: "the ranks did not all bring gradients to average".into(),
             })
+    }
+
+    /// Whether this rank trains with others (a world of more than one, with a collective).
+    fn is_data_parallel(&self) -> bool {
+        self.world.size > 1 && self.collective.is_some()
+    }
+
+    /// Gradients an algorithm computed itself, through the collective's gradient seam (with
+    /// `finite` false where this rank's overflowed); only in a data-parallel run.
+    fn sync_own_gradients(
+        &mut self,
+        grads: Option<GradientsParams>,
+        finite: bool,
+    ) -> Result<GlobalStep> {
+        let samples = self.batch.as_ref().map_or(1, |b| b.len() as u64);
+        let (model, collective) = self.model_and_collective();
+        // Invariant: callers check `is_data_parallel` first.
+        let c = collective.expect("a collective in a data-parallel run");
+        let local = LocalStep {
+            grads,
+            loss: 0.0,
+            finite,
+            samples,
+        };
+        c.sync_gradients(model, local)
     }
 
     /// Asks the trainer to stop after the current batch; `reason` is logged.
