@@ -34,7 +34,8 @@
 //!   half batches train like one whole batch, global evaluation metrics, a stop on one rank
 //!   stops both (also at `FIT_START`), a non-finite loss on one rank skips the step on both,
 //!   ranks agree on samples and on the slowest clock, SAM steps alike, only rank 0 writes.
-//! - `distributed` (with the `mpi` feature): the example under `mpirun`: two processes train
+//! - `distributed`: the example under `mpirun` (built with MPI by the tests themselves, or
+//!   skipped with a note where OpenMPI is missing): two processes train
 //!   like one on the whole batch and repeat bit-exactly, every rank holds the same weights,
 //!   SIGKILLed jobs resume to the same bits, a checkpoint of 2 ranks resumes on 1 and 3
 //!   seeing every sample once, a stopped rank is named and the job ends, one rank's error
@@ -64,7 +65,6 @@ mod damage;
 mod data;
 #[path = "suite/determinism.rs"]
 mod determinism;
-#[cfg(feature = "mpi")]
 #[path = "suite/distributed.rs"]
 mod distributed;
 #[path = "suite/events.rs"]

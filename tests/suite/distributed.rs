@@ -7,6 +7,9 @@
 //! ranks in two network namespaces train across a veth pair.
 //!
 //! Every run has a deadline: a hang fails the test (and the job is killed), never the suite.
+//!
+//! Where `mpirun` is missing each test records a skip (see `support/skip.rs`); where it is
+//! there, the first test builds the example with MPI (`support/mpi.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -68,7 +71,7 @@ fn mpirun_bare(n: usize) -> Command {
     // Three ranks on two cores; and never bind to cores (several tests run at once).
     c.args(["--oversubscribe", "--bind-to", "none"]);
     c.args(["-x", "RAYON_NUM_THREADS=1", "-x", "RUST_LOG=info"]);
-    c.arg(example_bin("mnist"));
+    c.arg(mpi::mnist().expect("every test here starts with `mpi::mnist()`"));
     c.args(["--backend", BACKEND, "--no-progress"]);
     c
 }
@@ -167,6 +170,9 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn two_processes_train_like_one_process_on_the_whole_batch_and_repeat_bit_exactly() {
+    if mpi::mnist().is_none() {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let one = dir.path().join("one");
     let two = dir.path().join("two");
@@ -214,6 +220,9 @@ fn two_processes_train_like_one_process_on_the_whole_batch_and_repeat_bit_exactl
 
 #[test]
 fn two_devices_of_one_process_match_two_processes_bit_for_bit() {
+    if mpi::mnist().is_none() {
+        return;
+    }
     // `--devices 2`: two training threads through burn-collective's local mode. With two
     // ranks both reductions compute a + b per element, so the bits must agree with MPI's.
     let args = args_with(DDP, &["--max-duration", "6ba"]);
@@ -231,6 +240,9 @@ fn two_devices_of_one_process_match_two_processes_bit_for_bit() {
 
 #[test]
 fn a_full_run_on_two_processes_reaches_the_accuracy_of_one() {
+    if mpi::mnist().is_none() {
+        return;
+    }
     // The main job as it ships (6 epochs of the 8,000 digits, global batch 64), on one
     // process and on two. The runs differ in summation order only, which AdamW amplifies
     // into different trajectories; the final test accuracy must agree within 0.3 points
@@ -250,6 +262,9 @@ fn a_full_run_on_two_processes_reaches_the_accuracy_of_one() {
 
 #[test]
 fn a_checkpoint_of_two_ranks_resumes_on_one_and_on_three_seeing_each_sample_once() {
+    if mpi::mnist().is_none() {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().join("ck");
     let record = dir.path().join("first");
@@ -377,6 +392,9 @@ fn signal(pid: u32, sig: &str) {
 
 #[test]
 fn two_processes_killed_at_random_points_resume_to_the_uninterrupted_bits() {
+    if mpi::mnist().is_none() {
+        return;
+    }
     // 960 digits: 20 batches of 48 per epoch, 120 in all (a few seconds on two ranks).
     let mut base: Vec<&str> = DDP
         .iter()
@@ -445,6 +463,9 @@ fn two_processes_killed_at_random_points_resume_to_the_uninterrupted_bits() {
 
 #[test]
 fn a_stopped_rank_is_named_and_the_job_ends_with_the_last_checkpoint_intact() {
+    if mpi::mnist().is_none() {
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().join("ck");
     let mut child = mpirun_command(
@@ -541,6 +562,9 @@ fn rank_of(pid: u32) -> usize {
 
 #[test]
 fn one_ranks_error_ends_every_rank_with_that_error() {
+    if mpi::mnist().is_none() {
+        return;
+    }
     // --out under a regular file: only rank 0 checks (and writes) it, so rank 0 fails alone
     // while rank 1 goes on to meet it.
     let dir = tempfile::tempdir().unwrap();
@@ -570,6 +594,9 @@ fn one_ranks_error_ends_every_rank_with_that_error() {
 
 #[test]
 fn bad_launches_are_clear_errors() {
+    if mpi::mnist().is_none() {
+        return;
+    }
     // Several processes asked for, none started by a launcher.
     let out = run_mnist(&args_with(DDP, &["--processes", "2"]));
     assert!(!out.status.success());
@@ -712,14 +739,13 @@ fn ip(args: &[String]) -> Result<(), String> {
 
 #[test]
 fn two_ranks_in_two_network_namespaces_train_across_a_veth_pair() {
+    if mpi::mnist().is_none() {
+        return;
+    }
     let ns = match Namespaces::create() {
         Ok(ns) => ns,
         Err(e) => {
-            assert!(
-                std::env::var_os("FLASHOVER_REQUIRE_NETNS").is_none(),
-                "network namespaces are required here: {e}"
-            );
-            eprintln!("skipped: cannot create network namespaces here ({e})");
+            skip::skipped(skip::Need::NetNs, &format!("cannot create network namespaces here: {e}"));
             return;
         }
     };

@@ -378,3 +378,110 @@ fn library_unwraps_carry_their_invariant() {
         bad.join("\n")
     );
 }
+
+/// Crates in the main job's build graph that declare `links` yet need no system library
+/// (they build their native code from their own sources, so a C compiler is all a machine
+/// needs, or link nothing at all), with why each may stay.
+const VENDORED_NATIVE: &[(&str, &str)] = &[
+    ("ring", "compiles its own C and assembly (TLS for the object-store client)"),
+    ("libmimalloc-sys", "compiles mimalloc's C sources, shipped in the crate"),
+    ("rayon-core", "declares `links` only so that one version of it is linked; no native code"),
+];
+
+/// The packages of `graph` (names) whose `cargo metadata` entry declares a native library
+/// (`links`) that they do not build themselves: what would need a system library (OpenMPI's
+/// `mpi-sys`, `openssl-sys`...) on the user's machine.
+fn system_library_links(graph: &[String], metadata: &Value) -> Vec<String> {
+    let packages = metadata["packages"].as_array().cloned().unwrap_or_default();
+    let mut out: Vec<String> = packages
+        .iter()
+        .filter(|p| graph.iter().any(|g| p["name"].as_str() == Some(g)))
+        .filter_map(|p| {
+            let links = p["links"].as_str()?;
+            let name = p["name"].as_str()?;
+            (!VENDORED_NATIVE.iter().any(|(n, _)| *n == name))
+                .then(|| format!("{name} (links `{links}`)"))
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+#[test]
+fn the_system_library_rule_catches_mpi_sys() {
+    let meta = serde_json::json!({"packages": [
+        {"name": "mpi-sys", "links": "mpi"},
+        {"name": "ring", "links": "ring_core_0_17_14_"},
+        {"name": "serde", "links": null},
+        {"name": "openssl-sys", "links": "openssl"},
+    ]});
+    let graph: Vec<String> = ["serde", "ring", "mpi-sys"].map(String::from).to_vec();
+    assert_eq!(system_library_links(&graph, &meta), vec!["mpi-sys (links `mpi`)"]);
+}
+
+/// `cargo run --release --example mnist` from the root builds the default members with
+/// their features unified (dev-dependencies included, as for any example): the README's
+/// first command must build on a machine with only Rust and a C compiler, so nothing in that
+/// graph may link a system library (OpenMPI is an opt-in feature, see `support/mpi.rs`).
+#[test]
+fn the_main_job_links_no_system_library() {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let run = |args: &[&str]| -> Vec<u8> {
+        let out = std::process::Command::new(&cargo)
+            .args(args)
+            .current_dir(workspace_root())
+            .output()
+            .expect("cargo runs");
+        assert!(
+            out.status.success(),
+            "cargo {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        out.stdout
+    };
+    // The host's graph of the default members, every edge kind a build of an example follows.
+    let tree = run(&[
+        "tree",
+        "--offline",
+        "-e",
+        "normal,build,dev",
+        "--prefix",
+        "none",
+        "--format",
+        "{p}",
+    ]);
+    let graph: Vec<String> = String::from_utf8_lossy(&tree)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(String::from))
+        .collect();
+    assert!(
+        graph.iter().any(|g| g == "flashover-examples") && graph.iter().any(|g| g == "burn"),
+        "cargo tree listed an unexpected graph: {graph:?}"
+    );
+    // Every package's `links`, for this host's platform (others are not downloaded).
+    let rustc = std::process::Command::new(std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()))
+        .arg("-vV")
+        .output()
+        .expect("rustc runs");
+    let host = String::from_utf8_lossy(&rustc.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_string))
+        .expect("rustc -vV names the host");
+    let meta: Value = serde_json::from_slice(&run(&[
+        "metadata",
+        "--format-version",
+        "1",
+        "--offline",
+        "--filter-platform",
+        &host,
+    ]))
+    .expect("cargo metadata prints JSON");
+    let v = system_library_links(&graph, &meta);
+    assert!(
+        v.is_empty(),
+        "the main job's build graph links system libraries a fresh machine lacks: {}\n\
+         (make them opt-in features, as `mpi` is; `cargo tree -e features -i <crate>` shows who turns them on)",
+        v.join(", ")
+    );
+}

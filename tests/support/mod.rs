@@ -5,6 +5,9 @@
 
 use std::sync::{Arc, Mutex};
 
+pub mod mpi;
+pub mod skip;
+
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
@@ -346,7 +349,7 @@ pub fn wait_for_progress(
 
 /// What TensorBoard's own `EventAccumulator` reads from the log folder `dir`
 /// (`tests/scripts/read_tensorboard.py`: scalars, and text summaries by tag), or `None`,
-/// with a SKIPPED line, when python3 or the `tensorboard` package is missing and
+/// with a recorded skip (see [`skip`]), when python3 or the `tensorboard` package is missing and
 /// `FLASHOVER_REQUIRE_TENSORBOARD` is unset (`.ci/run` installs it and sets it).
 pub fn read_tensorboard(dir: &std::path::Path) -> Option<serde_json::Value> {
     let script =
@@ -358,12 +361,12 @@ pub fn read_tensorboard(dir: &std::path::Path) -> Option<serde_json::Value> {
     let required = std::env::var_os("FLASHOVER_REQUIRE_TENSORBOARD").is_some();
     let out = match out {
         Ok(o) if o.status.code() == Some(3) && !required => {
-            eprintln!("SKIPPED: TensorBoard's reader (pip install tensorboard; .ci/run installs it and sets FLASHOVER_REQUIRE_TENSORBOARD=1)");
+            skip::skipped(skip::Need::TensorBoard, "python3 cannot import tensorboard");
             return None;
         }
         Ok(o) => o,
         Err(e) if !required => {
-            eprintln!("SKIPPED: no python3 ({e})");
+            skip::skipped(skip::Need::TensorBoard, &format!("no python3: {e}"));
             return None;
         }
         Err(e) => panic!("python3: {e}"),
@@ -394,7 +397,7 @@ pub struct S3Server {
 }
 
 impl S3Server {
-    /// Starts the server with `buckets` created, or returns `None` (with a SKIPPED line)
+    /// Starts the server with `buckets` created, or returns `None` (with a recorded skip)
     /// when `s3s-fs` is not installed and `FLASHOVER_REQUIRE_S3` is unset (`.ci/run`
     /// installs it: `cargo install s3s-fs --version 0.14.1 --locked --features binary`).
     pub fn start(buckets: &[&str]) -> Option<S3Server> {
@@ -410,11 +413,7 @@ impl S3Server {
             .chain(home.map(|h| h.join("bin")));
         let bin = candidates.map(|d| d.join("s3s-fs")).find(|p| p.is_file());
         let Some(bin) = bin else {
-            assert!(
-                std::env::var_os("FLASHOVER_REQUIRE_S3").is_none(),
-                "s3s-fs is not installed (cargo install s3s-fs --version 0.14.1 --locked --features binary)"
-            );
-            eprintln!("SKIPPED: no s3s-fs (cargo install s3s-fs --version 0.14.1 --locked --features binary; .ci/run installs it and sets FLASHOVER_REQUIRE_S3=1)");
+            skip::skipped(skip::Need::S3sFs, "s3s-fs is not on PATH or in ~/.cargo/bin");
             return None;
         };
         let root = tempfile::tempdir().expect("a temporary folder");

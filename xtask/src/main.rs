@@ -245,10 +245,7 @@ fn launch(
     if Command::new("mpirun").arg("--version").output().is_err() {
         bail!("mpirun not found: install OpenMPI (Debian: apt-get install -y libopenmpi-dev openmpi-bin libclang-dev) or put its bin directory on PATH");
     }
-    let mut build_args = strings(&["build", "--release", "--examples"]);
-    build_args.extend(backend.cargo_args(&["--workspace"], &["flashover-examples/mpi"]));
-    cargo(&build_args)?;
-    let program = format!("{}/release/examples/{example}", backend.target_dir());
+    let program = build_mpi_example(backend, example)?;
     let mut a = mpirun_args(n, hostfile.as_deref(), &program);
     a.push("--processes".into());
     a.push(n.to_string());
@@ -963,22 +960,44 @@ fn median_range(v: &mut [f64]) -> (f64, f64, f64) {
     (median, v[0], v[n - 1])
 }
 
-/// What every flex build in the bench selects: with OpenMPI installed (`mpirun` found), the
-/// whole workspace, exactly as `cargo build --release --workspace --examples` and the test
-/// command build it (their features unified; MPI support included), so that after the tests
-/// the bench builds nothing; without it, the examples package alone, without MPI. One
-/// selection for all the bench's programs: another feature set would build the examples a
-/// second time.
+/// What every flex build in the bench selects: the whole workspace, exactly as the test
+/// command builds it (features unified), so that after the tests the bench builds nothing.
+/// It needs no OpenMPI: the multi-process rows run the separate MPI build
+/// ([`build_mpi_example`]).
 fn bench_selection() -> &'static [&'static str] {
-    if have_mpirun() {
-        &["--workspace"]
-    } else {
-        &["-p", "flashover-examples"]
-    }
+    &["--workspace"]
 }
 
-/// Builds the `mnist` example for `b` as the bench builds every program (with MPI support
-/// when OpenMPI is installed; a GPU backend's build always has it); returns its path.
+/// Builds `example` with MPI support and returns its path. On the CPU backend: the examples
+/// package alone with the `mpi` feature, in `target/mpi`, exactly as the multi-process tests
+/// build it (`tests/support/mpi.rs`: same packages, features and directory, so whichever runs
+/// first builds it for the other); the plain build in `target` stays free of MPI. A GPU
+/// backend's build always has MPI (see [`Backend::cargo_args`]).
+fn build_mpi_example(b: Backend, example: &str) -> Result<String> {
+    if b != Backend::Flex {
+        let mut args = strings(&["build", "--release", "--example", example]);
+        args.extend(b.cargo_args(&[], &[]));
+        cargo(&args)?;
+        return Ok(format!("{}/release/examples/{example}", b.target_dir()));
+    }
+    cargo(&strings(&[
+        "build",
+        "--release",
+        "-p",
+        "flashover-examples",
+        "--example",
+        example,
+        "--no-default-features",
+        "--features",
+        "flashover-examples/mpi,flashover-examples/flex",
+        "--target-dir",
+        "target/mpi",
+    ]))?;
+    Ok(format!("target/mpi/release/examples/{example}"))
+}
+
+/// Builds the `mnist` example for `b` as the bench builds every program (without MPI on the
+/// CPU backend; a GPU backend's build always has it); returns its path.
 fn build_mnist(b: Backend) -> Result<String> {
     let mut args = strings(&["build", "--release", "--example", "mnist"]);
     args.extend(b.cargo_args(bench_selection(), &[]));
@@ -1157,7 +1176,7 @@ fn distributed_bench(b: Backend, quick: bool) -> Result<Option<(serde_json::Valu
         eprintln!("mpirun not found: the multi-process rows are skipped (install OpenMPI)");
         return Ok(None);
     }
-    let bin = build_mnist(b)?;
+    let bin = build_mpi_example(b, "mnist")?;
     let run = |world: usize, extra: &[&str]| -> Result<serde_json::Value> {
         let mut a = strings(&["--no-progress"]);
         a.extend(strings(extra));

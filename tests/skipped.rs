@@ -1,0 +1,18 @@
+//! Runs right after the cross-crate suite (`tests.rs`) in the same `cargo test`, and ends its
+//! output with one line that counts the tests that skipped for want of a program (OpenMPI,
+//! s3s-fs, TensorBoard, network namespaces), names what each group needs and how to enable
+//! it; or says that none did. See `support/skip.rs`.
+
+fn main() {
+    let Some(file) = flashover_tests::skip::record_file() else {
+        return;
+    };
+    let record = std::fs::read_to_string(&file).unwrap_or_default();
+    let _ = std::fs::remove_file(&file);
+    match flashover_tests::skip::summary_line(&record) {
+        Some(line) => println!("{line}"),
+        None => println!(
+            "flashover-tests: no test skipped for want of OpenMPI, s3s-fs, TensorBoard or network namespaces"
+        ),
+    }
+}

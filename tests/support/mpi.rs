@@ -1,0 +1,114 @@
+//! The MNIST example built with MPI support, for the multi-process tests.
+//!
+//! The test command builds nothing that links a system library (a machine without OpenMPI
+//! builds and runs everything else), so where `mpirun` is installed these tests build the
+//! example with the `mpi` feature themselves, once per test binary, in a target directory of
+//! its own (`<target>/mpi`: a nested cargo cannot share the running `cargo test`'s directory,
+//! which it holds locked, and another feature set there would replace the plain example the
+//! other tests run). `cargo xtask launch` and the bench's multi-process rows build the same
+//! way into the same directory, so after the tests they build nothing. Where the suite itself
+//! was built with the `mpi` feature (`cargo xtask test --backend wgpu`), the example beside
+//! the test binary already has it.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use crate::skip::{skipped, Need};
+
+/// Whether `mpirun` runs here.
+pub fn have_mpirun() -> bool {
+    Command::new("mpirun")
+        .arg("--version")
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+/// The workspace's root and the test binary's target directory and profile.
+fn locations() -> (PathBuf, PathBuf, String) {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the tests package lives in the workspace")
+        .to_path_buf();
+    let exe = std::env::current_exe().expect("the test binary knows its path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("test binaries live in <target>/<profile>/deps");
+    let profile = profile_dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "release".into());
+    let target = profile_dir
+        .parent()
+        .expect("a profile directory lives in the target directory")
+        .to_path_buf();
+    (root, target, profile)
+}
+
+/// Builds the MPI example into `<target>/mpi`; its path, or the build's error output.
+fn build() -> Result<PathBuf, String> {
+    let (root, target, profile) = locations();
+    let dir = target.join("mpi");
+    let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    c.current_dir(&root).arg("build");
+    if profile == "release" {
+        c.arg("--release");
+    }
+    c.args(["-p", "flashover-examples", "--example", "mnist", "--no-default-features"]);
+    c.arg("--features")
+        .arg(format!("flashover-examples/mpi,flashover-examples/{}", crate::BACKEND));
+    c.arg("--target-dir").arg(&dir);
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(
+        format!(
+            "building the MNIST example with MPI for the multi-process tests in {} (minutes, the first time)\n",
+            dir.display()
+        )
+        .as_bytes(),
+    );
+    let out = c.output().map_err(|e| format!("running cargo: {e}"))?;
+    if !out.status.success() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let tail: Vec<&str> = stderr.lines().rev().take(30).collect();
+        return Err(tail.into_iter().rev().collect::<Vec<_>>().join("\n"));
+    }
+    let bin = dir.join(profile).join("examples").join("mnist");
+    if bin.is_file() {
+        Ok(bin)
+    } else {
+        Err(format!("the build succeeded but {} is missing", bin.display()))
+    }
+}
+
+/// The MNIST example with MPI support, or `None` after recording a skip: `mpirun` is
+/// missing, or the example does not build with MPI (no MPI development files or libclang).
+/// Fails instead where `FLASHOVER_REQUIRE_MPI` is set.
+pub fn mnist() -> Option<PathBuf> {
+    if !have_mpirun() {
+        skipped(Need::Mpi, "mpirun not found");
+        return None;
+    }
+    if cfg!(feature = "mpi") {
+        return Some(crate::example_bin("mnist"));
+    }
+    static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    match BUILT.get_or_init(build) {
+        Ok(bin) => Some(bin.clone()),
+        Err(e) if Need::Mpi.is_required() => {
+            panic!("the MNIST example does not build with MPI:\n{e}")
+        }
+        Err(e) => {
+            let first = e
+                .lines()
+                .find(|l| l.contains("error"))
+                .unwrap_or("see `cargo build --release -p flashover-examples --example mnist --features mpi`");
+            skipped(
+                Need::Mpi,
+                &format!("mpirun is there, but the example does not build with MPI: {first}"),
+            );
+            None
+        }
+    }
+}
