@@ -119,16 +119,17 @@ fn every_algorithm_trains_and_changes_the_run() {
             assert_eq!(samples, base_samples, "{spec}");
             continue;
         }
-        // EMA leaves the training weights alone and changes what evaluation sees; every other
-        // method changes the weights.
+        // EMA ends training with its average in the model (the weights evaluated and saved;
+        // that it leaves training itself alone is `library::ema_ends_fit_with_the_average...`);
+        // every other method changes the weights.
         assert!(
             digest != base_digest || loss != base_loss,
             "{spec} changed nothing"
         );
         if spec.starts_with("ema") {
-            assert_eq!(
+            assert_ne!(
                 digest, base_digest,
-                "EMA must not change the training weights"
+                "EMA ends training with its average in the model"
             );
         }
         if spec.starts_with("selective_backprop") {

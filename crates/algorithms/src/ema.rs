@@ -10,6 +10,17 @@
 //! is unchanged. The average starts from the weights at `FIT_START` and is saved in
 //! checkpoints bit for bit.
 //!
+//! **The model ends training with the averaged weights**, as in Composer (whose EMA leaves
+//! them in the model after its last checkpoint event): at the `BATCH_END` of the run's last
+//! batch (or at `FIT_END`, when a stop request ends the run sooner) the averaged weights
+//! replace the model's, so `trainer.model()`, the checkpoints written after that point (the
+//! one at the end of the run) and any weights a program saves are the ones that were
+//! evaluated. The training weights are kept (and saved in this algorithm's checkpoint state):
+//! a run resumed or continued from there (`fit` again with a longer `max_duration`) gets them
+//! back at `FIT_START`, so resumption stays bit-exact. A checkpoint a save interval took at
+//! the last batch before a stop request holds the training weights, with the average in this
+//! algorithm's state.
+//!
 //! The averaged copy lives apart from the model (a [`ParamSet`] keyed by parameter id), never
 //! as a clone of the module, so that no state is shared with the training model.
 
@@ -46,8 +57,11 @@ pub struct Ema<B: AutodiffBackend> {
     averaged: Option<ParamSet<B::InnerBackend>>,
     /// Elapsed time (in the half-life's unit) at the last update.
     last: f64,
-    /// The training weights while the averaged ones are swapped in.
+    /// The training weights while the averaged ones are swapped in for an evaluation.
     training: Option<ParamSet<B::InnerBackend>>,
+    /// The training weights once the averaged ones replaced them at the end of the run
+    /// (until a later `FIT_START` puts them back).
+    held: Option<ParamSet<B::InnerBackend>>,
     /// Saved state waiting for a device to be decoded on.
     pending: Option<Value>,
 }
@@ -68,6 +82,7 @@ impl<B: AutodiffBackend> Ema<B> {
             averaged: None,
             last: 0.0,
             training: None,
+            held: None,
             pending: None,
         })
     }
@@ -86,6 +101,10 @@ impl<B: AutodiffBackend> Ema<B> {
     fn decode_pending(&mut self, device: &B::Device) -> Result<()> {
         if let Some(v) = self.pending.take() {
             self.averaged = Some(ParamSet::from_json(&v["averaged"], device, "ema")?);
+            self.held = match v.get("training") {
+                Some(t) if !t.is_null() => Some(ParamSet::from_json(t, device, "ema")?),
+                _ => None,
+            };
             self.last = v["last"].as_f64().ok_or_else(|| AlgorithmError::BadState {
                 algorithm: "ema",
                 reason: "no `last` time".into(),
@@ -93,6 +112,35 @@ impl<B: AutodiffBackend> Ema<B> {
         }
         Ok(())
     }
+
+    /// Puts the averaged weights in the model for good, keeping the training weights (once).
+    fn replace_with_average<S: Setup<Backend = B>>(&mut self, state: &mut State<S>) -> Result<()> {
+        if self.held.is_some() {
+            return Ok(());
+        }
+        if let Some(avg) = &self.averaged {
+            let train = ParamSet::of_autodiff(state.model());
+            load_into_model(state, avg)?;
+            self.held = Some(train);
+        }
+        Ok(())
+    }
+}
+
+/// Loads `params` into the state's model.
+fn load_into_model<S: Setup>(
+    state: &mut State<S>,
+    params: &ParamSet<<S::Backend as AutodiffBackend>::InnerBackend>,
+) -> Result<()> {
+    let mut result = Ok(());
+    state.map_model(|m| match params.load_into(m.clone(), "ema") {
+        Ok(m) => m,
+        Err(e) => {
+            result = Err(e);
+            m
+        }
+    });
+    result
 }
 
 impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
@@ -105,6 +153,7 @@ impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
             event,
             Event::FitStart
                 | Event::BatchEnd
+                | Event::FitEnd
                 | Event::EvalBeforeAll
                 | Event::EvalAfterAll
                 | Event::PredictStart
@@ -123,9 +172,16 @@ impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
             state.check_countable("ema half_life", self.half_life)?;
         }
         match event {
-            Event::FitStart if self.averaged.is_none() => {
-                self.averaged = Some(ParamSet::of_autodiff(state.model()));
-                self.last = self.elapsed(state);
+            Event::FitStart => {
+                // A run continued or resumed after the end-of-run swap trains on from the
+                // training weights, not from the average.
+                if let Some(train) = self.held.take() {
+                    load_into_model(state, &train)?;
+                }
+                if self.averaged.is_none() {
+                    self.averaged = Some(ParamSet::of_autodiff(state.model()));
+                    self.last = self.elapsed(state);
+                }
             }
             Event::BatchEnd => {
                 let now = self.elapsed(state);
@@ -136,7 +192,13 @@ impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
                     Some(avg) => avg.zip_update(&current, "ema", |a, w| ema_update(a, w, decay))?,
                     None => self.averaged = Some(current),
                 }
+                if state.progress().is_done(&state.timestamp) {
+                    self.replace_with_average(state)?;
+                }
             }
+            Event::FitEnd => self.replace_with_average(state)?,
+            // After the end-of-run swap the model already holds the average.
+            Event::EvalBeforeAll | Event::PredictStart if self.held.is_some() => {}
             Event::EvalBeforeAll | Event::PredictStart => {
                 if let Some(avg) = &self.averaged {
                     self.training = Some(ParamSet::of_autodiff(state.model()));
@@ -171,7 +233,11 @@ impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
 
     fn state_dict(&self) -> Value {
         match (&self.averaged, &self.pending) {
-            (Some(avg), _) => json!({ "averaged": avg.to_json(), "last": self.last }),
+            (Some(avg), _) => json!({
+                "averaged": avg.to_json(),
+                "last": self.last,
+                "training": self.held.as_ref().map(ParamSet::to_json),
+            }),
             (None, Some(p)) => p.clone(),
             (None, None) => Value::Null,
         }
@@ -180,6 +246,7 @@ impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
     fn load_state_dict(&mut self, state: Value) -> flashover_core::Result<()> {
         if !state.is_null() {
             self.averaged = None;
+            self.held = None;
             self.pending = Some(state);
         }
         Ok(())

@@ -131,14 +131,6 @@ impl<S: Setup> Engine<S> {
     }
 
     fn run_all(&mut self, event: Event, state: &mut State<S>) -> Result<()> {
-        if self.collect_states
-            && matches!(
-                event,
-                Event::BatchCheckpoint | Event::EpochCheckpoint | Event::FitEnd
-            )
-        {
-            state.component_states = self.component_states();
-        }
         if event == Event::Init {
             self.logger
                 .run_event(event, &state.timestamp, &state.progress())?;
@@ -155,6 +147,16 @@ impl<S: Setup> Engine<S> {
                     a.apply(event, state, &mut self.logger)?;
                 }
             }
+        }
+        // The states a saver writes, collected after the algorithms ran: one that changes the
+        // model at the event (EMA's end-of-run swap at `FIT_END`) saves what it changed.
+        if self.collect_states
+            && matches!(
+                event,
+                Event::BatchCheckpoint | Event::EpochCheckpoint | Event::FitEnd
+            )
+        {
+            state.component_states = self.component_states();
         }
         for (c, _) in self
             .callbacks
