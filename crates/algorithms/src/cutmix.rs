@@ -115,7 +115,7 @@ impl<B: Backend> CutMix<B> {
         }
         Ok(CutMix {
             alpha,
-            targets: PartnerTargets::new(),
+            targets: PartnerTargets::new("cutmix"),
             calls: CallCounter::default(),
         })
     }

@@ -68,6 +68,14 @@ pub enum AlgorithmError {
         valid: String,
     },
 
+    /// An algorithm set soft targets (class distributions) that the model's loss never read:
+    /// the loss scores the class indices, so the algorithm would silently do nothing.
+    #[error("{algorithm} set soft targets (class distributions) that the model's loss did not read, so it would train as if {algorithm} were off: compute the loss with `flashover::core::loss::classification_loss(logits, batch)` (or `per_sample_classification_loss`, or read `batch.soft_targets()`), not `cross_entropy` on the class indices; or remove {algorithm}")]
+    SoftTargetsIgnored {
+        /// The algorithm.
+        algorithm: &'static str,
+    },
+
     /// A saved algorithm state does not fit this run (a checkpoint from another model).
     #[error("{algorithm}: cannot restore saved state: {reason}")]
     BadState {

@@ -114,7 +114,7 @@ where
             self.saved
                 .replace(batch, smooth_labels(dist, self.smoothing));
         } else {
-            self.saved.restore(batch);
+            self.saved.restore(batch, "label_smoothing")?;
         }
         Ok(())
     }

@@ -82,7 +82,7 @@ impl<B: Backend> MixUp<B> {
         }
         Ok(MixUp {
             alpha,
-            targets: PartnerTargets::new(),
+            targets: PartnerTargets::new("mixup"),
             calls: CallCounter::default(),
         })
     }
@@ -99,14 +99,17 @@ impl<B: Backend> MixUp<B> {
 /// `(1 - w) * y + w * y[perm]` at `BEFORE_LOSS` (restored at `AFTER_LOSS`), or, with
 /// `interpolate_loss`, the loss becomes `(1 - w) * loss + w * loss(y[perm])` at `AFTER_LOSS`.
 pub(crate) struct PartnerTargets<B: Backend> {
+    /// The algorithm's name, for errors.
+    algorithm: &'static str,
     pub(crate) interpolate_loss: bool,
     current: Option<(f64, Vec<usize>)>,
     saved: SavedTargets<B>,
 }
 
 impl<B: Backend> PartnerTargets<B> {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(algorithm: &'static str) -> Self {
         PartnerTargets {
+            algorithm,
             interpolate_loss: false,
             current: None,
             saved: SavedTargets::default(),
@@ -159,9 +162,15 @@ impl<B: AutodiffBackend> PartnerTargets<B> {
                     let mut partner = batch.clone();
                     partner.set_soft_targets(Some(dist.select(0, p)));
                     let other = state.model().loss(out, &partner);
+                    if partner.soft_targets_read() == Some(false) {
+                        return Err(AlgorithmError::SoftTargetsIgnored {
+                            algorithm: self.algorithm,
+                        }
+                        .into());
+                    }
                     state.loss = Some(loss.mul_scalar(1.0 - w) + other.mul_scalar(*w));
                 } else if let Some(batch) = state.batch.as_mut() {
-                    self.saved.restore(batch);
+                    self.saved.restore(batch, self.algorithm)?;
                 }
                 self.current = None;
             }

@@ -137,10 +137,28 @@ impl<B: Backend> SavedTargets<B> {
         batch.set_soft_targets(Some(targets));
     }
 
-    /// Puts back what [`SavedTargets::replace`] took, if it took anything.
-    pub(crate) fn restore<T: ClassTargets<B>>(&mut self, batch: &mut T) {
+    /// Puts back what [`SavedTargets::replace`] took, if it took anything; first checks that
+    /// the loss read the targets `algorithm` set (where the batch type tracks reads), so
+    /// that a loss on the class indices is an error at the first batch, not a run that
+    /// silently trains without the algorithm.
+    pub(crate) fn restore<T: ClassTargets<B>>(
+        &mut self,
+        batch: &mut T,
+        algorithm: &'static str,
+    ) -> crate::error::Result<()> {
         if let Some(previous) = self.0.take() {
+            let read = batch.soft_targets_read();
+            let had_previous = previous.is_some();
             batch.set_soft_targets(previous);
+            if read == Some(false) {
+                return Err(crate::error::AlgorithmError::SoftTargetsIgnored { algorithm });
+            }
+            // The targets put back (an earlier rewriter's) were folded into the ones the loss
+            // read: they count as read too, for that rewriter's own check.
+            if had_previous {
+                let _ = batch.soft_targets();
+            }
         }
+        Ok(())
     }
 }

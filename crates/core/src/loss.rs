@@ -142,7 +142,7 @@ pub fn per_sample_classification_loss<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ClassificationBatch;
+    use crate::model::{Batch, ClassificationBatch};
     use burn::backend::Flex;
     use burn::tensor::TensorData;
 
@@ -236,19 +236,43 @@ mod tests {
     }
 
     #[test]
+    fn the_loss_marks_soft_targets_read_and_clones_and_slices_share_the_mark() {
+        let dev = Default::default();
+        let t = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0i64, 2], [2]), &dev);
+        let mut batch = ClassificationBatch::new(Tensor::<B, 2>::zeros([2, 1], &dev), t);
+        assert_eq!(batch.soft_targets_read(), None);
+        let soft = batch.target_distribution(3).unwrap();
+        batch.set_soft_targets(Some(soft.clone()));
+        assert_eq!(batch.soft_targets_read(), Some(false));
+        // A loss on the class indices alone does not read them.
+        let _ = cross_entropy(logits(), batch.classes().clone());
+        assert_eq!(batch.soft_targets_read(), Some(false));
+        // A loss on a microbatch of a clone reads them for the batch too.
+        let part = batch.clone().split(1).remove(1);
+        let _ = classification_loss(logits().narrow(0, 1, 1), &part);
+        assert_eq!(batch.soft_targets_read(), Some(true));
+        // Setting new ones starts unread again.
+        batch.set_soft_targets(Some(soft));
+        assert_eq!(batch.soft_targets_read(), Some(false));
+        let _ = per_sample_classification_loss(logits(), &batch);
+        assert_eq!(batch.soft_targets_read(), Some(true));
+    }
+
+    #[test]
     fn soft_targets_replace_hard_ones_and_one_hot_agrees() {
         let dev = Default::default();
         let t = Tensor::<B, 1, Int>::from_data(TensorData::new(vec![0i64, 2], [2]), &dev);
         let mut batch = ClassificationBatch::new(Tensor::<B, 2>::zeros([2, 1], &dev), t);
         let hard: f32 = classification_loss(logits(), &batch).into_scalar();
-        batch.soft_targets = Some(batch.target_distribution(3).unwrap());
+        let one_hot = batch.target_distribution(3).unwrap();
+        batch.set_soft_targets(Some(one_hot));
         let one_hot: f32 = classification_loss(logits(), &batch).into_scalar();
         assert!((hard - one_hot).abs() < 1e-6);
         // A half/half target on sample 0 between classes 0 and 1: loss = lse0 - (2 + 0) / 2.
-        batch.soft_targets = Some(Tensor::from_data(
+        batch.set_soft_targets(Some(Tensor::from_data(
             TensorData::new(vec![0.5f32, 0.5, 0.0, 0.0, 0.0, 1.0], [2, 3]),
             &dev,
-        ));
+        )));
         let per = per_sample_classification_loss(logits(), &batch)
             .into_data()
             .to_vec::<f32>()

@@ -4,6 +4,9 @@
 //!
 //! This module holds contracts only: no training logic and no concrete backend.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
@@ -84,9 +87,46 @@ pub struct ClassificationBatch<B: Backend, const D: usize> {
     /// Class indices, one per sample.
     pub targets: Tensor<B, 1, Int>,
     /// Class distributions `[batch, classes]` that replace `targets` in the loss when set
-    /// (label smoothing, MixUp and CutMix write them; loaders leave them empty).
+    /// (label smoothing, MixUp and CutMix write them through
+    /// [`ClassTargets::set_soft_targets`]; loaders leave them empty). Read them through
+    /// [`ClassTargets::soft_targets`] (or [`crate::loss::classification_loss`]), which marks
+    /// them read: an algorithm whose soft targets no loss read stops the run.
     #[new(default)]
-    pub soft_targets: Option<Tensor<B, 2>>,
+    soft_targets: Option<SoftTargets<B>>,
+}
+
+/// Soft targets and whether anything read them since they were set. Clones, splits and
+/// selections of a batch share the mark, so a read of any of them counts.
+#[derive(Debug, Clone)]
+struct SoftTargets<B: Backend> {
+    tensor: Tensor<B, 2>,
+    read: Arc<AtomicBool>,
+}
+
+impl<B: Backend> SoftTargets<B> {
+    fn new(tensor: Tensor<B, 2>) -> Self {
+        Self {
+            tensor,
+            read: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// The same mark over another tensor (a slice or selection of this one).
+    fn map(&self, f: impl FnOnce(Tensor<B, 2>) -> Tensor<B, 2>) -> Self {
+        Self {
+            tensor: f(self.tensor.clone()),
+            read: self.read.clone(),
+        }
+    }
+
+    fn get(&self) -> &Tensor<B, 2> {
+        self.read.store(true, Ordering::Relaxed);
+        &self.tensor
+    }
+
+    fn was_read(&self) -> bool {
+        self.read.load(Ordering::Relaxed)
+    }
 }
 
 impl<B: Backend, const D: usize> Batch for ClassificationBatch<B, D> {
@@ -109,7 +149,7 @@ impl<B: Backend, const D: usize> Batch for ClassificationBatch<B, D> {
                     soft_targets: self
                         .soft_targets
                         .as_ref()
-                        .map(|t| t.clone().narrow(0, start, len)),
+                        .map(|t| t.map(|t| t.narrow(0, start, len))),
                 }
             })
             .collect()
@@ -132,11 +172,15 @@ impl<B: Backend, const D: usize> ClassTargets<B> for ClassificationBatch<B, D> {
     }
 
     fn soft_targets(&self) -> Option<&Tensor<B, 2>> {
-        self.soft_targets.as_ref()
+        self.soft_targets.as_ref().map(SoftTargets::get)
     }
 
     fn set_soft_targets(&mut self, targets: Option<Tensor<B, 2>>) {
-        self.soft_targets = targets;
+        self.soft_targets = targets.map(SoftTargets::new);
+    }
+
+    fn soft_targets_read(&self) -> Option<bool> {
+        self.soft_targets.as_ref().map(SoftTargets::was_read)
     }
 }
 
@@ -145,7 +189,9 @@ impl<B: Backend, const D: usize> SelectSamples<B> for ClassificationBatch<B, D> 
         ClassificationBatch {
             inputs: self.inputs.select(0, indices.clone()),
             targets: self.targets.select(0, indices.clone()),
-            soft_targets: self.soft_targets.map(|t| t.select(0, indices)),
+            soft_targets: self
+                .soft_targets
+                .map(|t| t.map(|t| t.select(0, indices))),
         }
     }
 }
@@ -170,6 +216,16 @@ pub trait ClassTargets<B: Backend>: Batch {
     fn soft_targets(&self) -> Option<&Tensor<B, 2>>;
     /// Sets (or clears, with `None`) the class distributions.
     fn set_soft_targets(&mut self, targets: Option<Tensor<B, 2>>);
+
+    /// Whether the soft targets now set were read (through [`soft_targets`](Self::soft_targets),
+    /// which [`crate::loss::classification_loss`] calls) since they were set: `Some(false)`
+    /// after a loss means the loss ignored them, and the algorithm that set them (label
+    /// smoothing, MixUp, CutMix) stops the run naming itself and the function to call.
+    /// `None` when none are set, or when this batch type does not track reads (the default,
+    /// for batch types of your own: then nothing is checked).
+    fn soft_targets_read(&self) -> Option<bool> {
+        None
+    }
 
     /// The targets as distributions over `num_classes`: the soft targets when set, otherwise
     /// the one-hot encoding of the classes, which must lie in `0..num_classes` (a negative or
@@ -234,7 +290,7 @@ pub struct TokenBatch<B: Backend> {
     /// `targets` as one row, kept in step with it.
     flat: Tensor<B, 1, Int>,
     /// Distributions over the vocabulary per target, when an algorithm has set them.
-    soft_targets: Option<Tensor<B, 2>>,
+    soft_targets: Option<SoftTargets<B>>,
 }
 
 impl<B: Backend> TokenBatch<B> {
@@ -277,11 +333,15 @@ impl<B: Backend> ClassTargets<B> for TokenBatch<B> {
     }
 
     fn soft_targets(&self) -> Option<&Tensor<B, 2>> {
-        self.soft_targets.as_ref()
+        self.soft_targets.as_ref().map(SoftTargets::get)
     }
 
     fn set_soft_targets(&mut self, targets: Option<Tensor<B, 2>>) {
-        self.soft_targets = targets;
+        self.soft_targets = targets.map(SoftTargets::new);
+    }
+
+    fn soft_targets_read(&self) -> Option<bool> {
+        self.soft_targets.as_ref().map(SoftTargets::was_read)
     }
 }
 
@@ -291,7 +351,7 @@ impl<B: Backend> SelectSamples<B> for TokenBatch<B> {
         let soft = self
             .soft_targets
             .as_ref()
-            .map(|t| t.clone().select(0, self.rows_of(&indices)));
+            .map(|t| t.map(|t| t.select(0, self.rows_of(&indices))));
         let mut out = TokenBatch::new(
             self.tokens.select(0, indices.clone()),
             self.targets.select(0, indices),
@@ -323,7 +383,7 @@ impl<B: Backend> Batch for TokenBatch<B> {
                 part.soft_targets = self
                     .soft_targets
                     .as_ref()
-                    .map(|t| t.clone().narrow(0, start * s, len * s));
+                    .map(|t| t.map(|t| t.narrow(0, start * s, len * s)));
                 part
             })
             .collect()
