@@ -10,8 +10,15 @@
 //! output pixel `i` samples input position `i * (in - 1) / (out - 1)`, so the corner pixels
 //! of both images coincide; PyTorch's `align_corners=True`) or `half_pixel` (output pixel `i`
 //! samples `(i + 0.5) * in / out - 0.5`, clamped to the image: PyTorch's default
-//! `align_corners=False`, which Composer's `F.interpolate` call uses; choose it to compare
-//! with a PyTorch run). Neither antialiases (as in PyTorch without `antialias=True`).
+//! `align_corners=False` for bilinear resizing). Neither antialiases (as in PyTorch without
+//! `antialias=True`).
+//!
+//! A deliberate difference from Composer: Composer 0.32's `resize` mode calls
+//! `F.interpolate(X, scale_factor=s, mode="nearest")` (nearest neighbour, output pixel `i`
+//! copies input pixel `floor(i / s)`), although its class docs say bilinear. Flashover
+//! resizes bilinearly, as fast.ai's progressive resizing and those docs do; so a `resize` run
+//! here is not pixel-identical to a Composer one with the same schedule (the schedule, the
+//! sizes and the crop mode are the same).
 //! Helps convolutional models whose head pools over space.
 //!
 //! Hook: `AFTER_DATALOADER`. The scale is a pure function of time, so resuming needs no state.

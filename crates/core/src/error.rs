@@ -9,7 +9,7 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum CoreError {
     /// A time string such as `"2ep"` could not be parsed.
-    #[error("invalid time {input:?}: {reason}; expected a number followed by one of the units ep, ba, sp, tok, dur (for example \"2ep\", \"500ba\", \"1e6tok\", \"0.3dur\"; units in any case, `_` between digits), or a wall-clock time in h, m and s (\"1h30m\", \"45m\", \"90s\")")]
+    #[error("invalid time {input:?}: {reason}; expected a number followed by one of the units ep, ba, sp, tok, dur (for example \"2ep\", \"500ba\", \"1e6tok\", \"0.3dur\"; units in any case, `_` between digits), or a wall-clock time in h, m and s (\"1h30m\", \"45m\", \"90s\"; a part after a larger one below 60) or in Composer's sec (\"3600sec\")")]
     InvalidTime {
         /// The string as given.
         input: String,

@@ -79,7 +79,7 @@ impl fmt::Display for TimeUnit {
 ///
 /// Counts are whole numbers; fractions are finite and non-negative. Parse one from a string:
 /// units are case-insensitive, `_` may separate digits, and wall-clock times combine hours,
-/// minutes and seconds.
+/// minutes and seconds (or are Composer's `<n>sec`).
 ///
 /// ```
 /// use std::time::Duration;
@@ -89,6 +89,9 @@ impl fmt::Display for TimeUnit {
 /// assert_eq!(t.to_string(), "1000000tok");
 /// assert_eq!("4_000TOK".parse::<Time>().unwrap(), Time::Token(4000));
 /// assert_eq!("1h30m".parse::<Time>().unwrap(), Time::Wall(Duration::from_secs(5400)));
+/// // Composer's spelling of seconds.
+/// assert_eq!("3600sec".parse::<Time>().unwrap(), Time::Wall(Duration::from_secs(3600)));
+/// assert!("1h60m".parse::<Time>().is_err()); // minutes after hours go 0-59
 /// assert!("3 parsecs".parse::<Time>().is_err());
 /// ```
 ///
@@ -350,6 +353,10 @@ fn strip_separators(number: &str) -> std::result::Result<String, String> {
 /// Parses a wall-clock time: one or more `<number><unit>` groups with units `h`, `m`, `s`, in
 /// that order, each at most once (`1h30m`, `45m`, `90s`, `1.5h`). Whole seconds and their
 /// decimals are kept exactly (to the nanosecond), so a formatted time parses back to itself.
+///
+/// A part that follows a larger one is below 60 (`1h59m`, not `1h60m`: Composer's `XhYmZs`
+/// reads its parts as a clock does); a lone part may be any size (`90s`, `120m`, `36h`), which
+/// Composer's strptime refuses although it is unambiguous.
 fn parse_wall(input: &str) -> std::result::Result<Duration, String> {
     let mut rest = input;
     let mut total = Duration::ZERO;
@@ -369,10 +376,26 @@ fn parse_wall(input: &str) -> std::result::Result<Duration, String> {
         if rank <= last_rank {
             return Err("wall-clock parts go h, m, s, each at most once".to_string());
         }
+        let follows_larger = last_rank > 0;
         last_rank = rank;
         let number = strip_separators(number)?;
         if number.is_empty() {
             return Err(format!("no number before `{unit}`"));
+        }
+        if follows_larger {
+            let v: f64 = number
+                .parse()
+                .map_err(|_| format!("{number:?} is not a number"))?;
+            if v >= 60.0 {
+                let (what, larger) = if unit == 'm' {
+                    ("minutes", "hours")
+                } else {
+                    ("seconds", "a larger unit")
+                };
+                return Err(format!(
+                    "`{number}{unit}` is out of range: {what} after {larger} go from 0 to 59 (carry the rest into the larger unit)"
+                ));
+            }
         }
         let part = match (unit, number.split_once('.')) {
             // Seconds keep their decimals exactly.
@@ -423,6 +446,19 @@ impl FromStr for Time {
             input: s.to_string(),
             reason,
         };
+        // Composer's wall-clock unit: a number of seconds (`3600sec`).
+        if let Some(number) = input.strip_suffix("sec") {
+            if number.is_empty()
+                || !number
+                    .chars()
+                    .all(|c| c.is_ascii_digit() || c == '.' || c == '_')
+            {
+                return Err(bad(format!(
+                    "{number:?} before `sec` is not a number of seconds (write 3600sec, or 1h)"
+                )));
+            }
+            return parse_wall(&format!("{number}s")).map(Time::Wall).map_err(bad);
+        }
         // The longest suffix is matched first so that "tok" is never read as a number ending in
         // "ok"; the number itself may contain an exponent ("1e6tok").
         let Some(unit) = TimeUnit::SUFFIXED
@@ -677,6 +713,28 @@ mod tests {
             let err = bad.parse::<Time>().unwrap_err();
             assert!(err.to_string().contains(&format!("{bad:?}")), "{err}");
         }
+    }
+
+    #[test]
+    fn composer_spellings_parse_and_out_of_range_parts_are_refused() {
+        let wall = |s: &str| s.parse::<Time>().unwrap();
+        // Composer's wall-clock unit is `sec`.
+        assert_eq!(wall("3600sec"), Time::Wall(Duration::from_secs(3600)));
+        assert_eq!(wall("90SEC"), Time::Wall(Duration::from_secs(90)));
+        assert_eq!(wall("1_800sec"), Time::Wall(Duration::from_secs(1800)));
+        assert_eq!(wall("0.5sec"), Time::Wall(Duration::from_millis(500)));
+        assert_eq!(wall("3600sec").to_string(), "1h");
+        // Composer's `XhYmZs` reads parts as a clock: what follows a larger unit is below 60.
+        assert_eq!(wall("1h59m59s"), Time::Wall(Duration::from_secs(7199)));
+        assert_eq!(wall("120m"), Time::Wall(Duration::from_secs(7200)));
+        assert_eq!(wall("36h"), Time::Wall(Duration::from_secs(36 * 3600)));
+        for bad in ["1h60m", "1m60s", "2h0m75s", "1h90s", "1hsec", "sec", "1h30sec"] {
+            let err = bad.parse::<Time>().unwrap_err();
+            assert!(matches!(err, CoreError::InvalidTime { .. }), "{bad}: {err}");
+            assert!(err.to_string().contains(&format!("{bad:?}")), "{err}");
+        }
+        let err = "1h60m".parse::<Time>().unwrap_err().to_string();
+        assert!(err.contains("`60m` is out of range") && err.contains("0 to 59"), "{err}");
     }
 
     #[test]
