@@ -168,13 +168,8 @@ struct Args {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    // Log lines on stderr, coloured only on a terminal (never ANSI codes in a log file).
+    flashover::init_logging();
     let args = Args::parse();
     let dist = match join(&args) {
         Ok(d) => d,

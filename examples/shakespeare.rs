@@ -205,13 +205,8 @@ enum TokenizerKind {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+    // Log lines on stderr, coloured only on a terminal (never ANSI codes in a log file).
+    flashover::init_logging();
     let args = Args::parse();
     if let Err(e) = flashover_examples::with_backend!(args.backend.as_str(), run(&args)) {
         eprintln!("error: {}", flashover::core::error::report(e.as_ref()));

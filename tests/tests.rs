@@ -41,6 +41,10 @@
 //!   seeing every sample once, a stopped rank is named and the job ends, one rank's error
 //!   ends all, bad launches are errors, and two ranks train across a veth pair between two
 //!   network namespaces.
+//! - `library`: Flashover as a library: EMA and SWA end with their average in the model and
+//!   the example writes the weights it evaluated (reloaded, they give the reported metrics
+//!   exactly); a loss that ignores soft targets stops the run naming the algorithm; the
+//!   quickstart example trains, saves and resumes.
 //! - `language`: the GPT example on the Shakespeare corpus: it learns, its metrics agree, it
 //!   resumes bit for bit, bad shapes are errors naming them.
 //! - `object_store`: checkpoints and logs in a real S3-compatible server (`s3s-fs`): remote
@@ -73,6 +77,8 @@ mod events;
 mod hardening;
 #[path = "suite/language.rs"]
 mod language;
+#[path = "suite/library.rs"]
+mod library;
 #[path = "suite/microbatch.rs"]
 mod microbatch;
 #[path = "suite/object_store.rs"]

@@ -13,6 +13,10 @@ use indicatif::{ProgressBar as Bar, ProgressDrawTarget, ProgressStyle};
 /// and every `every` batches one line with all the values logged for that batch (the
 /// trainer's loss and learning rate, and whatever monitors logged).
 ///
+/// `tracing` discards every line until the program installs a subscriber: call
+/// `flashover::init_logging()` at the start of `main` (stderr, `RUST_LOG` or `info`, colours
+/// only on a terminal), or install one of your own.
+///
 /// ```
 /// use flashover_callbacks::ConsoleLogger;
 /// let console = ConsoleLogger::new(50); // trainer builder: .logger(ConsoleLogger::new(50))

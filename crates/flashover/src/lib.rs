@@ -27,6 +27,93 @@ pub mod backend {
     #[cfg(feature = "wgpu")]
     pub use burn::backend::Wgpu;
 
+    /// The first backend compiled into this build, in the order of [`COMPILED`]: flex with
+    /// the default features. Programs that do not care which backend runs name this one, so
+    /// that switching backends is a Cargo feature, not a code change.
+    #[cfg(feature = "flex")]
+    pub type Default = burn::backend::Flex;
+    /// The first backend compiled into this build (see the `flex` case).
+    #[cfg(all(feature = "ndarray", not(feature = "flex")))]
+    pub type Default = burn::backend::NdArray;
+    /// The first backend compiled into this build (see the `flex` case).
+    #[cfg(all(feature = "wgpu", not(any(feature = "flex", feature = "ndarray"))))]
+    pub type Default = burn::backend::Wgpu;
+    /// The first backend compiled into this build (see the `flex` case).
+    #[cfg(all(
+        feature = "cuda",
+        not(any(feature = "flex", feature = "ndarray", feature = "wgpu"))
+    ))]
+    pub type Default = burn::backend::Cuda;
+
+    /// [`Default`] with automatic differentiation: the backend a model trains on. Its inner
+    /// backend ([`Default`]) is the one evaluation data lives on.
+    #[cfg(any(feature = "flex", feature = "ndarray", feature = "wgpu", feature = "cuda"))]
+    pub type DefaultAutodiff = Autodiff<Default>;
+
+    /// Work to run on a backend chosen at run time (see [`with_backend`]): `run` is generic
+    /// over the autodiff backend, so one body serves every backend compiled in.
+    pub trait OnBackend {
+        /// What the work returns.
+        type Output;
+        /// Runs the work on autodiff backend `B` (its inner backend evaluates).
+        fn run<B: flashover_models::TrainBackend>(self) -> Self::Output;
+    }
+
+    /// A backend name that is not compiled into this build.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct UnknownBackend {
+        /// The name as given.
+        pub name: String,
+    }
+
+    impl std::fmt::Display for UnknownBackend {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(
+                f,
+                "backend {:?} is not compiled into this build; available: {} (enable others with the flashover features wgpu, cuda, ndarray)",
+                self.name,
+                COMPILED.join(", ")
+            )
+        }
+    }
+
+    impl std::error::Error for UnknownBackend {}
+
+    /// Runs `work` on the backend named `name` (`"flex"`, `"ndarray"`, `"wgpu"` or `"cuda"`,
+    /// among those compiled in: [`COMPILED`]), with automatic differentiation: a `--backend`
+    /// flag in one line. Any other name is an [`UnknownBackend`] error listing the available
+    /// ones.
+    ///
+    /// ```
+    /// use flashover::backend::{with_backend, OnBackend};
+    /// struct Name;
+    /// impl OnBackend for Name {
+    ///     type Output = String;
+    ///     fn run<B: flashover::models::TrainBackend>(self) -> String {
+    ///         std::any::type_name::<B>().to_string()
+    ///     }
+    /// }
+    /// assert!(with_backend("flex", Name).unwrap().contains("Flex"));
+    /// let err = with_backend("tpu", Name).unwrap_err().to_string();
+    /// assert!(err.contains("\"tpu\"") && err.contains("flex"), "{err}");
+    /// ```
+    pub fn with_backend<W: OnBackend>(name: &str, work: W) -> Result<W::Output, UnknownBackend> {
+        let _ = &work;
+        match name {
+            #[cfg(feature = "flex")]
+            "flex" => Ok(work.run::<Autodiff<burn::backend::Flex>>()),
+            #[cfg(feature = "ndarray")]
+            "ndarray" => Ok(work.run::<Autodiff<burn::backend::NdArray>>()),
+            #[cfg(feature = "wgpu")]
+            "wgpu" => Ok(work.run::<Autodiff<burn::backend::Wgpu>>()),
+            #[cfg(feature = "cuda")]
+            "cuda" => Ok(work.run::<Autodiff<burn::backend::Cuda>>()),
+            other => Err(UnknownBackend {
+                name: other.to_string(),
+            }),
+        }
+    }
+
     /// Names of the backends compiled into this build, in order of preference for a
     /// default (CPU backends first: they need no device).
     pub const COMPILED: &[&str] = &[
@@ -39,6 +126,29 @@ pub mod backend {
         #[cfg(feature = "cuda")]
         "cuda",
     ];
+}
+
+/// Shows Flashover's log lines on stderr: `ConsoleLogger`'s lines (hyperparameters,
+/// evaluation results), checkpoint and warning messages. They go through `tracing`, which
+/// discards everything until a program installs a subscriber; this installs one at level
+/// `info` (or what `RUST_LOG` says), with colours only when stderr is a terminal (never ANSI
+/// codes in a log file). Call it once at the start of `main`; it returns `false`, changing
+/// nothing, if the program already installed a subscriber of its own.
+///
+/// ```
+/// flashover::init_logging();
+/// assert!(!flashover::init_logging()); // a second call changes nothing
+/// ```
+pub fn init_logging() -> bool {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(filter)
+        .try_init()
+        .is_ok()
 }
 
 /// Everything most training programs use.
@@ -57,3 +167,9 @@ pub mod prelude {
     };
     pub use flashover_core::prelude::*;
 }
+
+/// The README's Rust examples, compiled by `cargo test` as doctests of this crate (a trainer
+/// example that stops compiling fails the tests instead of misleading a reader).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;

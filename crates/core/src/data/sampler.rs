@@ -24,6 +24,17 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// A sampler over every item of `dataset` in batches of `batch_size`, for a single
+    /// process: [`Sampler::new`] with the dataset's own length.
+    pub fn for_dataset<I>(
+        dataset: &(impl super::Dataset<I> + ?Sized),
+        batch_size: usize,
+        shuffle: bool,
+        seed: u64,
+    ) -> Result<Self> {
+        Self::new(dataset.len(), batch_size, shuffle, seed)
+    }
+
     /// A sampler over `len` items in batches of `batch_size`, for a single process.
     pub fn new(len: usize, batch_size: usize, shuffle: bool, seed: u64) -> Result<Self> {
         if batch_size == 0 {
