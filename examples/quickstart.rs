@@ -1,9 +1,7 @@
-//! Quickstart: Flashover as a library, in one file. A two-layer MLP of our own learns to tell
-//! four Gaussian blobs apart, trained by Flashover's `Trainer` with an evaluator, two speed-up
-//! algorithms (label smoothing and EMA), a callback of our own, and checkpoints that a second
-//! run resumes from. `cargo run --release --example quickstart`; run it again after an
-//! interruption (`-- --stop-after 40`) and it continues where the last checkpoint left off.
-//! The last stdout line is a JSON summary.
+//! Quickstart: Flashover as a library, in one file. An MLP of our own learns four Gaussian
+//! blobs with an evaluator, two speed-up algorithms (label smoothing, EMA), a callback of our
+//! own and checkpoints: `cargo run --release --example quickstart`; stopped (`-- --stop-after
+//! 40`), the same command resumes it. The last stdout line is a JSON summary.
 
 use std::sync::Arc;
 
@@ -36,7 +34,6 @@ impl<B: Backend> Mlp<B> {
             relu: Relu::new(),
         }
     }
-
     fn logits(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         self.out.forward(self.relu.forward(self.hidden.forward(x)))
     }
@@ -48,11 +45,9 @@ impl<B: Backend> Mlp<B> {
 impl<B: AutodiffBackend> TrainModel<B> for Mlp<B> {
     type Batch = ClassificationBatch<B, 2>;
     type Output = Tensor<B, 2>;
-
     fn forward(&self, batch: &Self::Batch) -> Tensor<B, 2> {
         self.logits(batch.inputs.clone())
     }
-
     fn loss(&self, logits: &Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
         classification_loss(logits.clone(), batch)
     }
@@ -62,29 +57,25 @@ impl<B: AutodiffBackend> TrainModel<B> for Mlp<B> {
 impl<B: Backend> EvalModel<B> for Mlp<B> {
     type Batch = ClassificationBatch<B, 2>;
     type Output = ClassificationOutput<B>;
-
     fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
         ClassificationOutput::scored(self.logits(batch.inputs.clone()), batch.targets.clone())
     }
 }
 
-/// The data: `n` points around four centres, drawn from a seeded generator.
-#[derive(Debug, Clone)]
-struct Point {
-    xy: [f32; 2],
-    class: i64,
-}
+/// The data: `n` points (x, y and a class) around four centres, from a seeded generator.
+type Point = ([f32; 2], i64);
 
 fn blobs(n: usize, seed: u64) -> InMemoryDataset<Point> {
     let mut rng = flashover::core::rng::Rng::new(seed);
     let centres = [(-2.0, -2.0), (-2.0, 2.0), (2.0, -2.0), (2.0, 2.0)];
-    let points = (0..n)
-        .map(|i| {
-            let (cx, cy) = centres[i % 4];
-            let xy = [(cx + rng.normal()) as f32, (cy + rng.normal()) as f32];
-            Point { xy, class: (i % 4) as i64 }
-        })
-        .collect();
+    let mut points = Vec::with_capacity(n);
+    for i in 0..n {
+        let (x, y) = (
+            centres[i % 4].0 + rng.normal(),
+            centres[i % 4].1 + rng.normal(),
+        );
+        points.push(([x as f32, y as f32], (i % 4) as i64));
+    }
     InMemoryDataset::new(points)
 }
 
@@ -93,8 +84,8 @@ struct PointBatcher;
 impl<D: Backend> Batcher<D, Point, ClassificationBatch<D, 2>> for PointBatcher {
     fn batch(&self, items: Vec<Point>, device: &D::Device) -> ClassificationBatch<D, 2> {
         let n = items.len();
-        let xy: Vec<f32> = items.iter().flat_map(|p| p.xy).collect();
-        let classes: Vec<i64> = items.iter().map(|p| p.class).collect();
+        let xy: Vec<f32> = items.iter().flat_map(|p| p.0).collect();
+        let classes: Vec<i64> = items.iter().map(|p| p.1).collect();
         ClassificationBatch::new(
             Tensor::from_data(TensorData::new(xy, [n, 2]), device),
             Tensor::<D, 1, Int>::from_data(TensorData::new(classes, [n]), device),
@@ -119,8 +110,8 @@ impl<S: Setup> Callback<S> for EpochLoss {
         Ok(())
     }
     fn epoch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<(), CoreError> {
-        let mean = self.sum / self.batches.max(1) as f64;
-        eprintln!("epoch {}: mean training loss {mean:.4}", state.timestamp.epoch);
+        let (epoch, mean) = (state.timestamp.epoch, self.sum / self.batches.max(1) as f64);
+        eprintln!("epoch {epoch}: mean training loss {mean:.4}");
         (self.sum, self.batches) = (0.0, 0);
         Ok(())
     }
@@ -129,7 +120,11 @@ impl<S: Setup> Callback<S> for EpochLoss {
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     flashover::init_logging(); // the trainer's log lines on stderr
     let args: Vec<String> = std::env::args().collect();
-    let flag = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
+    let flag = |n: &str| {
+        args.iter()
+            .position(|a| a == n)
+            .and_then(|i| args.get(i + 1))
+    };
     let folder = flag("--save-folder").map_or("target/quickstart-checkpoints", |s| s.as_str());
     let device = Default::default();
 
@@ -145,14 +140,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Seeded initialisation (Burn's own draws differ from run to run).
     let model = init_model(&device, 42, Mlp::<B>::new);
     let optimizer = burn::optim::AdamWConfig::new().init::<B, Mlp<B>>();
+    let metrics: Vec<Box<dyn Metric<_>>> = vec![Box::new(Accuracy::default())];
+    let saver = Saver::new(
+        SaverConfig::new(folder),
+        SaveInterval::Every(Time::Batch(32)),
+    )?;
     let mut builder = Trainer::builder(model, optimizer, train, "4ep".parse()?, device)
         .lr(1e-2)
         .seed(42)
-        .evaluator(Evaluator::new("test", test, vec![Box::new(Accuracy::default())]))
+        .evaluator(Evaluator::new("test", test, metrics))
         .algorithm(LabelSmoothing::new(0.1)?)
         .algorithm(Ema::new("20ba".parse()?)?)
         .callback(EpochLoss::default())
-        .callback(Saver::new(SaverConfig::new(folder), SaveInterval::Every(Time::Batch(32)))?);
+        .callback(saver);
     if let Some(n) = flag("--stop-after") {
         builder = builder.callback(StopAt::new(Time::Batch(n.parse()?)));
     }
@@ -164,7 +164,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     trainer.fit()?;
     // After fit the model holds EMA's averaged weights: the ones evaluated and saved here.
     let accuracy = trainer.eval()?["test"]["accuracy"];
-    save_weights(trainer.model(), &std::path::Path::new(folder).with_extension("safetensors"))?;
+    let weights = std::path::Path::new(folder).with_extension("safetensors");
+    save_weights(trainer.model(), &weights)?;
     let summary = serde_json::json!({
         "test_accuracy": accuracy,
         "batches": trainer.state().timestamp.batch,

@@ -745,7 +745,10 @@ fn two_ranks_in_two_network_namespaces_train_across_a_veth_pair() {
     let ns = match Namespaces::create() {
         Ok(ns) => ns,
         Err(e) => {
-            skip::skipped(skip::Need::NetNs, &format!("cannot create network namespaces here: {e}"));
+            skip::skipped(
+                skip::Need::NetNs,
+                &format!("cannot create network namespaces here: {e}"),
+            );
             return;
         }
     };
@@ -794,7 +797,7 @@ fn two_ranks_in_two_network_namespaces_train_across_a_veth_pair() {
         "-x",
         "RAYON_NUM_THREADS=1",
     ]);
-    c.arg(example_bin("mnist"));
+    c.arg(mpi::mnist().expect("the test starts with `mpi::mnist()`"));
     c.args(args_with(
         DDP,
         &[

@@ -137,7 +137,10 @@ impl EvalModel<<TB as AutodiffBackend>::InnerBackend> for IndexLoss<Inner> {
 fn a_loss_that_ignores_soft_targets_stops_the_run_naming_the_algorithm() {
     let run = short_run(128, 32, 100, "2ba");
     let cases: Vec<(&str, Box<dyn flashover::core::callback::Algorithm<_>>)> = vec![
-        ("label_smoothing", Box::new(LabelSmoothing::new(0.1).unwrap())),
+        (
+            "label_smoothing",
+            Box::new(LabelSmoothing::new(0.1).unwrap()),
+        ),
         ("mixup", Box::new(MixUp::new(0.2).unwrap())),
         (
             "mixup",
@@ -155,12 +158,21 @@ fn a_loss_that_ignores_soft_targets_stops_the_run_naming_the_algorithm() {
             .boxed_algorithm(algorithm)
             .build()
             .unwrap();
-        let err = t.fit().expect_err("a run whose loss ignores soft targets stops").to_string();
+        let err = t
+            .fit()
+            .expect_err("a run whose loss ignores soft targets stops")
+            .to_string();
         assert!(
-            err.contains(name) && err.contains("classification_loss") && err.contains("cross_entropy"),
+            err.contains(name)
+                && err.contains("classification_loss")
+                && err.contains("cross_entropy"),
             "{name}: {err}"
         );
-        assert_eq!(t.state().timestamp.batch, 0, "{name}: stopped in the first batch");
+        assert_eq!(
+            t.state().timestamp.batch,
+            0,
+            "{name}: stopped in the first batch"
+        );
     }
     // The same algorithms on the CNN, whose loss reads them, train.
     let mut ok = short_run(128, 32, 100, "2ba");
@@ -176,7 +188,10 @@ fn quickstart(args: &[&str]) -> serde_json::Value {
         .output()
         .expect("the quickstart example starts");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "quickstart {args:?} failed:\n{stderr}");
+    assert!(
+        out.status.success(),
+        "quickstart {args:?} failed:\n{stderr}"
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     serde_json::from_str(stdout.lines().last().unwrap_or_default())
         .unwrap_or_else(|e| panic!("no summary ({e}):\n{stdout}\n{stderr}"))
@@ -190,7 +205,12 @@ fn the_quickstart_trains_and_resumes_to_the_uninterrupted_bits() {
     let w = quickstart(&["--save-folder", whole.to_str().unwrap()]);
     assert_eq!(w["batches"], 128, "{w}");
     assert!(w["test_accuracy"].as_f64().unwrap() > 0.9, "{w}");
-    let first = quickstart(&["--save-folder", parts.to_str().unwrap(), "--stop-after", "40"]);
+    let first = quickstart(&[
+        "--save-folder",
+        parts.to_str().unwrap(),
+        "--stop-after",
+        "40",
+    ]);
     assert_eq!(first["batches"], 40, "{first}");
     let resumed = quickstart(&["--save-folder", parts.to_str().unwrap()]);
     assert_eq!(resumed["batches"], 128, "{resumed}");
@@ -198,4 +218,28 @@ fn the_quickstart_trains_and_resumes_to_the_uninterrupted_bits() {
     assert_eq!(resumed["test_accuracy"], w["test_accuracy"]);
     // The weights it wrote are the ones it reports (EMA's average).
     assert!(whole.with_extension("safetensors").is_file());
+}
+
+#[test]
+fn log_lines_carry_no_colour_codes_when_stderr_is_not_a_terminal() {
+    // The tests read the example's stderr through a pipe, as a log file would be written.
+    let out = run_mnist(&[
+        "--train-limit",
+        "256",
+        "--test-limit",
+        "100",
+        "--max-duration",
+        "2ba",
+        "--warmup",
+        "0ba",
+        "--log-every",
+        "1",
+    ]);
+    assert!(out.status.success(), "{}", out.stderr);
+    assert!(out.stderr.contains("INFO"), "{}", out.stderr);
+    assert!(
+        !out.stderr.contains('\u{1b}'),
+        "ANSI escape codes in a piped log: {:?}",
+        &out.stderr[..out.stderr.len().min(400)]
+    );
 }

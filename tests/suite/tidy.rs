@@ -383,9 +383,18 @@ fn library_unwraps_carry_their_invariant() {
 /// (they build their native code from their own sources, so a C compiler is all a machine
 /// needs, or link nothing at all), with why each may stay.
 const VENDORED_NATIVE: &[(&str, &str)] = &[
-    ("ring", "compiles its own C and assembly (TLS for the object-store client)"),
-    ("libmimalloc-sys", "compiles mimalloc's C sources, shipped in the crate"),
-    ("rayon-core", "declares `links` only so that one version of it is linked; no native code"),
+    (
+        "ring",
+        "compiles its own C and assembly (TLS for the object-store client)",
+    ),
+    (
+        "libmimalloc-sys",
+        "compiles mimalloc's C sources, shipped in the crate",
+    ),
+    (
+        "rayon-core",
+        "declares `links` only so that one version of it is linked; no native code",
+    ),
 ];
 
 /// The packages of `graph` (names) whose `cargo metadata` entry declares a native library
@@ -417,7 +426,10 @@ fn the_system_library_rule_catches_mpi_sys() {
         {"name": "openssl-sys", "links": "openssl"},
     ]});
     let graph: Vec<String> = ["serde", "ring", "mpi-sys"].map(String::from).to_vec();
-    assert_eq!(system_library_links(&graph, &meta), vec!["mpi-sys (links `mpi`)"]);
+    assert_eq!(
+        system_library_links(&graph, &meta),
+        vec!["mpi-sys (links `mpi`)"]
+    );
 }
 
 /// `cargo run --release --example mnist` from the root builds the default members with
@@ -460,10 +472,11 @@ fn the_main_job_links_no_system_library() {
         "cargo tree listed an unexpected graph: {graph:?}"
     );
     // Every package's `links`, for this host's platform (others are not downloaded).
-    let rustc = std::process::Command::new(std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()))
-        .arg("-vV")
-        .output()
-        .expect("rustc runs");
+    let rustc =
+        std::process::Command::new(std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()))
+            .arg("-vV")
+            .output()
+            .expect("rustc runs");
     let host = String::from_utf8_lossy(&rustc.stdout)
         .lines()
         .find_map(|l| l.strip_prefix("host: ").map(str::to_string))

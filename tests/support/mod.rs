@@ -413,7 +413,10 @@ impl S3Server {
             .chain(home.map(|h| h.join("bin")));
         let bin = candidates.map(|d| d.join("s3s-fs")).find(|p| p.is_file());
         let Some(bin) = bin else {
-            skip::skipped(skip::Need::S3sFs, "s3s-fs is not on PATH or in ~/.cargo/bin");
+            skip::skipped(
+                skip::Need::S3sFs,
+                "s3s-fs is not on PATH or in ~/.cargo/bin",
+            );
             return None;
         };
         let root = tempfile::tempdir().expect("a temporary folder");

@@ -56,9 +56,17 @@ fn build() -> Result<PathBuf, String> {
     if profile == "release" {
         c.arg("--release");
     }
-    c.args(["-p", "flashover-examples", "--example", "mnist", "--no-default-features"]);
-    c.arg("--features")
-        .arg(format!("flashover-examples/mpi,flashover-examples/{}", crate::BACKEND));
+    c.args([
+        "-p",
+        "flashover-examples",
+        "--example",
+        "mnist",
+        "--no-default-features",
+    ]);
+    c.arg("--features").arg(format!(
+        "flashover-examples/mpi,flashover-examples/{}",
+        crate::BACKEND
+    ));
     c.arg("--target-dir").arg(&dir);
     use std::io::Write;
     let _ = std::io::stderr().write_all(
@@ -78,7 +86,10 @@ fn build() -> Result<PathBuf, String> {
     if bin.is_file() {
         Ok(bin)
     } else {
-        Err(format!("the build succeeded but {} is missing", bin.display()))
+        Err(format!(
+            "the build succeeded but {} is missing",
+            bin.display()
+        ))
     }
 }
 
@@ -100,10 +111,9 @@ pub fn mnist() -> Option<PathBuf> {
             panic!("the MNIST example does not build with MPI:\n{e}")
         }
         Err(e) => {
-            let first = e
-                .lines()
-                .find(|l| l.contains("error"))
-                .unwrap_or("see `cargo build --release -p flashover-examples --example mnist --features mpi`");
+            let first = e.lines().find(|l| l.contains("error")).unwrap_or(
+                "see `cargo build --release -p flashover-examples --example mnist --features mpi`",
+            );
             skipped(
                 Need::Mpi,
                 &format!("mpirun is there, but the example does not build with MPI: {first}"),

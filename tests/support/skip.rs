@@ -182,10 +182,17 @@ mod tests {
 
     #[test]
     fn the_summary_counts_and_names_what_was_skipped_and_how_to_enable_it() {
-        let record = "s3s-fs\tobject_store::a\nmpi\tdistributed::b\ns3s-fs\tobject_store::c\nbogus\tx\n";
+        let record =
+            "s3s-fs\tobject_store::a\nmpi\tdistributed::b\ns3s-fs\tobject_store::c\nbogus\tx\n";
         let line = summary_line(record).unwrap();
-        assert!(line.starts_with("SKIPPED 3 tests: 1 needs OpenMPI (mpirun) [distributed]"), "{line}");
-        assert!(line.contains("2 need the S3 test server s3s-fs [object_store] (cargo install s3s-fs"), "{line}");
+        assert!(
+            line.starts_with("SKIPPED 3 tests: 1 needs OpenMPI (mpirun) [distributed]"),
+            "{line}"
+        );
+        assert!(
+            line.contains("2 need the S3 test server s3s-fs [object_store] (cargo install s3s-fs"),
+            "{line}"
+        );
         assert!(!line.contains('\n'));
         assert_eq!(summary_line(""), None);
     }

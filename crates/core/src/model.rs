@@ -189,9 +189,7 @@ impl<B: Backend, const D: usize> SelectSamples<B> for ClassificationBatch<B, D> 
         ClassificationBatch {
             inputs: self.inputs.select(0, indices.clone()),
             targets: self.targets.select(0, indices.clone()),
-            soft_targets: self
-                .soft_targets
-                .map(|t| t.map(|t| t.select(0, indices))),
+            soft_targets: self.soft_targets.map(|t| t.map(|t| t.select(0, indices))),
         }
     }
 }

@@ -457,7 +457,9 @@ impl FromStr for Time {
                     "{number:?} before `sec` is not a number of seconds (write 3600sec, or 1h)"
                 )));
             }
-            return parse_wall(&format!("{number}s")).map(Time::Wall).map_err(bad);
+            return parse_wall(&format!("{number}s"))
+                .map(Time::Wall)
+                .map_err(bad);
         }
         // The longest suffix is matched first so that "tok" is never read as a number ending in
         // "ok"; the number itself may contain an exponent ("1e6tok").
@@ -728,13 +730,18 @@ mod tests {
         assert_eq!(wall("1h59m59s"), Time::Wall(Duration::from_secs(7199)));
         assert_eq!(wall("120m"), Time::Wall(Duration::from_secs(7200)));
         assert_eq!(wall("36h"), Time::Wall(Duration::from_secs(36 * 3600)));
-        for bad in ["1h60m", "1m60s", "2h0m75s", "1h90s", "1hsec", "sec", "1h30sec"] {
+        for bad in [
+            "1h60m", "1m60s", "2h0m75s", "1h90s", "1hsec", "sec", "1h30sec",
+        ] {
             let err = bad.parse::<Time>().unwrap_err();
             assert!(matches!(err, CoreError::InvalidTime { .. }), "{bad}: {err}");
             assert!(err.to_string().contains(&format!("{bad:?}")), "{err}");
         }
         let err = "1h60m".parse::<Time>().unwrap_err().to_string();
-        assert!(err.contains("`60m` is out of range") && err.contains("0 to 59"), "{err}");
+        assert!(
+            err.contains("`60m` is out of range") && err.contains("0 to 59"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -68,7 +68,7 @@ pub use ring::chunk_bounds;
 pub enum DistributedError {
     /// The process was started by a launcher as one of several ranks, but the build has no
     /// MPI support.
-    #[error("this process was started as rank {rank} of {size} ({variable}={size}), but this build has no MPI support: build with the `mpi` feature (`cargo build --release --examples --features flashover-examples/mpi`; `cargo xtask launch` does this), or run one process without mpirun")]
+    #[error("this process was started as rank {rank} of {size} ({variable}={size}), but this build has no MPI support: build with the `mpi` feature (`cargo build --release -p flashover-examples --example mnist --features flashover-examples/mpi --target-dir target/mpi`; `cargo xtask launch` does this), or run one process without mpirun")]
     NoMpiSupport {
         /// The rank the launcher gave.
         rank: usize,

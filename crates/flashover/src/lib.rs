@@ -47,7 +47,12 @@ pub mod backend {
 
     /// [`Default`] with automatic differentiation: the backend a model trains on. Its inner
     /// backend ([`Default`]) is the one evaluation data lives on.
-    #[cfg(any(feature = "flex", feature = "ndarray", feature = "wgpu", feature = "cuda"))]
+    #[cfg(any(
+        feature = "flex",
+        feature = "ndarray",
+        feature = "wgpu",
+        feature = "cuda"
+    ))]
     pub type DefaultAutodiff = Autodiff<Default>;
 
     /// Work to run on a backend chosen at run time (see [`with_backend`]): `run` is generic
