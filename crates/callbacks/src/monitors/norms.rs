@@ -5,11 +5,12 @@ use std::collections::BTreeMap;
 use burn::module::{ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::Tensor;
+use burn::tensor::{FloatDType, Tensor};
 use flashover_core::callback::Callback;
 use flashover_core::error::Result;
 use flashover_core::logger::Logger;
 use flashover_core::params::layer_of;
+use flashover_core::precision::cast_to;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::Time;
@@ -87,8 +88,11 @@ impl<'a, AB: AutodiffBackend> ParamStats<'a, AB> {
             name = format!("param{}", self.names.len());
         }
         self.names.push(name);
-        // Reduced along one flattened axis: a fixed reduction order on every backend.
-        let flat = t.flatten::<1>(0, D - 1);
+        // Reduced along one flattened axis: a fixed reduction order on every backend; in
+        // float32 whatever the run's precision (half weights and gradients would overflow a
+        // sum of squares, and the statistics of all parameters are concatenated, which needs
+        // one type).
+        let flat = cast_to(t.flatten::<1>(0, D - 1), FloatDType::F32);
         let value = match self.stat {
             Stat::SumOfSquares => blocked_sum(flat.clone().mul(flat)),
             Stat::NonFinite => Tensor::cat(
