@@ -188,7 +188,10 @@ fn main() {
             let line = flashover::core::error::report(e.as_ref());
             let world = dist.world();
             if world.size > 1 {
-                eprintln!("error (rank {} of {}): {line}", world.rank, world.size);
+                // One write per line: the ranks share stderr, and a line written in
+                // pieces interleaves with another rank's log lines.
+                let text = format!("error (rank {} of {}): {line}\n", world.rank, world.size);
+                let _ = std::io::Write::write_all(&mut std::io::stderr(), text.as_bytes());
             } else {
                 eprintln!("error: {line}");
             }
