@@ -36,6 +36,8 @@ pub(crate) fn two_checkpoints() -> (tempfile::TempDir, PathBuf, PathBuf) {
 fn restore_error(ck: &Path) -> String {
     let mut run = short_run(512, 32, 200, "3ep");
     run.data.batch_size = 32;
+    // The example's seed, which the checkpoint was trained with (another is refused).
+    run.seed = MnistRun::default().seed;
     let b = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap();

@@ -538,3 +538,72 @@ fn a_checkpoint_name_that_exists_is_said_once() {
     assert_eq!(line.matches("exists").count(), 1, "{line}");
     said_once(&line);
 }
+
+/// A short run's arguments at batch size `batch` and seed `seed` (SHORT's data and warmup).
+fn sized(batch: &str, seed: &str, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "--train-limit",
+        "512",
+        "--test-limit",
+        "200",
+        "--warmup",
+        "4ba",
+        "--max-duration",
+        "2ep",
+        "--batch-size",
+        batch,
+        "--seed",
+        seed,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+#[test]
+fn a_resume_inside_an_epoch_keeps_its_global_batch_and_its_seed() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let save = ["--save-folder", folder, "--save-interval", "4ba"];
+    // Batch 5 of the first epoch (16 batches of 32).
+    let first = sized("32", "42", &[&save[..], &["--stop-after", "5ba"]].concat());
+    let first: Vec<&str> = first.iter().map(String::as_str).collect();
+    assert!(run_mnist(&first).status.success());
+    let resume = |batch: &str, seed: &str| {
+        let a = sized(batch, seed, &[&save[..], &["--autoresume"]].concat());
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        error_line(&fails(&a))
+    };
+    // Another global batch would restart the epoch at another sample: 5 x 32 = 160 samples
+    // read, and at batch 16 the rest of the epoch would start at sample 80.
+    let e = resume("16", "42");
+    assert!(
+        e.contains("`batch_size`") && e.contains("\"16") && e.contains("--batch-size 32"),
+        "{e}"
+    );
+    assert!(e.contains("replay or skip"), "{e}");
+    said_once(&e);
+    // Another seed would build the sampler from it while the warning claimed the saved one.
+    let e = resume("32", "7");
+    assert!(
+        e.contains("`seed`") && e.contains("\"7\"") && e.contains("seed 42"),
+        "{e}"
+    );
+    said_once(&e);
+    // The same settings resume, and end where an uninterrupted run ends.
+    let whole_dir = tempfile::tempdir().unwrap();
+    let whole = sized(
+        "32",
+        "42",
+        &["--save-folder", whole_dir.path().to_str().unwrap()],
+    );
+    let whole: Vec<&str> = whole.iter().map(String::as_str).collect();
+    let again = sized("32", "42", &[&save[..], &["--autoresume"]].concat());
+    let again: Vec<&str> = again.iter().map(String::as_str).collect();
+    assert_eq!(
+        summary_of(&again)["params_sha256"],
+        summary_of(&whole)["params_sha256"]
+    );
+}

@@ -98,6 +98,42 @@ impl CheckpointRestore {
             &read_verified(dir, &manifest, TRAINER_STATE)?,
             &trainer_path,
         )?;
+        // A resumed run keeps its seed: the data order (the loaders' samplers, built before
+        // the restore from the configured seed) and every algorithm's draws follow it, so
+        // another seed cannot be honoured half-way; refusing is the only exact answer.
+        if saved.seed != state.seed {
+            return Err(CheckpointError::Config {
+                name: "seed",
+                value: state.seed.to_string(),
+                expected: format!(
+                    "the seed {} that {} was trained with (a resumed run keeps its seed: data order, augmentations and dropout follow it); to train on from these weights with another seed, load them as weights only (`--load <checkpoint> --weights-only`) and start a new run",
+                    saved.seed,
+                    dir.display()
+                ),
+            });
+        }
+        // Inside an epoch the position counts batches: another global batch size (or other
+        // data) would start the rest of the epoch at another sample, replaying or skipping
+        // samples. At an epoch boundary nothing of the epoch is lost, so it may change there.
+        let k = saved.timestamp.batch_in_epoch;
+        if let (Some(was), Some(was_batches)) = (saved.global_batch_size, saved.batches_per_epoch) {
+            let now = state.global_batch_size;
+            let now_batches = state.batches_per_epoch;
+            if k > 0 && (was != now || was_batches != now_batches) {
+                return Err(CheckpointError::Config {
+                    name: "batch_size",
+                    value: format!(
+                        "{now} (global; {now_batches} batches an epoch, {} per process x {} processes)",
+                        now / (state.world.size.max(1) as u64),
+                        state.world.size
+                    ),
+                    expected: format!(
+                        "the global batch size {was} ({was_batches} batches an epoch) of {}, which was saved {k} batches into an epoch: resuming inside an epoch at another batch size or on other data would replay or skip samples. Resume with --batch-size {was} (with several processes, a number of them that divides {was}) on the same data, or start a new run from its weights (`--load <checkpoint> --weights-only`)",
+                        dir.display()
+                    ),
+                });
+            }
+        }
         if saved.world_size != state.world.size {
             // Elastic resumption: the timestamp counts the whole data-parallel batch, and a
             // run that keeps its global batch (each rank reading global / world) reads the
@@ -135,13 +171,6 @@ impl CheckpointRestore {
         })?;
         state.optimizer = state.optimizer.clone().load_record(record);
 
-        if saved.seed != state.seed {
-            tracing::warn!(
-                saved = saved.seed,
-                configured = state.seed,
-                "resuming with the checkpoint's seed"
-            );
-        }
         let scheduler = state.scheduler.describe();
         if saved.scheduler != scheduler {
             tracing::warn!(saved = %saved.scheduler, configured = %scheduler, "the learning-rate schedule differs from the saved run's");

@@ -58,6 +58,14 @@ pub struct TrainerStateFile {
     /// needed, or a checkpoint older than the field); a resumed automatic run continues at it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auto_microbatch_size: Option<usize>,
+    /// The run's global batch size and batches per epoch when saved (`None` in checkpoints
+    /// older than the fields, which are not checked): a run that resumes inside an epoch
+    /// must have both, or it would replay or skip samples of the epoch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global_batch_size: Option<u64>,
+    /// See [`TrainerStateFile::global_batch_size`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batches_per_epoch: Option<u64>,
     /// Batch count at the last evaluation.
     pub last_eval_batch: Option<u64>,
     /// Latest evaluation results (`null` for a metric with no value).
@@ -108,6 +116,8 @@ impl TrainerStateFile {
             precision: state.precision,
             loss_scaler: state.loss_scaler,
             auto_microbatch_size: state.auto_microbatch_size,
+            global_batch_size: Some(state.global_batch_size),
+            batches_per_epoch: Some(state.batches_per_epoch),
             last_eval_batch: state.last_eval_batch,
             eval_metrics: state
                 .eval_metrics

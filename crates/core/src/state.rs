@@ -82,6 +82,10 @@ pub struct State<S: Setup> {
     pub batches_per_epoch: u64,
     /// Samples in one training epoch (for this rank).
     pub samples_per_epoch: u64,
+    /// Samples in a full training batch over the ranks whose batches the timestamp counts
+    /// (the loader's batch size times the world size of a data-parallel run): a checkpoint
+    /// taken inside an epoch resumes only at the same global batch.
+    pub global_batch_size: u64,
     /// The current batch: the full batch from `AFTER_DATALOADER` to `BATCH_END`, except between
     /// `BEFORE_FORWARD` and `AFTER_BACKWARD`, where it is the current microbatch.
     pub batch: Option<BatchOf<S>>,

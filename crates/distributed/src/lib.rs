@@ -95,7 +95,7 @@ pub enum DistributedError {
     },
 
     /// A global quantity does not divide over the ranks.
-    #[error("invalid value {value} for `{name}`: with {world} processes it must be a multiple of {world} (each rank takes {name} / {world}); use for example {suggestion}")]
+    #[error("invalid value {value} for `{name}`: with {world} processes it must be a multiple of {world} (each rank takes {name} / {world}); use for example {suggestion} for a new run (a run that resumes a checkpoint keeps its global batch: then choose a number of processes that divides it)")]
     NotDivisible {
         /// The setting.
         name: &'static str,

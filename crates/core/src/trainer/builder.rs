@@ -341,6 +341,7 @@ impl<S: Setup> TrainerBuilder<S> {
             1
         };
         let samples_per_epoch = self.train.num_samples() as u64 * ranks;
+        let global_batch_size = self.train.batch_size() as u64 * ranks;
         let progress = Progress {
             batches_per_epoch,
             samples_per_epoch,
@@ -392,6 +393,7 @@ impl<S: Setup> TrainerBuilder<S> {
             scale_schedule_ratio: ssr,
             batches_per_epoch,
             samples_per_epoch,
+            global_batch_size,
             batch: None,
             outputs: None,
             loss: None,
