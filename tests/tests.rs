@@ -21,7 +21,7 @@
 //! - `determinism`: same seed, same bits; another seed, other bits.
 //! - `bad_input`: every bad configuration is a typed error that names the value.
 //! - `accuracy`: the example's default recipe reaches 97% on the bundled MNIST test digits.
-//! - `observe`: monitors against hand-computed values (fake clock, schedule formula, host
+//! - `observe`: every precision with every monitor and logger on; monitors against hand-computed values (fake clock, schedule formula, host
 //!   sums), NaN watch, stoppers on real runs, the example's JSONL/CSV/TensorBoard files read
 //!   back (TensorBoard's own reader), its Chrome trace nesting and its PNG plot.
 //! - `algorithms`: every speed-up algorithm and recipe trains the MNIST CNN, changes what it
