@@ -329,6 +329,8 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     let main = world.is_main();
     // Every output location is checked before the first batch, not found unwritable after
     // the run. Only rank 0 writes.
+    flashover_examples::cli::local_folder_flag("--out", args.out.as_deref())?;
+    flashover_examples::cli::local_folder_flag("--log-dir", args.logs.log_dir.as_deref())?;
     if let (Some(out), true) = (&args.out, main) {
         flashover::callbacks::check_writable_dir(out).context("checking --out")?;
     }

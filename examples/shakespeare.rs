@@ -297,7 +297,8 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         split.tokenizer.keep_beside(folder)?;
     }
     // (A checkpoint loaded from an object store has no tokenizer beside it: not checked.)
-    if let Some(Location::Local(dir)) = &args.checkpoint.load_location()? {
+    if let Some(Location::Local(given)) = &args.checkpoint.load_location()? {
+        let dir = &flashover::checkpoint::resolve_checkpoint(given);
         let beside = [
             dir.join(TOKENIZER_FILE),
             dir.join("..").join(TOKENIZER_FILE),

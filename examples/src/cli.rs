@@ -229,6 +229,27 @@ pub struct CheckpointArgs {
     pub checkpoint_cache: Option<PathBuf>,
 }
 
+/// Refuses a URI (`scheme://...`) given to a flag that takes a local folder: it would become
+/// a folder named `s3:` and, with credentials in it, be printed in log lines. The value is
+/// not repeated (it may hold a secret); only its scheme is named.
+pub fn local_folder_flag(flag: &str, path: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let Some(text) = path.map(|p| p.to_string_lossy().into_owned()) else {
+        return Ok(());
+    };
+    if let Some((scheme, _)) = text.split_once("://") {
+        let is_scheme = !scheme.is_empty()
+            && scheme
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c));
+        if is_scheme {
+            anyhow::bail!(
+                "{flag} takes a local folder, and was given a {scheme}:// URI (not repeated here: it may hold credentials); object stores are for --save-folder, --load and --upload-logs"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The store for a remote location.
 fn connect(uri: &RemoteUri) -> anyhow::Result<Arc<RemoteStore>> {
     Ok(Arc::new(RemoteStore::connect(uri)?))
@@ -241,8 +262,9 @@ impl CheckpointArgs {
             .unwrap_or_else(remote::default_cache_base)
     }
 
-    /// --save-folder, parsed.
+    /// --save-folder, parsed (and --checkpoint-cache checked to be a local folder).
     pub fn save_location(&self) -> anyhow::Result<Option<Location>> {
+        local_folder_flag("--checkpoint-cache", self.checkpoint_cache.as_deref())?;
         let location = self
             .save_folder
             .as_deref()
@@ -261,6 +283,7 @@ impl CheckpointArgs {
 
     /// --load, parsed.
     pub fn load_location(&self) -> anyhow::Result<Option<Location>> {
+        local_folder_flag("--checkpoint-cache", self.checkpoint_cache.as_deref())?;
         Ok(self.load.as_deref().map(Location::parse).transpose()?)
     }
 
@@ -544,6 +567,7 @@ impl LogArgs {
 
     /// Checks before training that the log folder can be written.
     pub fn check(&self) -> anyhow::Result<()> {
+        local_folder_flag("--log-dir", self.log_dir.as_deref())?;
         if let Some(dir) = &self.log_dir {
             flashover::callbacks::check_writable_dir(dir).context("checking --log-dir")?;
         }

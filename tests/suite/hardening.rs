@@ -607,3 +607,84 @@ fn a_resume_inside_an_epoch_keeps_its_global_batch_and_its_seed() {
         summary_of(&whole)["params_sha256"]
     );
 }
+
+#[test]
+fn load_follows_the_latest_pointer_and_takes_a_save_folder_for_its_latest_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let first = sized(
+        "32",
+        "42",
+        &["--save-folder", folder, "--stop-after", "8ba"],
+    );
+    let first: Vec<&str> = first.iter().map(String::as_str).collect();
+    assert!(run_mnist(&first).status.success());
+    assert_eq!(
+        fs::read_to_string(dir.path().join("latest")).unwrap(),
+        "ep0-ba8"
+    );
+    // One batch from the loaded weights: the same bits whichever way the checkpoint is named.
+    let from = |load: &str| {
+        summary_of(&[
+            "--train-limit",
+            "512",
+            "--test-limit",
+            "200",
+            "--batch-size",
+            "32",
+            "--load",
+            load,
+            "--weights-only",
+            "--max-duration",
+            "1ba",
+            "--warmup",
+            "0ba",
+        ])["params_sha256"]
+            .clone()
+    };
+    let named = from(dir.path().join("ep0-ba8").to_str().unwrap());
+    assert_eq!(from(dir.path().join("latest").to_str().unwrap()), named);
+    assert_eq!(from(folder), named);
+}
+
+#[test]
+fn a_uri_where_a_local_folder_is_meant_is_refused_without_repeating_it() {
+    let secret = "hunter2-7f3a";
+    let uri = format!("s3://AKIAEXAMPLE:{secret}@bucket/run");
+    for (flag, extra) in [
+        ("--out", vec![]),
+        ("--log-dir", vec![]),
+        // Only read with a remote save folder, and checked whatever the save folder.
+        ("--checkpoint-cache", vec!["--save-folder", "ck"]),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut args = vec![
+            "--max-duration",
+            "1ba",
+            "--warmup",
+            "0ba",
+            flag,
+            uri.as_str(),
+        ];
+        args.extend(extra);
+        let out = example_command("mnist", &args, &[])
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag}: accepted a URI:\n{stderr}");
+        let e = error_line(&stderr);
+        assert!(
+            e.contains(flag) && e.contains("s3://") && e.contains("local folder"),
+            "{e}"
+        );
+        assert!(
+            !stderr.contains(secret),
+            "{flag}: the secret was printed:\n{stderr}"
+        );
+        assert!(
+            !dir.path().join("s3:").exists(),
+            "{flag}: a folder named s3: was made"
+        );
+    }
+}

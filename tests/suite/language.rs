@@ -98,6 +98,20 @@ fn the_gpt_resumes_bit_for_bit_in_a_new_process() {
     );
     assert_eq!(resumed["params_sha256"], straight["params_sha256"]);
     assert_eq!(resumed["val_loss"], straight["val_loss"]);
+    // The `latest` pointer the saver wrote loads, and the tokenizer beside its folder is
+    // found and checked.
+    let latest = dir.path().join("latest");
+    let out = tiny(&[
+        "--load",
+        latest.to_str().unwrap(),
+        "--weights-only",
+        "--max-duration",
+        "1ba",
+        "--warmup",
+        "0ba",
+    ]);
+    assert!(out.status.success(), "{}", out.stderr);
+    assert!(!out.stderr.contains("no tokenizer.json"), "{}", out.stderr);
 }
 
 #[test]

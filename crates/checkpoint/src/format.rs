@@ -367,9 +367,42 @@ pub fn read_latest(folder: &Path) -> Option<String> {
     safe_entry(&name).then_some(name)
 }
 
+/// The checkpoint directory `path` means: `path` itself when it holds a manifest; the
+/// checkpoint its `latest` pointer names when `path` is that pointer (`ck/latest`) or a save
+/// folder that holds one (`ck`); otherwise `path` unchanged (loading it then names what is
+/// missing). What the saver writes can be loaded as it is written.
+pub fn resolve_checkpoint(path: &Path) -> PathBuf {
+    let named_by = |folder: &Path| read_latest(folder).map(|name| folder.join(name));
+    if path.is_file() && path.file_name() == Some(std::ffi::OsStr::new(LATEST)) {
+        if let Some(dir) = path.parent().and_then(named_by) {
+            return dir;
+        }
+    } else if path.is_dir() && !path.join(MANIFEST).exists() {
+        if let Some(dir) = named_by(path) {
+            return dir;
+        }
+    }
+    path.to_path_buf()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_latest_pointer_and_its_folder_resolve_to_the_checkpoint_it_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let ck = dir.path().join("ep0-ba8");
+        fs::create_dir(&ck).unwrap();
+        fs::write(ck.join(MANIFEST), "{}").unwrap();
+        write_latest(dir.path(), "ep0-ba8").unwrap();
+        assert_eq!(resolve_checkpoint(&dir.path().join(LATEST)), ck);
+        assert_eq!(resolve_checkpoint(dir.path()), ck);
+        assert_eq!(resolve_checkpoint(&ck), ck);
+        // A pointer out of the folder is not followed.
+        fs::write(dir.path().join(LATEST), "../elsewhere").unwrap();
+        assert_eq!(resolve_checkpoint(dir.path()), dir.path());
+    }
 
     #[test]
     fn scratch_names_include_a_killed_atomic_write_and_nothing_a_user_would_name() {

@@ -55,7 +55,7 @@ mod state_file;
 mod weights;
 
 pub use error::CheckpointError;
-pub use format::write_atomic;
+pub use format::{resolve_checkpoint, write_atomic};
 pub use load::{
     autoresume, autoresume_read_only, autoresume_with, find_resumable, is_moved_aside,
     AutoresumeOptions, CheckpointRestore, LoadOptions, Skipped, DAMAGED_SUFFIX,

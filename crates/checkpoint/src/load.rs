@@ -45,7 +45,8 @@ pub struct CheckpointRestore {
 }
 
 impl CheckpointRestore {
-    /// The checkpoint directory.
+    /// The checkpoint directory as given (a `latest` pointer or a save folder means the
+    /// checkpoint it names: [`crate::resolve_checkpoint`]).
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -54,7 +55,8 @@ impl CheckpointRestore {
         &self,
         state: &mut State<S>,
     ) -> Result<Option<BTreeMap<String, Value>>, CheckpointError> {
-        let dir = &self.dir;
+        // `ck/latest` (the pointer) and `ck` (the save folder) mean the checkpoint it names.
+        let dir = &crate::format::resolve_checkpoint(&self.dir);
         // The manifest is checked first; each file is hashed as it is read, before decoding.
         let manifest: Manifest = read_manifest(dir)?;
         let weights = read_verified(dir, &manifest, MODEL)?;
