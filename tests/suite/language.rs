@@ -145,6 +145,17 @@ fn shapes_and_prompts_the_gpt_cannot_take_are_errors_naming_them() {
     let out = tiny(&["--generate", "A", "--temperature=-1"]);
     assert!(!out.status.success());
     assert!(out.stderr.contains("not -1"), "{}", out.stderr);
+    // A generation that would run for days is refused before training, naming the bound.
+    let out = tiny(&["--generate", "A", "--tokens", "1000000000"]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("--tokens")
+            && out.stderr.contains("1000000000")
+            && out.stderr.contains("at most 100000")
+            && !out.stderr.contains("evaluation"),
+        "{}",
+        out.stderr
+    );
     let out = tiny(&["--heads", "3"]);
     assert!(!out.status.success());
     assert!(

@@ -502,8 +502,20 @@ pub struct Sampling {
 }
 
 impl Sampling {
-    /// Checks the settings: a finite temperature of at least 0 and a top-k of at least 1.
+    /// The most tokens one generation adds: each is a forward pass over the context, so a
+    /// billion would run for days with nothing shown (a long text is several calls).
+    pub const MAX_TOKENS: usize = 100_000;
+
+    /// Checks the settings: at most [`Sampling::MAX_TOKENS`] tokens, a finite temperature
+    /// of at least 0 and a top-k of at least 1.
     pub fn check(&self) -> Result<(), String> {
+        if self.tokens > Self::MAX_TOKENS {
+            return Err(format!(
+                "invalid value {} for `tokens` (--tokens): expected at most {} tokens per generation (each is a forward pass; generate longer texts in several calls)",
+                self.tokens,
+                Self::MAX_TOKENS
+            ));
+        }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(format!(
                 "a sampling temperature must be a number >= 0 (0: greedy), not {}",
