@@ -249,6 +249,16 @@ fn longest_input(algorithms: &[AlgorithmSpec], context: usize) -> anyhow::Result
 fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let started = Instant::now();
     args.logs.check()?;
+    for (flag, value) in [
+        ("--val-windows", args.val_windows),
+        ("--train-windows", args.train_windows),
+    ] {
+        if value == Some(0) {
+            anyhow::bail!(
+                "invalid value 0 for {flag}: expected at least 1 window (leave the flag out for all of them)"
+            );
+        }
+    }
     let mut algorithms = Vec::new();
     let mut scale_schedule_ratio = 1.0;
     if let Some(name) = &args.recipe {

@@ -688,3 +688,44 @@ fn a_uri_where_a_local_folder_is_meant_is_refused_without_repeating_it() {
         );
     }
 }
+
+#[test]
+fn messages_name_the_real_problem() {
+    // A zero batch is not a divisibility problem.
+    let e = error_line(&fails(&["--batch-size", "0"]));
+    assert!(
+        e.contains("`batch_size`") && e.contains(">= 1") && !e.contains("multiple of"),
+        "{e}"
+    );
+    // A wall-clock run with the default schedule (cosine over the whole run) is not about
+    // tokens: the error says what would work.
+    let e = error_line(&fails(&["--max-duration", "4s"]));
+    assert!(
+        e.contains("wall-clock") && e.contains("--schedule constant") && !e.contains("token"),
+        "{e}"
+    );
+    // A checkpoint file that does not match its manifest was never verified by this run:
+    // the error says it is damaged, not that it changed after a verification.
+    let (_dir, _, newer) = two_checkpoints();
+    flip_byte(&newer.join(MODEL));
+    let e = error_line(&fails(&[
+        "--train-limit",
+        "512",
+        "--test-limit",
+        "200",
+        "--batch-size",
+        "32",
+        "--warmup",
+        "0ba",
+        "--max-duration",
+        "1ba",
+        "--load",
+        newer.to_str().unwrap(),
+    ]));
+    assert!(
+        e.contains(MODEL)
+            && e.contains("does not match the manifest")
+            && !e.contains("after it was verified"),
+        "{e}"
+    );
+}

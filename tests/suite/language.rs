@@ -145,6 +145,17 @@ fn shapes_and_prompts_the_gpt_cannot_take_are_errors_naming_them() {
     let out = tiny(&["--generate", "A", "--temperature=-1"]);
     assert!(!out.status.success());
     assert!(out.stderr.contains("not -1"), "{}", out.stderr);
+    // Zero windows is a bad flag, not a malformed data file.
+    for flag in ["--val-windows", "--train-windows"] {
+        let out = tiny(&[flag, "0"]);
+        assert!(!out.status.success());
+        assert!(
+            out.stderr.contains(&format!("invalid value 0 for {flag}"))
+                && !out.stderr.contains("malformed"),
+            "{}",
+            out.stderr
+        );
+    }
     // A generation that would run for days is refused before training, naming the bound.
     let out = tiny(&["--generate", "A", "--tokens", "1000000000"]);
     assert!(!out.status.success());

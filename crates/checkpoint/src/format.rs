@@ -349,7 +349,11 @@ pub fn read_verified(
     if bytes.len() as u64 != entry.bytes || sha256_hex(&bytes) != entry.sha256 {
         return Err(CheckpointError::damaged(
             &path,
-            "changed after it was verified",
+            format!(
+                "its content ({} bytes) does not match the manifest's size ({} bytes) and SHA-256: the file was damaged or changed after it was saved",
+                bytes.len(),
+                entry.bytes
+            ),
         ));
     }
     Ok(bytes)

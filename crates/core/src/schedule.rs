@@ -10,7 +10,7 @@
 use std::f64::consts::PI;
 
 use crate::error::{CoreError, Result};
-use crate::time::{Progress, Time};
+use crate::time::{Progress, Time, TimeUnit};
 
 /// What a schedule sees: elapsed batches and the shape of the run.
 #[derive(Debug, Clone, Copy)]
@@ -322,15 +322,21 @@ impl LrSchedule for Scheduler {
         }
         for t in self.times().into_iter().filter(|_| !flat) {
             if progress.to_batches(t).is_none() {
-                return Err(CoreError::config(
-                    "scheduler",
-                    t,
-                    format!(
-                        "a time convertible to batches (ep, ba, sp, or dur when max_duration is {}); \
-                         token-counted schedule times are not supported",
+                let why = match (t.unit(), progress.max_duration.unit()) {
+                    (TimeUnit::Duration, TimeUnit::Wall) => format!(
+                        "a fraction of the run needs a run measured in ep, ba or sp, and this one is limited by wall-clock time ({}): use a constant schedule (--schedule constant), or give the run's length in ep, ba or sp and stop on time with --stop-after",
                         progress.max_duration
                     ),
-                ));
+                    (TimeUnit::Duration, TimeUnit::Token) => format!(
+                        "a fraction of the run needs a run measured in ep, ba or sp, and this one is counted in tokens ({}): give the run's length in ep, ba or sp, or use a constant schedule",
+                        progress.max_duration
+                    ),
+                    _ => format!(
+                        "a time convertible to batches (ep, ba, sp, or dur when max_duration is {}): tokens and wall-clock times have no fixed rate in batches",
+                        progress.max_duration
+                    ),
+                };
+                return Err(CoreError::config("scheduler", t, why));
             }
         }
         let positive = |name: &'static str, t: Time| {

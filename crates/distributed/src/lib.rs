@@ -364,7 +364,14 @@ impl Distributed {
 /// returns each rank's share.
 pub fn per_rank(name: &'static str, value: usize, world: World) -> Result<usize, DistributedError> {
     let size = world.size.max(1);
-    if !value.is_multiple_of(size) || value == 0 {
+    if value == 0 {
+        return Err(DistributedError::InvalidOption {
+            name,
+            value: "0".into(),
+            expected: "an integer >= 1",
+        });
+    }
+    if !value.is_multiple_of(size) {
         return Err(DistributedError::NotDivisible {
             name,
             value,
