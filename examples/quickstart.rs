@@ -117,6 +117,7 @@ impl<S: Setup> Callback<S> for EpochLoss {
     }
 }
 
+#[allow(clippy::clone_on_copy)] // The device is `Copy` on the CPU backends only.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     flashover::init_logging(); // the trainer's log lines on stderr
     let args: Vec<String> = std::env::args().collect();
@@ -126,16 +127,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .and_then(|i| args.get(i + 1))
     };
     let folder = flag("--save-folder").map_or("target/quickstart-checkpoints", |s| s.as_str());
-    let device = Default::default();
+    // Cloned where it is passed on: a CPU device is `Copy`, a GPU backend's is not.
+    let device = <B as burn::tensor::backend::BackendTypes>::Device::default();
 
     let train = Arc::new(blobs(2048, 1));
     let test = Arc::new(blobs(512, 2));
     let train_sampler = Sampler::for_dataset(&*train, 64, true, 42)?;
     let batcher = Arc::new(PointBatcher);
-    let train = DataLoader::<B, _, _>::new("train", train, batcher.clone(), train_sampler, device)?;
+    let train = DataLoader::<B, _, _>::new(
+        "train",
+        train,
+        batcher.clone(),
+        train_sampler,
+        device.clone(),
+    )?;
     // Evaluation data lives on the inner backend (no gradients).
     let test_sampler = Sampler::for_dataset(&*test, 256, false, 0)?;
-    let test = DataLoader::<Inner, _, _>::new("test", test, batcher, test_sampler, device)?;
+    let test = DataLoader::<Inner, _, _>::new("test", test, batcher, test_sampler, device.clone())?;
 
     // Seeded initialisation (Burn's own draws differ from run to run).
     let model = init_model(&device, 42, Mlp::<B>::new);
