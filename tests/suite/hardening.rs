@@ -608,6 +608,24 @@ fn a_resume_inside_an_epoch_keeps_its_global_batch_and_its_seed() {
     );
 }
 
+/// SHORT's data at batch 32, one batch without warmup, from the checkpoint at `load`.
+fn one_batch_loading(load: &str) -> Vec<&str> {
+    vec![
+        "--train-limit",
+        "512",
+        "--test-limit",
+        "200",
+        "--batch-size",
+        "32",
+        "--warmup",
+        "0ba",
+        "--max-duration",
+        "1ba",
+        "--load",
+        load,
+    ]
+}
+
 #[test]
 fn load_follows_the_latest_pointer_and_takes_a_save_folder_for_its_latest_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
@@ -625,22 +643,9 @@ fn load_follows_the_latest_pointer_and_takes_a_save_folder_for_its_latest_checkp
     );
     // One batch from the loaded weights: the same bits whichever way the checkpoint is named.
     let from = |load: &str| {
-        summary_of(&[
-            "--train-limit",
-            "512",
-            "--test-limit",
-            "200",
-            "--batch-size",
-            "32",
-            "--load",
-            load,
-            "--weights-only",
-            "--max-duration",
-            "1ba",
-            "--warmup",
-            "0ba",
-        ])["params_sha256"]
-            .clone()
+        let mut args = one_batch_loading(load);
+        args.push("--weights-only");
+        summary_of(&args)["params_sha256"].clone()
     };
     let named = from(dir.path().join("ep0-ba8").to_str().unwrap());
     assert_eq!(from(dir.path().join("latest").to_str().unwrap()), named);
@@ -708,20 +713,7 @@ fn messages_name_the_real_problem() {
     // the error says it is damaged, not that it changed after a verification.
     let (_dir, _, newer) = two_checkpoints();
     flip_byte(&newer.join(MODEL));
-    let e = error_line(&fails(&[
-        "--train-limit",
-        "512",
-        "--test-limit",
-        "200",
-        "--batch-size",
-        "32",
-        "--warmup",
-        "0ba",
-        "--max-duration",
-        "1ba",
-        "--load",
-        newer.to_str().unwrap(),
-    ]));
+    let e = error_line(&fails(&one_batch_loading(newer.to_str().unwrap())));
     assert!(
         e.contains(MODEL)
             && e.contains("does not match the manifest")
