@@ -521,6 +521,27 @@ fn a_stopped_server_delays_uploads_and_a_dead_one_is_an_error_at_the_end() {
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
+    // Each checkpoint is reported with its own cause (its own object's key), not with the
+    // first failed one's repeated.
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("not uploaded to s3://runs/dead"))
+        .unwrap();
+    let listed = line
+        .split_once("not uploaded to s3://runs/dead: ")
+        .unwrap()
+        .1;
+    let names: std::collections::BTreeSet<&str> = listed
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter(|w| w.starts_with("ep") && w.contains("-ba"))
+        .collect();
+    assert!(names.len() > 1, "{line}");
+    for name in &names {
+        assert!(
+            listed.contains(&format!("{name} (")) && listed.contains(&format!("dead/{name}/")),
+            "{name} has no cause of its own: {line}"
+        );
+    }
     assert_eq!(latest_batch(&local), 960, "training stopped early");
     assert!(t.elapsed() < Duration::from_secs(90), "{:?}", t.elapsed());
 }

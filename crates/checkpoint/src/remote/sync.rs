@@ -562,8 +562,11 @@ impl Worker {
     }
 
     /// One round over the waiting checkpoints, oldest first, each with bounded retries; the
-    /// round ends at the first checkpoint that still fails.
-    fn round(&mut self, waiting: &mut Vec<(String, Option<String>)>) {
+    /// round ends at the first checkpoint that still fails, unless it is the round that
+    /// `flush` asks for (`every`): there each later checkpoint is tried once more (one attempt:
+    /// the store is failing), so that the end of fit reports each one's own error, not the
+    /// first one's.
+    fn round(&mut self, waiting: &mut Vec<(String, Option<String>)>, every: bool) {
         // Rotated away locally: superseded by a newer checkpoint, nothing to upload.
         waiting.retain(|(name, _)| {
             let here = self.local.join(name).exists();
@@ -572,10 +575,17 @@ impl Worker {
             }
             here
         });
-        while let Some(name) = waiting.first().map(|w| w.0.clone()) {
+        let mut i = 0;
+        let mut failing = false;
+        while let Some(name) = waiting.get(i).map(|w| w.0.clone()) {
             let mut wait = self.retry.backoff;
             let mut last = None;
-            for attempt in 1..=self.retry.attempts.max(1) {
+            let attempts = if failing {
+                1
+            } else {
+                self.retry.attempts.max(1)
+            };
+            for attempt in 1..=attempts {
                 match self.upload(&name) {
                     Ok(Outcome::Done) => {
                         last = None;
@@ -607,7 +617,7 @@ impl Worker {
                             "checkpoint upload failed"
                         );
                         last = Some(e.to_string());
-                        if attempt < self.retry.attempts {
+                        if attempt < attempts {
                             std::thread::sleep(wait);
                             wait *= 2;
                         }
@@ -616,21 +626,36 @@ impl Worker {
             }
             match last {
                 None => {
-                    waiting.remove(0);
+                    waiting.remove(i);
                 }
                 Some(e) => {
+                    // Each checkpoint keeps its own last error (warned about once).
+                    let queued = |w: &(String, Option<String>)| {
+                        tracing::warn!(
+                            checkpoint = %self.store.describe(&[&w.0]),
+                            local = %self.local.join(&w.0).display(),
+                            "checkpoint not uploaded yet; it stays queued and is retried (training goes on; the end of fit fails if it never uploads)"
+                        );
+                    };
+                    if waiting[i].1.is_none() {
+                        queued(&waiting[i]);
+                    }
+                    waiting[i].1 = Some(e);
+                    i += 1;
+                    failing = true;
+                    if every {
+                        continue;
+                    }
                     // The store is failing: the rest of the round waits for the next one
                     // (a new checkpoint, `round_every`, or the end of fit) instead of
                     // spending the same attempts on each.
-                    for w in waiting.iter_mut() {
+                    for w in waiting.iter_mut().skip(i) {
                         if w.1.is_none() {
-                            tracing::warn!(
-                                checkpoint = %self.store.describe(&[&w.0]),
-                                local = %self.local.join(&w.0).display(),
-                                "checkpoint not uploaded yet; it stays queued and is retried (training goes on; the end of fit fails if it never uploads)"
-                            );
+                            queued(w);
+                            w.1 = Some(format!(
+                                "not attempted yet: uploads paused after {name} failed"
+                            ));
                         }
-                        w.1 = Some(e.clone());
                     }
                     return;
                 }
@@ -663,17 +688,17 @@ impl Worker {
                             Msg::Flush(reply) => flush.push(reply),
                         }
                     }
-                    self.round(&mut waiting);
+                    self.round(&mut waiting, false);
                     for reply in flush {
-                        self.round(&mut waiting);
+                        self.round(&mut waiting, true);
                         let _ = reply.send(self.failures(&waiting));
                     }
                 }
                 Ok(Msg::Flush(reply)) => {
-                    self.round(&mut waiting);
+                    self.round(&mut waiting, true);
                     let _ = reply.send(self.failures(&waiting));
                 }
-                Err(RecvTimeoutError::Timeout) => self.round(&mut waiting),
+                Err(RecvTimeoutError::Timeout) => self.round(&mut waiting, false),
                 Err(RecvTimeoutError::Disconnected) => return,
             }
         }
