@@ -353,6 +353,32 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let config = GptConfig::new(vocab, args.context, args.layers, args.heads, args.width)
         .map_err(|e| anyhow::anyhow!("{e}"))?
         .with_tied_weights(!args.untied);
+    // A shape that cannot fit is refused here, not met as an allocation abort.
+    let copies = match args.optimizer {
+        OptimizerKind::Adamw | OptimizerKind::Adam => 4,
+        OptimizerKind::Sgd => 3,
+    };
+    let logits = (args.batch_size as u128)
+        .saturating_mul(args.seq_len as u128)
+        .saturating_mul(vocab as u128);
+    let host = matches!(args.backend.as_str(), "flex" | "ndarray");
+    flashover_examples::fits::check_fits(
+        &format!(
+            "--width {} with --layers {}, --context {} and a {vocab}-token vocabulary",
+            args.width, args.layers, args.context
+        ),
+        &format!(
+            "its {} parameters, their gradients and {}'s state, with one batch's logits,",
+            config.num_params(),
+            args.optimizer.name()
+        ),
+        flashover_examples::fits::least_training_bytes(config.num_params(), copies, logits),
+        if host {
+            flashover_examples::fits::available_host_memory()
+        } else {
+            None
+        },
+    )?;
     let device = B::Device::default();
     let model = config.init::<B>(&device, args.seed);
     let prepared = Prepared {

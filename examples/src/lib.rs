@@ -23,6 +23,7 @@ macro_rules! use_mimalloc {
 pub use mimalloc::MiMalloc;
 
 pub mod cli;
+pub mod fits;
 pub mod overhead;
 pub mod shakespeare;
 pub mod tokenizer;

@@ -167,6 +167,19 @@ fn shapes_and_prompts_the_gpt_cannot_take_are_errors_naming_them() {
         "{}",
         out.stderr
     );
+    // A shape whose parameters alone cannot fit is refused before anything is allocated
+    // (it used to abort on "memory allocation of 16000000000 bytes failed").
+    let out = tiny(&["--width", "4000000000", "--heads", "4"]);
+    assert!(!out.status.success());
+    assert!(
+        out.stderr.contains("--width 4000000000")
+            && out.stderr.contains("need at least")
+            && out.stderr.contains("smaller --width")
+            && !out.stderr.contains("memory allocation of")
+            && !out.stderr.contains("panicked"),
+        "{}",
+        out.stderr
+    );
     let out = tiny(&["--heads", "3"]);
     assert!(!out.status.success());
     assert!(

@@ -80,6 +80,35 @@ impl GptConfig {
         self
     }
 
+    /// The parameters a model of this shape has (before surgery), counted from the shape
+    /// without building it, in `u128` so that no shape overflows: token and position
+    /// embeddings, per block two layer norms (`2w` each), `qkv` (`3w² + 3w`), the attention
+    /// projection (`w² + w`) and the MLP (`4w² + 4w` and `4w² + w`), the final norm, and the
+    /// untied output layer (`w·vocab`, no bias). Saturates at `u128::MAX`.
+    pub fn num_params(&self) -> u128 {
+        let (v, c, l, w) = (
+            self.vocab as u128,
+            self.context as u128,
+            self.layers as u128,
+            self.width as u128,
+        );
+        let block = (12u128.saturating_mul(w).saturating_mul(w)).saturating_add(13 * w);
+        let head = if self.tie_weights {
+            0
+        } else {
+            w.saturating_mul(v)
+        };
+        [
+            v.saturating_mul(w),
+            c.saturating_mul(w),
+            l.saturating_mul(block),
+            2 * w,
+            head,
+        ]
+        .into_iter()
+        .fold(0u128, u128::saturating_add)
+    }
+
     fn check(&self) -> Result<(), String> {
         let sizes = [
             ("vocab", self.vocab),
@@ -671,6 +700,27 @@ mod tests {
         for (x, y) in c.iter().zip(&a[..3 * 11]) {
             assert!((x - y).abs() < 1e-5, "{x} against {y}");
         }
+    }
+
+    #[test]
+    fn the_shape_counts_the_parameters_burn_builds() {
+        for (tie, vocab, context, layers, heads, width) in [
+            (true, 11, 6, 2, 2, 8),
+            (false, 65, 16, 3, 4, 12),
+            (true, 7, 1, 1, 1, 1),
+        ] {
+            let config = GptConfig::new(vocab, context, layers, heads, width)
+                .unwrap()
+                .with_tied_weights(tie);
+            let built = config.init::<B>(&Default::default(), 1).num_params();
+            assert_eq!(config.num_params(), built as u128, "{config:?}");
+        }
+        // GPT-2 small (124M with tied weights, 1024 positions, 50257 tokens): the published count.
+        let gpt2 = GptConfig::new(50257, 1024, 12, 12, 768).unwrap();
+        assert_eq!(gpt2.num_params(), 124_439_808);
+        // No shape overflows.
+        let huge = GptConfig::new(usize::MAX, usize::MAX, usize::MAX, 1, usize::MAX).unwrap();
+        assert_eq!(huge.num_params(), u128::MAX);
     }
 
     #[test]
