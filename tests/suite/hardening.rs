@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use flashover::checkpoint::format::{sha256_hex, verify, MODEL};
+use flashover::checkpoint::format::{sha256_hex, verify, MANIFEST, MODEL, TRAINER_STATE};
 use flashover::checkpoint::LOCK_FILE;
 use flashover_tests::*;
 
@@ -523,6 +523,8 @@ fn unbounded_settings_are_bounded_and_errors_are_said_once() {
 
 #[test]
 fn a_checkpoint_name_that_exists_is_said_once() {
+    // A template without a changing field names every checkpoint of the run alike: the
+    // second save finds the first.
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().to_str().unwrap();
     let run = short_args(&[
@@ -530,13 +532,104 @@ fn a_checkpoint_name_that_exists_is_said_once() {
         folder,
         "--save-interval",
         "4ba",
+        "--save-name",
+        "ck",
         "--stop-after",
-        "4ba",
+        "8ba",
     ]);
-    summary_of(&run);
     let line = error_line(&fails(&run));
     assert_eq!(line.matches("exists").count(), 1, "{line}");
     said_once(&line);
+}
+
+#[test]
+fn a_background_save_is_said_saved_only_once_it_is() {
+    // The second save of `ck` fails on the writer thread (the name exists): the first is
+    // said saved, the second only failed.
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let stderr = fails(&short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--save-name",
+        "ck",
+        "--save-async",
+        "--stop-after",
+        "8ba",
+    ]));
+    let saved: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("checkpoint saved"))
+        .collect();
+    assert_eq!(saved.len(), 1, "{stderr}");
+    assert!(saved[0].contains("batch=4"), "{}", saved[0]);
+    let e = error_line(&stderr);
+    assert!(e.contains("background save") && e.contains("exists"), "{e}");
+    said_once(&e);
+}
+
+#[test]
+fn a_new_run_into_a_folder_with_another_runs_checkpoints_is_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    let first = short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--stop-after",
+        "8ba",
+    ]);
+    assert!(run_mnist(&first).status.success());
+    let before = tree_hashes(dir.path());
+    // A new run (another seed, so surely another run) into the same folder.
+    let second = short_args(&[
+        "--save-folder",
+        folder,
+        "--save-interval",
+        "4ba",
+        "--seed",
+        "7",
+    ]);
+    let stderr = fails(&second);
+    let e = error_line(&stderr);
+    for part in [
+        "ep0-ba4 (batch 4)",
+        "ep0-ba8 (batch 8)",
+        "--autoresume",
+        "--overwrite",
+        "new folder",
+    ] {
+        assert!(e.contains(part), "{part}: {e}");
+    }
+    said_once(&e);
+    assert!(
+        !stderr.contains("checkpoint saved"),
+        "it trained before refusing:\n{stderr}"
+    );
+    assert_eq!(tree_hashes(dir.path()), before, "the folder changed");
+    // A run resumed from an earlier checkpoint of the folder would be mixed with the later
+    // one: refused too, naming only the later one.
+    let ck4 = dir.path().join("ep0-ba4");
+    let mut earlier = first.clone();
+    earlier.retain(|s| *s != "--stop-after" && *s != "8ba");
+    earlier.extend(["--load", ck4.to_str().unwrap()]);
+    let e = error_line(&fails(&earlier));
+    assert!(
+        e.contains("ep0-ba8 (batch 8)") && !e.contains("ep0-ba4 (") && e.contains("batch 4"),
+        "{e}"
+    );
+    // Resuming the run, or replacing it, is accepted.
+    let mut resume = first.clone();
+    resume.retain(|s| *s != "--stop-after" && *s != "8ba");
+    resume.push("--autoresume");
+    assert!(run_mnist(&resume).status.success());
+    let mut replace = second.clone();
+    replace.push("--overwrite");
+    let out = run_mnist(&replace);
+    assert!(out.status.success(), "{}", out.stderr);
 }
 
 /// A short run's arguments at batch size `batch` and seed `seed` (SHORT's data and warmup).
@@ -720,4 +813,66 @@ fn messages_name_the_real_problem() {
             && !e.contains("after it was verified"),
         "{e}"
     );
+}
+
+/// Rewrites `trainer_state.json` of `ck` through `edit`, and the manifest through
+/// `edit_manifest`, with the file's size and hash redone as a forger would.
+fn forge(
+    ck: &Path,
+    edit: impl Fn(&mut serde_json::Value),
+    edit_manifest: impl Fn(&mut serde_json::Value),
+) {
+    let path = ck.join(TRAINER_STATE);
+    let mut state: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    edit(&mut state);
+    let bytes = serde_json::to_vec_pretty(&state).unwrap();
+    fs::write(&path, &bytes).unwrap();
+    let mpath = ck.join(MANIFEST);
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&fs::read(&mpath).unwrap()).unwrap();
+    for f in manifest["files"].as_array_mut().unwrap() {
+        if f["name"] == TRAINER_STATE {
+            f["bytes"] = bytes.len().into();
+            f["sha256"] = sha256_hex(&bytes).into();
+        }
+    }
+    edit_manifest(&mut manifest);
+    fs::write(&mpath, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+    verify(ck).unwrap();
+}
+
+#[test]
+fn a_forged_or_finished_position_is_refused() {
+    let (_dir, _, newer) = two_checkpoints();
+    let ck = newer.to_str().unwrap();
+    // The checkpoint is at batch 8 (256 samples): a 1-batch run would train nothing.
+    let e = error_line(&fails(&one_batch_loading(ck)));
+    assert!(
+        e.contains("`max_duration` 1ba") && e.contains("batch 8") && e.contains("train nothing"),
+        "{e}"
+    );
+    said_once(&e);
+    // The case: the batch count set to 2^64 - 1, the manifest's hash redone. The
+    // manifest still says batch 8.
+    let resume = short_args(&["--load", ck]);
+    forge(
+        &newer,
+        |s| s["timestamp"]["batch"] = u64::MAX.into(),
+        |_| {},
+    );
+    let e = error_line(&fails(&resume));
+    assert!(
+        e.contains(TRAINER_STATE) && e.contains("not the manifest's") && e.contains("batch 8"),
+        "{e}"
+    );
+    // The manifest forged too: the counts contradict each other.
+    forge(&newer, |_| {}, |m| m["batch"] = u64::MAX.into());
+    let e = error_line(&fails(&resume));
+    assert!(
+        e.contains("restored position")
+            && e.contains(&u64::MAX.to_string())
+            && e.contains("only 256 samples"),
+        "{e}"
+    );
+    said_once(&e);
 }

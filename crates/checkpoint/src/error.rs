@@ -62,6 +62,18 @@ pub enum CheckpointError {
         /// The existing checkpoint.
         path: PathBuf,
     },
+    /// A run that would not continue the checkpoints already in its save folder (a new run,
+    /// or one resumed from an earlier point): its saves would mix with them, and `latest`
+    /// and rotation would treat two runs as one. Checked before the first batch.
+    #[error("save folder {folder} already holds checkpoints of another run ({}), and this run starts at batch {start}: its checkpoints would mix with them; resume that run instead (autoresume, `--autoresume`), replace them (overwrite, `--overwrite`), or save into a new folder", .found.join(", "))]
+    OtherRun {
+        /// The save folder.
+        folder: PathBuf,
+        /// The checkpoints in the way, each with its batch (`ep1-ba200 (batch 200)`).
+        found: Vec<String>,
+        /// The batch this run starts at (0 for a new run).
+        start: u64,
+    },
     /// A setting of the saver or loader is invalid.
     #[error("invalid value {value:?} for `{name}`: expected {expected}")]
     Config {

@@ -100,6 +100,17 @@ impl CheckpointRestore {
             &read_verified(dir, &manifest, TRAINER_STATE)?,
             &trainer_path,
         )?;
+        // The manifest (which orders checkpoints for autoresume and rotation) and the trainer
+        // state were written together from one timestamp: a disagreement is an edited file.
+        if (manifest.epoch, manifest.batch) != (saved.timestamp.epoch, saved.timestamp.batch) {
+            return Err(CheckpointError::damaged(
+                &trainer_path,
+                format!(
+                    "its position (epoch {}, batch {}) is not the manifest's (epoch {}, batch {}): the two were written together, so one was changed since",
+                    saved.timestamp.epoch, saved.timestamp.batch, manifest.epoch, manifest.batch
+                ),
+            ));
+        }
         // A resumed run keeps its seed: the data order (the loaders' samplers, built before
         // the restore from the configured seed) and every algorithm's draws follow it, so
         // another seed cannot be honoured half-way; refusing is the only exact answer.

@@ -121,6 +121,22 @@ pub fn list_checkpoints(folder: &Path) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// The checkpoints among `existing` (name and batch) that a run starting at batch `start`
+/// would not continue, oldest first: every one for a new run (`start` 0: they belong to
+/// another run), and those past `start` for a resumed one (Composer's rule: a later
+/// checkpoint in the folder means another run, or a later point of this one, would be
+/// mixed with this run's saves and overwritten or rotated by them). Autoresume resumes from
+/// the newest intact checkpoint and moves damaged ones aside, so it never meets one.
+pub fn conflicting_checkpoints(existing: &[(String, u64)], start: u64) -> Vec<(String, u64)> {
+    let mut found: Vec<(String, u64)> = existing
+        .iter()
+        .filter(|(_, b)| start == 0 || *b > start)
+        .cloned()
+        .collect();
+    found.sort_by(|a, b| a.1.cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
+    found
+}
+
 /// A function deciding, from the timestamp and the checkpoint event, whether to save.
 pub type SavePredicate = Box<dyn FnMut(&Timestamp, Event) -> bool + Send>;
 
@@ -191,6 +207,14 @@ struct Job {
 
 impl Job {
     fn run(self) -> Result<PathBuf, CheckpointError> {
+        let path = self.write()?;
+        // Said here, once the checkpoint, `latest` and rotation are done: with a background
+        // writer the training thread has only handed the files over.
+        tracing::info!(checkpoint = %path.display(), batch = self.batch, "checkpoint saved");
+        Ok(path)
+    }
+
+    fn write(&self) -> Result<PathBuf, CheckpointError> {
         // Scratch left by a save that was killed midway is removed first (one writer per
         // folder is the contract, so nothing else can be using it).
         if let Ok(entries) = fs::read_dir(&self.folder) {
@@ -462,9 +486,9 @@ impl Saver {
                     ))),
                 })?;
                 w.pending = Some(path.clone());
+                tracing::debug!(checkpoint = %path.display(), batch = ts.batch, "checkpoint handed to the background writer");
             }
         }
-        tracing::info!(checkpoint = %path.display(), batch = ts.batch, "checkpoint saved");
         self.last_saved_batch = Some(ts.batch);
         self.saved.push(path);
         Ok(())
@@ -497,6 +521,29 @@ impl<S: Setup> Callback<S> for Saver {
             self.lock = Some(lock_folder(&self.config.folder).map_err(CheckpointError::in_saver)?);
         }
         Ok(())
+    }
+
+    /// Before the first batch, once a checkpoint (if any) is restored: the folder may hold
+    /// only checkpoints this run continues (see [`conflicting_checkpoints`]), unless
+    /// overwriting is on.
+    fn after_load(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
+        if self.config.overwrite {
+            return Ok(());
+        }
+        let start = state.timestamp.batch;
+        let found = conflicting_checkpoints(&list_checkpoints(&self.config.folder), start);
+        if found.is_empty() {
+            return Ok(());
+        }
+        Err(CheckpointError::OtherRun {
+            folder: self.config.folder.clone(),
+            found: found
+                .iter()
+                .map(|(n, b)| format!("{n} (batch {b})"))
+                .collect(),
+            start,
+        }
+        .in_saver())
     }
 
     fn batch_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
@@ -572,6 +619,25 @@ mod tests {
             let err = render_name(bad, &ts, 0).unwrap_err().to_string();
             assert!(err.contains("name_template"), "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn a_new_run_conflicts_with_every_checkpoint_a_resumed_one_with_the_later_ones() {
+        let existing: Vec<(String, u64)> = [("ep1-ba200", 200), ("ep0-ba80", 80), ("x", 100)]
+            .iter()
+            .map(|(n, b)| (n.to_string(), *b))
+            .collect();
+        let names = |start| -> Vec<String> {
+            conflicting_checkpoints(&existing, start)
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect()
+        };
+        assert_eq!(names(0), ["ep0-ba80", "x", "ep1-ba200"]);
+        assert_eq!(names(80), ["x", "ep1-ba200"]);
+        assert_eq!(names(100), ["ep1-ba200"]);
+        assert!(names(200).is_empty());
+        assert!(conflicting_checkpoints(&[], 0).is_empty());
     }
 
     proptest! {
