@@ -47,10 +47,18 @@ fn resume_right_after_an_epoch() {
 fn resume_at_an_epoch_boundary_before_its_end_event() {
     // The checkpoint taken at the BATCH_CHECKPOINT of the epoch's last batch (batch 16 of 16),
     // before EPOCH_END: the resumed run must run that EPOCH_END (and its evaluation) itself.
+    // (The folder's later checkpoint, ep1-ba20, is replaced as the run passes it: going back
+    // to an earlier checkpoint of a folder takes --overwrite.)
     resumed(
         &[],
         &["--save-interval", "8ba", "--stop-after", "20ba"],
-        |folder| vec!["--load".into(), format!("{folder}/ep0-ba16")],
+        |folder| {
+            vec![
+                "--load".into(),
+                format!("{folder}/ep0-ba16"),
+                "--overwrite".into(),
+            ]
+        },
     );
 }
 

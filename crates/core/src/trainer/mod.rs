@@ -91,17 +91,13 @@ where
 /// Why a restored timestamp cannot be a position any run reached, or `None`. A hand-edited
 /// (or forged, with its manifest hash redone) `trainer_state.json` is caught here, where the
 /// counts contradict each other or this run's data: every finished epoch took at least one
-/// batch and every batch at least one sample; inside an epoch every batch held at most
-/// `global_batch` samples (the batch size cannot change inside an epoch: the load refuses
-/// it); and a finished epoch read at most 4x this run's `global_epoch` samples (an epoch's
-/// length changes between runs only by the padding to the number of processes and by a
-/// dropped last batch, far less than 4x on any dataset larger than its batch). Arithmetic
-/// is in `u128`, so no forged count overflows it.
-pub(crate) fn inconsistent_position(
-    ts: &Timestamp,
-    global_batch: u64,
-    global_epoch: u64,
-) -> Option<String> {
+/// batch, every batch held at least one sample, and a finished epoch took at most 2x this
+/// run's `global_epoch` batches (a batch holds at least one of the epoch's samples, and an
+/// epoch's length changes between runs only by the padding to the number of processes and
+/// by a dropped last batch). Samples are not bounded from above: an algorithm may reshape a
+/// batch into more samples (ALiBi's shorter training sequences). Arithmetic is in `u128`,
+/// so no forged count overflows it.
+pub(crate) fn inconsistent_position(ts: &Timestamp, global_epoch: u64) -> Option<String> {
     let w = |x: u64| x as u128;
     if w(ts.batch) < w(ts.epoch) + w(ts.batch_in_epoch) {
         return Some(format!(
@@ -115,28 +111,22 @@ pub(crate) fn inconsistent_position(
             ts.batch, ts.batch_in_epoch, ts.sample, ts.sample_in_epoch
         ));
     }
-    if w(ts.sample_in_epoch) > w(ts.batch_in_epoch) * w(global_batch) {
+    let finished = ts.batch - ts.batch_in_epoch;
+    if w(finished) > w(ts.epoch) * 2 * w(global_epoch) {
         return Some(format!(
-            "{} samples in {} batches of this epoch, more than their global batch of {global_batch} holds",
-            ts.sample_in_epoch, ts.batch_in_epoch
-        ));
-    }
-    let finished = ts.sample - ts.sample_in_epoch;
-    if w(finished) > w(ts.epoch) * 4 * w(global_epoch) {
-        return Some(format!(
-            "{finished} samples in {} finished epochs, more than 4x this run's {global_epoch}-sample epoch each",
+            "{finished} batches in {} finished epochs, more than 2x this run's {global_epoch} samples an epoch each (a batch holds at least one sample)",
             ts.epoch
         ));
     }
     None
 }
 
-/// Where a restored position lies past the end of the run (`max_duration`), or `None`:
-/// more epochs or batches than the run has, or samples that the batch before it had already
-/// reached (a run stops at the first batch that reaches a sample count, so it may end inside
-/// one batch past it). Token and wall-clock lengths are not checked: a batch's tokens vary,
-/// and wall time is not a position.
-pub(crate) fn past_the_end(ts: &Timestamp, max: Time, global_batch: u64) -> Option<String> {
+/// Where a restored position lies past the end of the run (`max_duration`), or `None`: more
+/// finished epochs, or more batches, than the run has. Sample and token lengths are not
+/// checked: a run stops at the first batch that reaches them, and how far that batch goes
+/// past depends on its size, which algorithms may change (ALiBi's reshaped batches); wall
+/// time is not a position.
+pub(crate) fn past_the_end(ts: &Timestamp, max: Time) -> Option<String> {
     match max {
         Time::Epoch(e) if ts.epoch > e || (ts.epoch == e && ts.batch_in_epoch > 0) => {
             Some(format!(
@@ -148,12 +138,6 @@ pub(crate) fn past_the_end(ts: &Timestamp, max: Time, global_batch: u64) -> Opti
             "at batch {b}, before the checkpoint's batch {}",
             ts.batch
         )),
-        Time::Sample(n) if ts.sample.saturating_sub(global_batch.max(1)) >= n && ts.sample > n => {
-            Some(format!(
-                "at sample {n}, more than a batch before the checkpoint's sample {}",
-                ts.sample
-            ))
-        }
         _ => None,
     }
 }
@@ -190,7 +174,6 @@ impl<S: Setup> Trainer<S> {
         }
         if let Some(reason) = inconsistent_position(
             ts,
-            self.state.global_batch_size,
             self.state.samples_per_epoch * self.state.world.size.max(1) as u64,
         ) {
             return Err(CoreError::RestoredPosition {
@@ -198,8 +181,7 @@ impl<S: Setup> Trainer<S> {
                 reason,
             });
         }
-        if let Some(past) = past_the_end(ts, self.state.max_duration, self.state.global_batch_size)
-        {
+        if let Some(past) = past_the_end(ts, self.state.max_duration) {
             return Err(CoreError::RestoredPosition {
                 at: ts.to_string(),
                 reason: format!(
@@ -413,15 +395,21 @@ mod tests {
         #[test]
         fn every_position_a_run_reaches_is_consistent(
             per_epoch in 1u64..12, batch in 1u64..64, last_frac in 0.0f64..1.0, done in 0u64..80,
+            reshape in 1u64..5,
         ) {
             let last = 1 + ((batch - 1) as f64 * last_frac) as u64;
             let epoch = (per_epoch - 1) * batch + last;
             let ts = reached(per_epoch, batch, last, done);
-            prop_assert_eq!(inconsistent_position(&ts, batch, epoch), None);
+            prop_assert_eq!(inconsistent_position(&ts, epoch), None);
+            // An algorithm that splits every sample into `reshape` shorter ones (ALiBi) counts
+            // more samples per batch than the loader's batch size.
+            let mut split = ts.clone();
+            split.sample *= reshape;
+            split.sample_in_epoch *= reshape;
+            prop_assert_eq!(inconsistent_position(&split, epoch), None);
             // A run as long as the position is not past its end.
-            prop_assert_eq!(past_the_end(&ts, Time::Batch(done), batch), None);
-            prop_assert_eq!(past_the_end(&ts, Time::Sample(ts.sample), batch), None);
-            prop_assert_eq!(past_the_end(&ts, Time::Epoch(ts.epoch + u64::from(ts.batch_in_epoch > 0)), batch), None);
+            prop_assert_eq!(past_the_end(&ts, Time::Batch(done)), None);
+            prop_assert_eq!(past_the_end(&ts, Time::Epoch(ts.epoch + u64::from(ts.batch_in_epoch > 0))), None);
         }
     }
 
@@ -430,13 +418,13 @@ mod tests {
         // 16 batches of 32 an epoch; batch 20 is epoch 1, batch 4.
         let good = reached(16, 32, 32, 20);
         assert_eq!((good.epoch, good.batch_in_epoch, good.sample), (1, 4, 640));
-        assert_eq!(inconsistent_position(&good, 32, 512), None);
+        assert_eq!(inconsistent_position(&good, 512), None);
         // The case: the batch count alone set to 2^64 - 1.
         let forged = Timestamp {
             batch: u64::MAX,
             ..good.clone()
         };
-        let why = inconsistent_position(&forged, 32, 512).unwrap();
+        let why = inconsistent_position(&forged, 512).unwrap();
         assert!(why.contains("only 640 samples"), "{why}");
         // Every count forged together, in proportion: the finished epochs are too long.
         let forged = Timestamp {
@@ -445,33 +433,37 @@ mod tests {
             sample: u64::MAX,
             ..good.clone()
         };
-        let why = inconsistent_position(&forged, 32, 512).unwrap();
-        assert!(why.contains("4x this run's 512-sample epoch"), "{why}");
+        let why = inconsistent_position(&forged, 512).unwrap();
+        assert!(
+            why.contains("in 1 finished epochs, more than 2x this run's 512"),
+            "{why}"
+        );
+        // One more batch than two epochs' worth of samples in the finished epoch.
+        let forged = Timestamp {
+            batch: 4 + 1025,
+            sample: 100_000,
+            ..good.clone()
+        };
+        assert!(inconsistent_position(&forged, 512).is_some());
+        let at_bound = Timestamp {
+            batch: 4 + 1024,
+            ..forged.clone()
+        };
+        assert_eq!(inconsistent_position(&at_bound, 512), None);
         // More epochs than batches.
         let forged = Timestamp {
             epoch: 30,
             ..good.clone()
         };
-        assert!(inconsistent_position(&forged, 32, 512)
+        assert!(inconsistent_position(&forged, 512)
             .unwrap()
             .contains("30 finished epochs"));
-        // More samples in the epoch than its batches hold (5 x 32 = 160 > 4 x 32).
-        let forged = Timestamp {
-            sample_in_epoch: 160,
-            sample: 672,
-            ..good.clone()
-        };
-        assert!(inconsistent_position(&forged, 32, 512)
-            .unwrap()
-            .contains("global batch of 32"));
         // Past the end in each unit; at the end exactly is not.
-        assert!(past_the_end(&good, Time::Batch(19), 32).is_some());
-        assert!(past_the_end(&good, Time::Batch(20), 32).is_none());
-        assert!(past_the_end(&good, Time::Epoch(1), 32).is_some());
-        assert!(past_the_end(&good, Time::Epoch(2), 32).is_none());
-        // 640 samples: a 620-sample run stops at its 20th batch (608 < 620), a 608 one at the 19th.
-        assert!(past_the_end(&good, Time::Sample(620), 32).is_none());
-        assert!(past_the_end(&good, Time::Sample(608), 32).is_some());
-        assert!(past_the_end(&good, Time::Token(1), 32).is_none());
+        assert!(past_the_end(&good, Time::Batch(19)).is_some());
+        assert!(past_the_end(&good, Time::Batch(20)).is_none());
+        assert!(past_the_end(&good, Time::Epoch(1)).is_some());
+        assert!(past_the_end(&good, Time::Epoch(2)).is_none());
+        assert!(past_the_end(&good, Time::Sample(1)).is_none());
+        assert!(past_the_end(&good, Time::Token(1)).is_none());
     }
 }
