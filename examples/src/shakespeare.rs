@@ -234,6 +234,11 @@ impl ShakespeareSplit {
         let tokenizer = match choice {
             TokenizerChoice::Char => Tokenizer::Char(CharTokenizer::fit(&train)),
             TokenizerChoice::Bpe(size) => {
+                tracing::info!(
+                    tokens = size,
+                    training_bytes = train.len(),
+                    "learning the byte-level BPE on the training works"
+                );
                 Tokenizer::Bpe(BpeTokenizer::train(&train, size).map_err(|e| {
                     CoreError::External {
                         component: "tokenizer".into(),
