@@ -1,7 +1,9 @@
 //! The rules ARCHITECTURE.md states, enforced by `cargo test` (rust-analyzer's tidy tests are
 //! the model): the crate arrows (read from `cargo metadata`), a `//!` opening every `.rs` file,
-//! and an invariant comment above every `unwrap()`/`expect(` in library code. Each rule is a
-//! pure function over text, tested on inputs that break it, then run over the repository.
+//! an invariant comment above every `unwrap()`/`expect(` in library code, no system library in
+//! the main job's build, ARCHITECTURE.md's code map naming every source file and nothing that
+//! does not exist, and `unsafe` code only where the map says. Each rule is a pure function over
+//! text, tested on inputs that break it, then run over the repository.
 
 use std::path::{Path, PathBuf};
 
@@ -496,5 +498,220 @@ fn the_main_job_links_no_system_library() {
         "the main job's build graph links system libraries a fresh machine lacks: {}\n\
          (make them opt-in features, as `mpi` is; `cargo tree -e features -i <crate>` shows who turns them on)",
         v.join(", ")
+    );
+}
+
+/// The code map's sections: each `### \`<root>\`` heading under `## Code map` with the text
+/// up to the next heading.
+fn code_map_sections(architecture: &str) -> Vec<(String, String)> {
+    let Some(start) = architecture.find("## Code map") else {
+        return Vec::new();
+    };
+    let map = &architecture[start..];
+    let end = map[3..].find("\n## ").map_or(map.len(), |i| i + 3);
+    let mut out: Vec<(String, String)> = Vec::new();
+    for line in map[..end].lines() {
+        if let Some(rest) = line.strip_prefix("### `") {
+            let root = rest.split('`').next().unwrap_or_default();
+            out.push((root.trim_end_matches('/').to_string(), String::new()));
+        } else if let Some((_, text)) = out.last_mut() {
+            text.push_str(line);
+            text.push('\n');
+        }
+    }
+    out
+}
+
+/// The path-like words inside backticks: those ending in `.rs` or `/` (no placeholders).
+fn named_paths(text: &str) -> Vec<String> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .flat_map(|code| code.split([' ', '(', ')', ',']))
+        .filter(|w| {
+            (w.ends_with(".rs") || w.ends_with('/'))
+                && !w.contains(['<', '*', ':'])
+                && w.chars().any(|c| c.is_ascii_alphanumeric())
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// Whether `path` (relative, `/`-separated) is `name` or ends with `/name`.
+fn ends_with_path(path: &str, name: &str) -> bool {
+    path == name || path.ends_with(&format!("/{name}"))
+}
+
+/// What the code map gets wrong about the files under `root` (`/`-separated paths of the
+/// `.rs` files and folders under each section's root, relative to it): a source file that its
+/// section does not name (by its name, or by a path ending in it), and a named `.rs` file or
+/// folder that does not exist (in the section's root, or from the workspace root when the
+/// name starts with a top-level folder).
+fn code_map_errors(
+    sections: &[(String, String)],
+    files_of: &dyn Fn(&str) -> (Vec<String>, Vec<String>),
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for (root, text) in sections {
+        let (files, dirs) = files_of(root);
+        let named = named_paths(text);
+        for f in &files {
+            if !named
+                .iter()
+                .any(|n| n.ends_with(".rs") && ends_with_path(f, n))
+            {
+                out.push(format!(
+                    "{root}/{f} is not in the code map's `{root}` section"
+                ));
+            }
+        }
+        for n in &named {
+            let listed = if n.ends_with('/') { &dirs } else { &files };
+            let here = listed
+                .iter()
+                .any(|p| ends_with_path(p, n.trim_end_matches('/')));
+            let from_top = sections.iter().any(|(r, _)| n.trim_end_matches('/') == r)
+                || sections.iter().any(|(r, _)| {
+                    n.starts_with(&format!("{r}/")) && {
+                        let rest = &n[r.len() + 1..];
+                        let (f, d) = files_of(r);
+                        let pool = if rest.ends_with('/') { d } else { f };
+                        pool.iter().any(|p| p == rest.trim_end_matches('/'))
+                    }
+                });
+            if !here && !from_top {
+                out.push(format!(
+                    "the code map's `{root}` section names {n}, which does not exist"
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_code_map_rule_catches_a_missing_file_and_a_stale_name() {
+    let arch = "# A\n## Code map\n### `crates/x` (`x`)\n- `lib.rs`: root. `gone.rs` was here; `sub/` and `sub/b.rs`.\n## Invariants\n- `nothing.rs` here is not checked\n";
+    let sections = code_map_sections(arch);
+    assert_eq!(sections.len(), 1);
+    let files = |_: &str| {
+        (
+            vec![
+                "src/lib.rs".to_string(),
+                "src/sub/b.rs".into(),
+                "src/extra.rs".into(),
+            ],
+            vec!["src".to_string(), "src/sub".into()],
+        )
+    };
+    let errors = code_map_errors(&sections, &files);
+    assert_eq!(
+        errors,
+        [
+            "crates/x/src/extra.rs is not in the code map's `crates/x` section",
+            "the code map's `crates/x` section names gone.rs, which does not exist",
+        ]
+    );
+}
+
+#[test]
+fn the_code_map_names_every_source_file_and_nothing_else() {
+    let root = workspace_root();
+    let arch = std::fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let sections = code_map_sections(&arch);
+    assert!(sections.len() >= 8, "no code map sections found");
+    let files_of = |section: &str| {
+        let base = root.join(section);
+        let rel = |p: &Path| {
+            p.strip_prefix(&base)
+                .unwrap_or(p)
+                .to_string_lossy()
+                .replace('\\', "/")
+        };
+        let files: Vec<String> = rust_files(&base)
+            .iter()
+            // Fuzz corpora and other data are not source.
+            .filter(|p| !rel(p).starts_with("corpus/"))
+            .map(|p| rel(p))
+            .collect();
+        let mut dirs: Vec<String> = files
+            .iter()
+            .flat_map(|f| {
+                let parts: Vec<&str> = f.split('/').collect();
+                (1..parts.len())
+                    .map(move |i| parts[..i].join("/"))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        dirs.sort();
+        dirs.dedup();
+        (files, dirs)
+    };
+    let errors = code_map_errors(&sections, &files_of);
+    assert!(
+        errors.is_empty(),
+        "ARCHITECTURE.md's code map:\n{}",
+        errors.join("\n")
+    );
+}
+
+/// Where the workspace's `unsafe` code is, as ARCHITECTURE.md's invariant states it: (file,
+/// the number of lines of code that say `unsafe`).
+const UNSAFE_SITES: &[(&str, usize)] = &[
+    // The GEMM call behind a checked safe wrapper.
+    ("crates/models/src/gemm.rs", 1),
+    // `zeroed_chunks`, `zeroed_chunks2`, `fill_default`.
+    ("crates/models/src/kernels.rs", 3),
+    // `setpriority` and `getpriority` for the upload threads.
+    ("crates/checkpoint/src/remote/mod.rs", 2),
+    // The fuzz runner's allocation guard: the `GlobalAlloc` impl, its four methods and the
+    // four calls into `System` they forward to.
+    ("fuzz/src/guard.rs", 9),
+];
+
+/// The lines of code (not comments or strings) of `text` that use the `unsafe` keyword.
+fn unsafe_lines(text: &str) -> usize {
+    text.lines()
+        .filter(|l| !is_comment(l))
+        .map(code_of)
+        .filter(|c| {
+            c.split(|ch: char| !(ch.is_ascii_alphanumeric() || ch == '_'))
+                .any(|w| w == "unsafe")
+        })
+        .count()
+}
+
+#[test]
+fn the_unsafe_rule_counts_code_not_comments_names_or_strings() {
+    let text = "// unsafe here is a comment\nlet s = \"unsafe\";\nfn unsafe_manifest() {}\n    unsafe { f() }\nunsafe impl X for Y {}\n";
+    assert_eq!(unsafe_lines(text), 2);
+}
+
+#[test]
+fn unsafe_code_is_where_the_architecture_says() {
+    let root = workspace_root();
+    let mut found: Vec<(String, usize)> = Vec::new();
+    for dir in ["crates", "examples", "tests", "fuzz", "xtask", "benches"] {
+        for f in rust_files(&root.join(dir)) {
+            let n = unsafe_lines(&std::fs::read_to_string(&f).unwrap());
+            if n > 0 {
+                let rel = f
+                    .strip_prefix(&root)
+                    .unwrap()
+                    .to_string_lossy()
+                    .replace('\\', "/");
+                found.push((rel, n));
+            }
+        }
+    }
+    found.sort();
+    let mut want: Vec<(String, usize)> = UNSAFE_SITES
+        .iter()
+        .map(|(f, n)| (f.to_string(), *n))
+        .collect();
+    want.sort();
+    assert_eq!(
+        found, want,
+        "unsafe code moved: update UNSAFE_SITES and ARCHITECTURE.md's invariant together"
     );
 }
