@@ -13,12 +13,17 @@
 //! returns the out-of-memory error itself.
 //!
 //! So the trainer detects it in two parts, at the narrowest points that are sound:
-//! - a panic hook (chained in front of the program's, installed once when the first trainer
-//!   is built) counts panics whose message is one of the allocation
+//! - a panic hook counts, while a [`DeviceMemoryWatch`] lives (a trainer on a CubeCL backend
+//!   or with automatic microbatching holds one; `TrainerBuilder::watch_device_memory` turns it
+//!   on or off), panics whose message is one of the allocation
 //!   failures above ([`allocation_failures`]); it prints a one-line warning for them instead of
 //!   the panic report (they are expected and handled), and passes every other panic on (but
 //!   for the assertion CubeCL fails when a kernel meets the unbound handle of such a failure
-//!   in a memory slot another tensor holds, after a failure: a consequence, not news);
+//!   in a memory slot another tensor holds, after a failure: a consequence, not news). The
+//!   hook is chained in front of the program's when the first watch starts, once per process,
+//!   and hands every panic to that one while no watch lives: a library cannot take a hook back
+//!   out once other code may have chained its own in front of it, so it is made inert instead;
+//!   a program on the CPU backends never has it installed;
 //! - the trainer synchronises the device before a batch's forward passes and after its loss
 //!   read (so that every queued allocation has run): a count that moved during the batch is
 //!   an out-of-memory in the batch, retried with smaller microbatches (the sync itself may
@@ -41,6 +46,7 @@
 //! statistics of batch normalisation), so that a retried batch starts from the same model.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, Once};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -61,6 +67,8 @@ const UNBOUND_HANDLE: &str = "ManagedMemoryDescriptor";
 /// failure panics. `None`: a panic on another thread, counted against every device.
 static FAILURES: Mutex<BTreeMap<Option<(u16, u16)>, u64>> = Mutex::new(BTreeMap::new());
 static HOOK: Once = Once::new();
+/// Live [`DeviceMemoryWatch`]es: the hook acts only while there is one.
+static WATCHES: AtomicUsize = AtomicUsize::new(0);
 
 /// Whether a panic message is one of the device allocation failures above.
 pub fn is_allocation_failure(message: &str) -> bool {
@@ -80,12 +88,56 @@ fn failures() -> std::sync::MutexGuard<'static, BTreeMap<Option<(u16, u16)>, u64
     FAILURES.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Installs (once per process) the panic hook that counts device allocation failures; every
-/// other panic goes to the hook that was there before.
-pub fn install_allocation_failure_hook() {
+/// Whether a backend's device memory fails the way this module watches for: the CubeCL
+/// backends (wgpu, CUDA; `Backend::name` says `cubecl<...>`, also under fusion and autodiff).
+/// The CPU backends abort on a failed host allocation instead, so nothing is watched there.
+pub fn fails_by_panicking(backend_name: &str) -> bool {
+    backend_name.contains("cubecl")
+}
+
+/// While it lives, device allocation failures are counted ([`allocation_failures`]) and their
+/// panic report is replaced by a one-line warning. The trainer holds one for its lifetime when
+/// its backend's memory fails that way ([`fails_by_panicking`]; see
+/// `TrainerBuilder::watch_device_memory`).
+///
+/// The scope is the watch's, not the process's: the panic hook this needs is chained in front
+/// of the program's hook when the first watch starts (once per process: a hook cannot be
+/// taken back out safely once other code may have chained its own in front of it), and while
+/// no watch lives it hands every panic, allocation failures included, to the hook that was
+/// there before, untouched.
+#[must_use = "allocation failures are counted only while the watch lives"]
+pub struct DeviceMemoryWatch(());
+
+impl DeviceMemoryWatch {
+    /// Starts watching (installing the hook at the first watch of the process).
+    pub fn start() -> Self {
+        install_allocation_failure_hook();
+        WATCHES.fetch_add(1, Ordering::SeqCst);
+        DeviceMemoryWatch(())
+    }
+
+    /// Whether any watch is live in this process.
+    pub fn is_active() -> bool {
+        WATCHES.load(Ordering::SeqCst) > 0
+    }
+}
+
+impl Drop for DeviceMemoryWatch {
+    fn drop(&mut self) {
+        WATCHES.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Installs (once per process) the panic hook that counts device allocation failures while a
+/// [`DeviceMemoryWatch`] lives; every other panic, and every panic while none lives, goes to
+/// the hook that was there before.
+fn install_allocation_failure_hook() {
     HOOK.call_once(|| {
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
+            if !DeviceMemoryWatch::is_active() {
+                return previous(info);
+            }
             let payload = info.payload();
             let message = payload
                 .downcast_ref::<String>()
@@ -214,7 +266,7 @@ mod tests {
 
     #[test]
     fn the_hook_counts_allocation_failures_by_device_and_passes_other_panics_on() {
-        install_allocation_failure_hook();
+        let _watch = DeviceMemoryWatch::start();
         let ours = DeviceId::new(2, 9);
         let other = DeviceId::new(2, 10);
         let (before, before_other) = (allocation_failures(ours), allocation_failures(other));
@@ -232,5 +284,43 @@ mod tests {
         let r = std::panic::catch_unwind(|| panic!("something else"));
         assert!(r.is_err());
         assert_eq!(allocation_failures(ours), before + 1);
+    }
+}
+
+#[cfg(test)]
+mod watch_tests {
+    use super::*;
+
+    /// A panic like CubeCL's on the device thread of `(type_id, index_id)`.
+    fn fail_on_device(type_id: u16, index_id: u16) {
+        let _ = std::thread::Builder::new()
+            .name(format!("DSD-{type_id}-{index_id}"))
+            .spawn(|| panic!("can't allocate buffer of size: 1024"))
+            .unwrap()
+            .join();
+    }
+
+    #[test]
+    fn failures_are_counted_only_while_a_watch_lives() {
+        // A device id no other test uses (tests share the process and its hook).
+        let id = DeviceId {
+            type_id: 977,
+            index_id: 5,
+        };
+        let watch = DeviceMemoryWatch::start();
+        fail_on_device(977, 5);
+        assert_eq!(allocation_failures(id), 1);
+        drop(watch);
+        // Another test's watch may be live meanwhile; only when none is does the panic pass
+        // through uncounted.
+        if !DeviceMemoryWatch::is_active() {
+            fail_on_device(977, 5);
+            if !DeviceMemoryWatch::is_active() {
+                assert_eq!(allocation_failures(id), 1);
+            }
+        }
+        assert!(fails_by_panicking("autodiff<fusion<cubecl<wgpu>>>"));
+        assert!(!fails_by_panicking("autodiff<flex>"));
+        assert!(!fails_by_panicking("ndarray"));
     }
 }

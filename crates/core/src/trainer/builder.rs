@@ -38,6 +38,7 @@ pub struct TrainerBuilder<S: Setup> {
     scale_schedule_ratio: f64,
     microbatch_size: Option<usize>,
     auto_microbatching: bool,
+    watch_device_memory: Option<bool>,
     seed: u64,
     world: Option<World>,
     eval_interval: Time,
@@ -72,6 +73,7 @@ impl<S: Setup> TrainerBuilder<S> {
             scale_schedule_ratio: 1.0,
             microbatch_size: None,
             auto_microbatching: false,
+            watch_device_memory: None,
             seed: 0,
             world: None,
             eval_interval: Time::Epoch(1),
@@ -119,6 +121,17 @@ impl<S: Setup> TrainerBuilder<S> {
     /// backends; the CPU backends never retry (a failed host allocation aborts the process).
     pub fn auto_microbatching(mut self, enabled: bool) -> Self {
         self.auto_microbatching = enabled;
+        self
+    }
+    /// Whether the trainer watches for failed device allocations while it lives (see
+    /// [`crate::memory::DeviceMemoryWatch`]): then a batch that runs out of device memory is
+    /// an error naming it (or, with automatic microbatching, a retry), where Burn would read
+    /// silently wrong numbers. Default: on for the backends whose memory fails that way (the
+    /// CubeCL ones: wgpu, CUDA), off for the CPU backends, whose failed allocations abort the
+    /// process. Watching chains a panic hook in front of the program's once per process; it
+    /// acts only while a watching trainer lives. Automatic microbatching always watches.
+    pub fn watch_device_memory(mut self, watch: bool) -> Self {
+        self.watch_device_memory = Some(watch);
         self
     }
     /// The run's seed; default 0.
@@ -382,6 +395,15 @@ impl<S: Setup> TrainerBuilder<S> {
         // Allocations that failed before this trainer (on its device) are not its batches'.
         let failures_seen =
             crate::memory::allocation_failures(burn::tensor::backend::DeviceOps::id(&self.device));
+        // A trainer on a backend whose device allocations fail by panicking notices them (see
+        // `crate::memory`): with automatic microbatching it retries the batch, otherwise it
+        // stops with an error.
+        let watch = self.auto_microbatching
+            || self.watch_device_memory.unwrap_or_else(|| {
+                crate::memory::fails_by_panicking(
+                    &<S::Backend as burn::tensor::backend::Backend>::name(&self.device),
+                )
+            });
         let state = State {
             model: Some(self.model),
             optimizer: self.optimizer,
@@ -424,10 +446,8 @@ impl<S: Setup> TrainerBuilder<S> {
             Logger::new(self.loggers),
             world,
         );
-        // Every trainer notices failed device allocations (see `crate::memory`); with
-        // automatic microbatching it retries the batch, otherwise it stops with an error.
-        crate::memory::install_allocation_failure_hook();
         let mut trainer = Trainer {
+            memory_watch: watch.then(crate::memory::DeviceMemoryWatch::start),
             state,
             engine,
             train: self.train,

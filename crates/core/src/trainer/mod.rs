@@ -67,6 +67,10 @@ pub struct Trainer<S: Setup> {
     clock: Option<(Instant, Duration)>,
     /// Device-to-host reads the training step made (see [`FitReport::device_reads`]).
     device_reads: u64,
+    /// Failed device allocations are counted while this lives (`None`: not watched; see
+    /// `TrainerBuilder::watch_device_memory`).
+    #[allow(dead_code)] // held for its lifetime, never read
+    memory_watch: Option<crate::memory::DeviceMemoryWatch>,
 }
 
 impl<B, M, O> Trainer<SetupOf<B, M, O>>
@@ -411,6 +415,17 @@ mod tests {
             prop_assert_eq!(past_the_end(&ts, Time::Batch(done)), None);
             prop_assert_eq!(past_the_end(&ts, Time::Epoch(ts.epoch + u64::from(ts.batch_in_epoch > 0))), None);
         }
+    }
+
+    #[test]
+    fn only_trainers_whose_device_memory_fails_by_panicking_watch_it() {
+        type B = burn::backend::Autodiff<burn::backend::Flex>;
+        let build = |b: TrainerBuilder<_>| b.build().unwrap();
+        let toy = || crate::toy::trainer::<B>(crate::toy::points::<B>(8, 4), Time::Batch(1));
+        // Flex aborts on a failed host allocation: nothing to watch, no hook installed for it.
+        assert!(build(toy()).memory_watch.is_none());
+        assert!(build(toy().watch_device_memory(true)).memory_watch.is_some());
+        assert!(build(toy().auto_microbatching(true)).memory_watch.is_some());
     }
 
     #[test]
