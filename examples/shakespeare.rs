@@ -294,7 +294,16 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         top_k: args.top_k,
         seed: args.seed,
     };
-    sampling.check().map_err(|e| anyhow::anyhow!("{e}"))?;
+    sampling.check().map_err(|e| {
+        named_flag(
+            e,
+            &[
+                ("tokens", "--tokens"),
+                ("temperature", "--temperature"),
+                ("top_k", "--top-k"),
+            ],
+        )
+    })?;
     let path = args.corpus.clone().unwrap_or_else(bundled_shakespeare);
     let choice = match args.tokenizer {
         TokenizerKind::Char => TokenizerChoice::Char,
@@ -351,7 +360,18 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     };
     let vocab = split.tokenizer.vocab_size();
     let config = GptConfig::new(vocab, args.context, args.layers, args.heads, args.width)
-        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .map_err(|e| {
+            named_flag(
+                e,
+                &[
+                    ("context", "--context"),
+                    ("layers", "--layers"),
+                    ("heads", "--heads"),
+                    ("width", "--width"),
+                    ("vocab", "--bpe-vocab"),
+                ],
+            )
+        })?
         .with_tied_weights(!args.untied);
     // A shape that cannot fit is refused here, not met as an allocation abort.
     let copies = match args.optimizer {
@@ -420,9 +440,26 @@ fn generator<B: TrainBackend>(
         let ids = tokenizer
             .encode(prompt.as_bytes())
             .map_err(|e| e.to_string())?;
-        let new = model.valid().generate(&ids, &sampling, &device);
+        let new = model
+            .valid()
+            .generate(&ids, &sampling, &device)
+            .map_err(|e| e.to_string())?;
         Ok(tokenizer.decode(&new))
     })
+}
+
+/// A model error as a flag error: the setting's flag (from `flags`, setting name to flag)
+/// first, then the model's own message.
+fn named_flag(e: flashover::models::ModelError, flags: &[(&str, &str)]) -> anyhow::Error {
+    match &e {
+        flashover::models::ModelError::Config { name, value, .. } => {
+            match flags.iter().find(|(setting, _)| setting == name) {
+                Some((_, flag)) => anyhow::anyhow!("{flag} {value}: {e}"),
+                None => anyhow::anyhow!("{e}"),
+            }
+        }
+        _ => anyhow::anyhow!("{e}"),
+    }
 }
 
 fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
@@ -565,15 +602,19 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         .get("val")
         .context("the validation evaluator returned no metrics")?;
     let loss = *val.get("loss").context("no validation loss")?;
-    let generated = p.prompt.as_ref().map(|prompt| {
-        let model = trainer.model().valid();
-        let new = model.generate(prompt, &p.sampling, &device);
-        format!(
-            "{}{}",
-            p.split.tokenizer.decode(prompt),
-            p.split.tokenizer.decode(&new)
-        )
-    });
+    // The prompt and settings were checked before training.
+    let generated = match p.prompt.as_ref() {
+        None => None,
+        Some(prompt) => {
+            let model = trainer.model().valid();
+            let new = model.generate(prompt, &p.sampling, &device)?;
+            Some(format!(
+                "{}{}",
+                p.split.tokenizer.decode(prompt),
+                p.split.tokenizer.decode(&new)
+            ))
+        }
+    };
     let text_loss = metrics.get("text").and_then(|m| m.get("loss")).copied();
     let state = trainer.state();
     let ts = &state.timestamp;

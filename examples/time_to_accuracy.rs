@@ -170,8 +170,11 @@ fn one<B: TrainBackend>(args: &Args, entry: &Entry) -> anyhow::Result<Vec<CurveP
         None => train(&run, MnistCnn::<B>::new(&device, run.seed), &device),
         Some(mut shape) => {
             if let Some(w) = args.width {
-                let base = shape.widths[0];
-                shape.widths = shape.widths.iter().map(|x| x * w / base).collect();
+                let base = shape.widths()[0];
+                let widths = shape.widths().iter().map(|x| x * w / base).collect();
+                shape = shape
+                    .with_widths(widths)
+                    .map_err(|e| anyhow::anyhow!("--width {w}: {e}"))?;
             }
             train(&run, shape.init::<B>(&device, run.seed), &device)
         }
@@ -335,7 +338,7 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             "equal_time_budget_seconds": budget,
             "reps": args.reps,
             "model": args.model.name(),
-            "width": args.model.resnet().map(|s| args.width.unwrap_or(s.widths[0])),
+            "width": args.model.resnet().map(|s| args.width.unwrap_or(s.widths()[0])),
             "eval_every_batches": args.eval_every,
             "seed": args.seed,
             "baseline_seconds_to_target": base_seconds,

@@ -144,7 +144,13 @@ fn shapes_and_prompts_the_gpt_cannot_take_are_errors_naming_them() {
     );
     let out = tiny(&["--generate", "A", "--temperature=-1"]);
     assert!(!out.status.success());
-    assert!(out.stderr.contains("not -1"), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("--temperature -1")
+            && out.stderr.contains("a number >= 0")
+            && !out.stderr.contains("panicked"),
+        "{}",
+        out.stderr
+    );
     // Zero windows is a bad flag, not a malformed data file.
     for flag in ["--val-windows", "--train-windows"] {
         let out = tiny(&[flag, "0"]);
@@ -183,7 +189,10 @@ fn shapes_and_prompts_the_gpt_cannot_take_are_errors_naming_them() {
     let out = tiny(&["--heads", "3"]);
     assert!(!out.status.success());
     assert!(
-        out.stderr.contains("3 heads must divide its width 32"),
+        out.stderr.contains("--heads 3")
+            && out
+                .stderr
+                .contains("a number of heads that divides its width 32"),
         "{}",
         out.stderr
     );

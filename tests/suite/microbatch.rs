@@ -122,6 +122,7 @@ fn running_statistics_are_restored_after_a_forward_pass() {
     let model = flashover_examples::ResNetConfig::cifar(8, 8)
         .unwrap()
         .with_io(1, 10)
+        .unwrap()
         .init::<TB>(&device(), 3);
     let before = floats(&model);
     let snapshot = RunningStats::<TB>::take(&model);
@@ -210,6 +211,7 @@ mod out_of_memory {
         let model = flashover_examples::ResNetConfig::cifar(8, 8)
             .unwrap()
             .with_io(1, 10)
+            .unwrap()
             .init::<TB>(&device, run.seed);
         let optimizer = burn::optim::AdamWConfig::new().init();
         run.builder_with::<TB, _, _>(model, optimizer, &device)

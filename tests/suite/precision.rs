@@ -96,6 +96,7 @@ fn mixed_precision_keeps_float32_weights_and_pure_precision_the_half_type() {
         let model = ResNetConfig::cifar(8, 8)
             .unwrap()
             .with_io(1, 10)
+            .unwrap()
             .init::<TB>(&device(), run.seed);
         let optimizer = burn::optim::AdamWConfig::new().init();
         let mut t = run

@@ -31,26 +31,22 @@ use flashover_core::surgery::{
 
 use crate::layers::{factorize_layers, Linear};
 use crate::norm::LayerNorm;
-use crate::{ChannelsLastBackend, TrainBackend};
+use crate::{ChannelsLastBackend, ModelError, TrainBackend};
 
 /// Standard deviation of GPT-2's initial weights.
 const INIT_STD: f64 = 0.02;
 
-/// A GPT's shape.
+/// A GPT's shape. Built by [`GptConfig::new`], which checks it, so every `GptConfig` is one a
+/// model can be built with (the fields are private for that reason; read them through the
+/// methods of the same names).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GptConfig {
-    /// Distinct tokens.
-    pub vocab: usize,
-    /// Longest input, in tokens (the rows of the position embeddings).
-    pub context: usize,
-    /// Transformer blocks.
-    pub layers: usize,
-    /// Attention heads per block (dividing `width`).
-    pub heads: usize,
-    /// Width of the residual stream.
-    pub width: usize,
-    /// Logits through the token embeddings (no separate output layer).
-    pub tie_weights: bool,
+    vocab: usize,
+    context: usize,
+    layers: usize,
+    heads: usize,
+    width: usize,
+    tie_weights: bool,
 }
 
 impl GptConfig {
@@ -61,7 +57,7 @@ impl GptConfig {
         layers: usize,
         heads: usize,
         width: usize,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, ModelError> {
         let config = Self {
             vocab,
             context,
@@ -72,6 +68,31 @@ impl GptConfig {
         };
         config.check()?;
         Ok(config)
+    }
+
+    /// Distinct tokens.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+    /// Longest input, in tokens (the rows of the position embeddings).
+    pub fn context(&self) -> usize {
+        self.context
+    }
+    /// Transformer blocks.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+    /// Attention heads per block (dividing `width`).
+    pub fn heads(&self) -> usize {
+        self.heads
+    }
+    /// Width of the residual stream.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+    /// Whether the logits go through the token embeddings (no separate output layer).
+    pub fn tie_weights(&self) -> bool {
+        self.tie_weights
     }
 
     /// The same shape with a separate output layer when `tie` is false.
@@ -109,7 +130,7 @@ impl GptConfig {
         .fold(0u128, u128::saturating_add)
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), ModelError> {
         let sizes = [
             ("vocab", self.vocab),
             ("context", self.context),
@@ -118,23 +139,22 @@ impl GptConfig {
             ("width", self.width),
         ];
         if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("a GPT's {name} must be at least 1, not 0"));
+            return Err(ModelError::config("a GPT", name, 0, "at least 1"));
         }
         if !self.width.is_multiple_of(self.heads) {
-            return Err(format!(
-                "a GPT's {} heads must divide its width {}",
-                self.heads, self.width
+            return Err(ModelError::config(
+                "a GPT",
+                "heads",
+                self.heads,
+                format!("a number of heads that divides its width {}", self.width),
             ));
         }
         Ok(())
     }
 
     /// A model with this shape, its parameters drawn in field order from a generator seeded
-    /// by `seed`. Panics if the shape is invalid (see [`GptConfig::new`]).
+    /// by `seed`.
     pub fn init<B: Backend>(&self, device: &B::Device, seed: u64) -> Gpt<B> {
-        if let Err(e) = self.check() {
-            panic!("{e}");
-        }
         let normal = |std: f64| Initializer::Normal { mean: 0.0, std };
         let residual_std = INIT_STD / ((2 * self.layers) as f64).sqrt();
         // Burn draws a layer's bias with its weights' initializer; GPT-2's biases start at 0.
@@ -537,22 +557,28 @@ impl Sampling {
 
     /// Checks the settings: at most [`Sampling::MAX_TOKENS`] tokens, a finite temperature
     /// of at least 0 and a top-k of at least 1.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ModelError> {
         if self.tokens > Self::MAX_TOKENS {
-            return Err(format!(
-                "invalid value {} for `tokens` (--tokens): expected at most {} tokens per generation (each is a forward pass; generate longer texts in several calls)",
+            return Err(ModelError::config(
+                "generation",
+                "tokens",
                 self.tokens,
-                Self::MAX_TOKENS
+                format!(
+                    "at most {} tokens per generation (each is a forward pass; generate longer texts in several calls)",
+                    Self::MAX_TOKENS
+                ),
             ));
         }
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!(
-                "a sampling temperature must be a number >= 0 (0: greedy), not {}",
-                self.temperature
+            return Err(ModelError::config(
+                "generation",
+                "temperature",
+                self.temperature,
+                "a number >= 0 (0: greedy)",
             ));
         }
         if self.top_k == Some(0) {
-            return Err("top-k sampling needs k >= 1, not 0".into());
+            return Err(ModelError::config("generation", "top_k", 0, "k >= 1"));
         }
         Ok(())
     }
@@ -590,16 +616,23 @@ impl Sampling {
 impl<B: ChannelsLastBackend> Gpt<B> {
     /// `prompt` continued by `sampling.tokens` tokens, each drawn from the model's
     /// distribution of the next token given the text so far (its last `context` tokens).
-    /// Returns the new tokens only. Panics on an empty prompt or invalid settings (see
-    /// [`Sampling::check`]).
-    pub fn generate(&self, prompt: &[u16], sampling: &Sampling, device: &B::Device) -> Vec<u16> {
-        assert!(
-            !prompt.is_empty(),
-            "generation needs a prompt of at least one token"
-        );
-        if let Err(e) = sampling.check() {
-            panic!("{e}");
+    /// Returns the new tokens only. An empty prompt, or settings [`Sampling::check`]
+    /// refuses, are errors.
+    pub fn generate(
+        &self,
+        prompt: &[u16],
+        sampling: &Sampling,
+        device: &B::Device,
+    ) -> Result<Vec<u16>, ModelError> {
+        if prompt.is_empty() {
+            return Err(ModelError::config(
+                "generation",
+                "prompt",
+                "(empty)",
+                "a prompt of at least one token",
+            ));
         }
+        sampling.check()?;
         let mut rng = Rng::new(sampling.seed);
         let mut text: Vec<u16> = prompt.to_vec();
         for _ in 0..sampling.tokens {
@@ -622,7 +655,7 @@ impl<B: ChannelsLastBackend> Gpt<B> {
             debug_assert_eq!(last.len(), vocab);
             text.push(sampling.pick(&last, &mut rng) as u16);
         }
-        text.split_off(prompt.len())
+        Ok(text.split_off(prompt.len()))
     }
 }
 
@@ -678,12 +711,14 @@ mod tests {
 
     #[test]
     fn shapes_are_checked_and_named() {
-        assert!(GptConfig::new(10, 8, 2, 3, 8)
-            .unwrap_err()
-            .contains("3 heads must divide its width 8"));
-        assert!(GptConfig::new(10, 0, 2, 2, 8)
-            .unwrap_err()
-            .contains("context must be at least 1"));
+        assert_eq!(
+            GptConfig::new(10, 8, 2, 3, 8).unwrap_err().to_string(),
+            "invalid value 3 for `heads` of a GPT: expected a number of heads that divides its width 8"
+        );
+        assert_eq!(
+            GptConfig::new(10, 0, 2, 2, 8).unwrap_err(),
+            ModelError::config("a GPT", "context", 0, "at least 1")
+        );
     }
 
     #[test]
@@ -1155,16 +1190,23 @@ mod tests {
             top_k,
             seed,
         };
-        let a = m.generate(&[1, 2, 3], &sampling(5, 1.0, None), &d);
+        let a = m.generate(&[1, 2, 3], &sampling(5, 1.0, None), &d).unwrap();
         assert_eq!(a.len(), 12);
         assert!(a.iter().all(|&t| t < 11));
-        assert_eq!(a, m.generate(&[1, 2, 3], &sampling(5, 1.0, None), &d));
-        assert_ne!(a, m.generate(&[1, 2, 3], &sampling(6, 1.0, None), &d));
+        assert_eq!(
+            a,
+            m.generate(&[1, 2, 3], &sampling(5, 1.0, None), &d).unwrap()
+        );
+        assert_ne!(
+            a,
+            m.generate(&[1, 2, 3], &sampling(6, 1.0, None), &d).unwrap()
+        );
         // Top-1 sampling is greedy decoding, whatever the seed and temperature.
-        let greedy = m.generate(&[1, 2, 3], &sampling(0, 0.0, None), &d);
+        let greedy = m.generate(&[1, 2, 3], &sampling(0, 0.0, None), &d).unwrap();
         assert_eq!(
             greedy,
             m.generate(&[1, 2, 3], &sampling(9, 2.0, Some(1)), &d)
+                .unwrap()
         );
         // Greedy picks the argmax of the logits at each step.
         let mut text = vec![1u16, 2, 3];
@@ -1183,17 +1225,24 @@ mod tests {
         }
         // Longer than the context: the window slides.
         assert_eq!(
-            m.generate(&[1; 8], &sampling(1, 1.0, Some(3)), &d).len(),
+            m.generate(&[1; 8], &sampling(1, 1.0, Some(3)), &d)
+                .unwrap()
+                .len(),
             12
         );
         assert!(sampling(1, -1.0, None)
             .check()
             .unwrap_err()
-            .contains("not -1"));
+            .to_string()
+            .contains("invalid value -1 for `temperature`"));
         assert!(sampling(1, 1.0, Some(0))
             .check()
             .unwrap_err()
+            .to_string()
             .contains("k >= 1"));
+        // An empty prompt and invalid settings are errors, not panics.
+        assert!(m.generate(&[], &sampling(1, 1.0, None), &d).is_err());
+        assert!(m.generate(&[1], &sampling(1, f64::NAN, None), &d).is_err());
     }
 
     /// Sampling draws each token with its softmax probability (at temperature T).

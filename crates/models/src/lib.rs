@@ -10,6 +10,8 @@
 //!   networks for small images ([`ResNetConfig`]: CIFAR's ResNet-20/56 family and a
 //!   ResNet-18), built from the same layers; [`Gpt`]: a decoder-only transformer language
 //!   model ([`GptConfig`]), its dense layers the same `Linear`.
+//! - [`ModelError`]: every shape and setting is checked where it is given (the configs'
+//!   fields are private behind validating constructors), so no configuration reaches a panic.
 //!
 //! A model's [`MemoryFormat`] picks the path: `Auto` (the default) is channels-last where the
 //! backend's channels-last kernels are its fast ones (flex) and channels-first elsewhere;
@@ -18,6 +20,7 @@
 //! threads.
 #![warn(missing_docs)]
 
+mod error;
 pub mod gemm;
 mod gpt;
 pub mod kernels;
@@ -28,6 +31,7 @@ pub mod norm;
 pub mod ops;
 mod resnet;
 
+pub use error::ModelError;
 pub use flashover_core::model::{HasMemoryFormat, MemoryFormat};
 pub use gpt::{Attention, Block, Gpt, GptConfig, Mlp, Sampling};
 pub use mnist::MnistCnn;

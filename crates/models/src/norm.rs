@@ -28,6 +28,8 @@ use burn::nn::BatchNormConfig;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor};
 use flashover_core::precision::{cast_like, cast_to};
+
+use crate::ModelError;
 use flashover_core::surgery::{
     GroupNormVariant, HalfType, LayerNormVariant, NormInfo, NormVariant,
 };
@@ -303,19 +305,23 @@ pub struct GroupNorm<B: Backend> {
 
 impl<B: Backend> GroupNorm<B> {
     /// Group norm over `channels` channels in `groups` groups (scale 1, shift 0, epsilon
-    /// 1e-5, as PyTorch's and Burn's). Panics unless `groups` divides `channels`.
-    pub fn new(groups: usize, channels: usize, device: &B::Device) -> Self {
-        assert!(
-            groups >= 1 && channels.is_multiple_of(groups),
-            "{groups} groups must divide {channels} channels"
-        );
-        Self {
+    /// 1e-5, as PyTorch's and Burn's); `groups` must divide `channels`.
+    pub fn new(groups: usize, channels: usize, device: &B::Device) -> Result<Self, ModelError> {
+        if groups == 0 || !channels.is_multiple_of(groups) {
+            return Err(ModelError::config(
+                "a group norm",
+                "groups",
+                groups,
+                format!("a number of groups >= 1 that divides its {channels} channels"),
+            ));
+        }
+        Ok(Self {
             gamma: Param::from_tensor(Tensor::ones([channels], device)),
             beta: Param::from_tensor(Tensor::zeros([channels], device)),
             groups,
             epsilon: 1e-5,
             variant: GroupNormVariant::default(),
-        }
+        })
     }
 
     /// Channels.

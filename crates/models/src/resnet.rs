@@ -39,36 +39,59 @@ use flashover_core::surgery::{
 use crate::layers::{add_squeeze_excite, factorize_layers, Conv2d, Linear};
 use crate::norm::BatchNorm;
 use crate::ops::ChannelsLastBackend;
-use crate::{channels_last, TrainBackend};
+use crate::{channels_last, ModelError, TrainBackend};
 
 /// The shape of a [`ResNet`]: stages of basic blocks, their widths, the input channels and
-/// the classes.
+/// the classes. Built by its constructors, which check it, so every `ResNetConfig` is one a
+/// model can be built with (the fields are private for that reason; read them through the
+/// methods of the same names).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ResNetConfig {
-    /// Basic blocks per stage.
-    pub blocks: Vec<usize>,
-    /// Output channels of each stage; the first stage keeps the stem's width and resolution,
-    /// every later one halves the resolution in its first block.
-    pub widths: Vec<usize>,
-    /// Channels of the input images.
-    pub in_channels: usize,
-    /// Classes (outputs of the classifier).
-    pub classes: usize,
+    blocks: Vec<usize>,
+    widths: Vec<usize>,
+    in_channels: usize,
+    classes: usize,
 }
 
 impl ResNetConfig {
+    /// Basic blocks per stage.
+    pub fn blocks(&self) -> &[usize] {
+        &self.blocks
+    }
+    /// Output channels of each stage; the first stage keeps the stem's width and resolution,
+    /// every later one halves the resolution in its first block.
+    pub fn widths(&self) -> &[usize] {
+        &self.widths
+    }
+    /// Channels of the input images.
+    pub fn in_channels(&self) -> usize {
+        self.in_channels
+    }
+    /// Classes (outputs of the classifier).
+    pub fn classes(&self) -> usize {
+        self.classes
+    }
+
     /// The CIFAR ResNet of `depth = 6n + 2` layers (20, 32, 44, 56, 110, ...) with stage
     /// widths `base_width`, twice and four times that (the paper: 16), for one-channel
     /// images and 10 classes (the bundled digits); [`ResNetConfig::with_io`] for CIFAR's
     /// three channels or other classes.
-    pub fn cifar(depth: usize, base_width: usize) -> Result<Self, String> {
+    pub fn cifar(depth: usize, base_width: usize) -> Result<Self, ModelError> {
         if depth < 8 || !(depth - 2).is_multiple_of(6) {
-            return Err(format!(
-                "a CIFAR ResNet has 6n + 2 layers (20, 32, 44, 56, 110, ...), not {depth}"
+            return Err(ModelError::config(
+                "a CIFAR ResNet",
+                "depth",
+                depth,
+                "6n + 2 layers (8, 20, 32, 44, 56, 110, ...)",
             ));
         }
         if base_width == 0 {
-            return Err("the base width must be at least 1".into());
+            return Err(ModelError::config(
+                "a CIFAR ResNet",
+                "base_width",
+                0,
+                "at least 1",
+            ));
         }
         let n = (depth - 2) / 6;
         Ok(Self {
@@ -81,9 +104,14 @@ impl ResNetConfig {
 
     /// ResNet-18's stages (two basic blocks each at `base_width` times 1, 2, 4 and 8; the
     /// original: 64) with the small-image stem.
-    pub fn resnet18(base_width: usize) -> Result<Self, String> {
+    pub fn resnet18(base_width: usize) -> Result<Self, ModelError> {
         if base_width == 0 {
-            return Err("the base width must be at least 1".into());
+            return Err(ModelError::config(
+                "a ResNet-18",
+                "base_width",
+                0,
+                "at least 1",
+            ));
         }
         Ok(Self {
             blocks: vec![2; 4],
@@ -93,11 +121,34 @@ impl ResNetConfig {
         })
     }
 
-    /// The same network for `in_channels` input channels and `classes` classes.
-    pub fn with_io(mut self, in_channels: usize, classes: usize) -> Self {
+    /// The same stages at other widths (one per stage, each at least 1).
+    pub fn with_widths(mut self, widths: Vec<usize>) -> Result<Self, ModelError> {
+        if widths.len() != self.blocks.len() || widths.contains(&0) {
+            return Err(ModelError::config(
+                "a ResNet",
+                "widths",
+                format!("{widths:?}"),
+                format!(
+                    "{} widths (one per stage), each at least 1",
+                    self.blocks.len()
+                ),
+            ));
+        }
+        self.widths = widths;
+        Ok(self)
+    }
+
+    /// The same network for `in_channels` input channels and `classes` classes (each at
+    /// least 1).
+    pub fn with_io(mut self, in_channels: usize, classes: usize) -> Result<Self, ModelError> {
+        for (name, v) in [("in_channels", in_channels), ("classes", classes)] {
+            if v == 0 {
+                return Err(ModelError::config("a ResNet", name, 0, "at least 1"));
+            }
+        }
         self.in_channels = in_channels;
         self.classes = classes;
-        self
+        Ok(self)
     }
 
     /// Layers with weights on the main path (the convolutions outside shortcuts and the
@@ -109,15 +160,6 @@ impl ResNetConfig {
     /// A model with this shape, its parameters drawn in field order from a generator seeded
     /// by `seed`.
     pub fn init<B: Backend>(&self, device: &B::Device, seed: u64) -> ResNet<B> {
-        assert!(
-            !self.blocks.is_empty()
-                && self.blocks.len() == self.widths.len()
-                && self.blocks.iter().all(|&b| b > 0)
-                && self.widths.iter().all(|&w| w > 0)
-                && self.in_channels > 0
-                && self.classes > 0,
-            "not a valid ResNet shape: {self:?}"
-        );
         init_model::<B, _>(device, seed, |d| {
             let stem_width = self.widths[0];
             let mut blocks = Vec::new();

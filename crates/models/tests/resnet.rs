@@ -216,45 +216,50 @@ fn the_family_has_the_papers_shapes() {
     let device = Default::default();
     let r20 = ResNetConfig::cifar(20, 16).unwrap();
     assert_eq!(
-        (r20.blocks.clone(), r20.widths.clone(), r20.depth()),
+        (r20.blocks().to_vec(), r20.widths().to_vec(), r20.depth()),
         (vec![3; 3], vec![16, 32, 64], 20)
     );
     let r56 = ResNetConfig::cifar(56, 16).unwrap();
-    assert_eq!((r56.blocks.clone(), r56.depth()), (vec![9; 3], 56));
+    assert_eq!((r56.blocks().to_vec(), r56.depth()), (vec![9; 3], 56));
     let r18 = ResNetConfig::resnet18(64).unwrap();
     assert_eq!(
-        (r18.widths.clone(), r18.depth()),
+        (r18.widths().to_vec(), r18.depth()),
         (vec![64, 128, 256, 512], 18)
     );
     for bad in [19, 2, 0, 21] {
-        let err = ResNetConfig::cifar(bad, 16).unwrap_err();
+        let err = ResNetConfig::cifar(bad, 16).unwrap_err().to_string();
         assert!(
             err.contains(&bad.to_string()) && err.contains("6n + 2"),
             "{err}"
         );
     }
     assert!(ResNetConfig::cifar(20, 0).is_err() && ResNetConfig::resnet18(0).is_err());
+    // No shape that init could not build gets past the constructors.
+    assert!(r20.clone().with_io(0, 10).is_err() && r20.clone().with_io(3, 0).is_err());
+    assert!(r20.clone().with_widths(vec![8, 16]).is_err());
+    assert!(r20.clone().with_widths(vec![8, 0, 32]).is_err());
     for config in [
         r20.clone(),
         r56,
         ResNetConfig::resnet18(8).unwrap(),
-        r20.with_io(3, 100),
+        r20.clone().with_widths(vec![8, 12, 20]).unwrap(),
+        r20.with_io(3, 100).unwrap(),
     ] {
         let model: ResNet<B> = config.init(&device, 7);
         let (weights, norm_channels) = parameter_count(
-            &config.blocks,
-            &config.widths,
-            config.in_channels,
-            config.classes,
+            config.blocks(),
+            config.widths(),
+            config.in_channels(),
+            config.classes(),
         );
         assert_eq!(trainable(&model, norm_channels), weights, "{config:?}");
-        assert_eq!(model.blocks.len(), config.blocks.iter().sum::<usize>());
+        assert_eq!(model.blocks.len(), config.blocks().iter().sum::<usize>());
     }
     // ResNet-20 on 3-channel 32x32 images: the paper's 0.27M parameters (with option A
     // shortcuts; B adds the two 1x1 projections and their norms, 512 + 64 + 2048 + 128).
-    let config = ResNetConfig::cifar(20, 16).unwrap().with_io(3, 10);
+    let config = ResNetConfig::cifar(20, 16).unwrap().with_io(3, 10).unwrap();
     let cifar: ResNet<B> = config.init(&device, 1);
-    let (_, norm_channels) = parameter_count(&config.blocks, &config.widths, 3, 10);
+    let (_, norm_channels) = parameter_count(config.blocks(), config.widths(), 3, 10);
     assert_eq!(
         trainable(&cifar, norm_channels),
         269_722 + 512 + 64 + 2048 + 128
@@ -278,7 +283,7 @@ fn flops_follow_the_layer_list() {
 #[test]
 fn channels_last_computes_what_channels_first_does_on_the_same_parameters() {
     let device = Default::default();
-    let config = ResNetConfig::resnet18(4).unwrap().with_io(3, 5);
+    let config = ResNetConfig::resnet18(4).unwrap().with_io(3, 5).unwrap();
     let first: ResNet<AB> = config
         .init::<AB>(&device, 3)
         .with_memory_format(MemoryFormat::ChannelsFirst);
@@ -985,7 +990,11 @@ fn group_norm_is_the_papers_formula_in_both_layouts_and_in_half_precision() {
     use flashover_models::norm::GroupNorm;
     let device = Default::default();
     let (n, c, h, w, g) = (2usize, 6usize, 3usize, 2usize, 3usize);
-    let mut norm = GroupNorm::<AB>::new(g, c, &device);
+    let mut norm = GroupNorm::<AB>::new(g, c, &device).unwrap();
+    assert!(
+        GroupNorm::<AB>::new(4, c, &device).is_err()
+            && GroupNorm::<AB>::new(0, c, &device).is_err()
+    );
     norm.gamma = burn::module::Param::from_tensor(random::<AB, 1>([c], 71).add_scalar(1.0));
     norm.beta = burn::module::Param::from_tensor(random::<AB, 1>([c], 72));
     let (gamma, beta) = (values(norm.gamma.val()), values(norm.beta.val()));

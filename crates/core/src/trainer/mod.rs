@@ -424,7 +424,9 @@ mod tests {
         let toy = || crate::toy::trainer::<B>(crate::toy::points::<B>(8, 4), Time::Batch(1));
         // Flex aborts on a failed host allocation: nothing to watch, no hook installed for it.
         assert!(build(toy()).memory_watch.is_none());
-        assert!(build(toy().watch_device_memory(true)).memory_watch.is_some());
+        assert!(build(toy().watch_device_memory(true))
+            .memory_watch
+            .is_some());
         assert!(build(toy().auto_microbatching(true)).memory_watch.is_some());
     }
 
