@@ -75,13 +75,9 @@ struct Args {
     /// hot, or for the ResNets resnet-mild, resnet-medium or resnet-hot.
     #[arg(long)]
     recipe: Option<String>,
-    /// Speed-up algorithms, comma-separated, each with optional `:key=value` parameters, for
-    /// example `label_smoothing,mixup:alpha=0.2,ema:half_life=100ba`. Names: label_smoothing,
-    /// mixup, cutmix, cutout, colout, progressive_resizing, randaugment, augmix,
-    /// selective_backprop, gradient_clipping, ema, swa, sam, layer_freezing, channels_last,
-    /// and the model surgeries blurpool, weight_standardization, squeeze_excite, gyro_dropout,
-    /// factorize, ghost_batchnorm, stochastic_depth. Added after the recipe's.
-    #[arg(long, default_value = "")]
+    // The help lists the names from the algorithms' registry (`spec::help`), so it cannot
+    // drift from what the parser accepts.
+    #[arg(long, default_value = "", help = flashover::algorithms::spec::help(true))]
     algorithms: String,
     /// Layout of the CNN's activations: auto (channels-last on the CPU, where Flashover's
     /// kernels are the fast path; channels-first on GPU backends), channels-first (Burn's own

@@ -112,12 +112,9 @@ struct Args {
     /// gpt-medium or gpt-hot.
     #[arg(long)]
     recipe: Option<String>,
-    /// Speed-up algorithms, comma-separated, each with optional `:key=value` parameters, for
-    /// example `alibi:train_sequence_length_scaling=0.5,gated_linear_units`. Names for
-    /// language models: alibi, gated_linear_units, low_precision_layernorm,
-    /// seq_length_warmup, factorize, label_smoothing, selective_backprop, gradient_clipping,
-    /// ema, swa, sam, layer_freezing. Added after the recipe's.
-    #[arg(long, default_value = "")]
+    // The help lists the names from the algorithms' registry (`spec::help`), so it cannot
+    // drift from what the parser accepts.
+    #[arg(long, default_value = "", help = flashover::algorithms::spec::help(false))]
     algorithms: String,
     /// Seed for weights, data order and every random draw.
     #[arg(long, default_value_t = 42)]

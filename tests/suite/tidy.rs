@@ -514,11 +514,16 @@ fn code_map_sections(architecture: &str) -> Vec<(String, String)> {
         if let Some(rest) = line.strip_prefix("### `") {
             let root = rest.split('`').next().unwrap_or_default();
             out.push((root.trim_end_matches('/').to_string(), String::new()));
+        } else if line.starts_with("### ") {
+            // A subsection that is not a folder's (such as "Adding an algorithm"): its text
+            // belongs to no section.
+            out.push((String::new(), String::new()));
         } else if let Some((_, text)) = out.last_mut() {
             text.push_str(line);
             text.push('\n');
         }
     }
+    out.retain(|(root, _)| !root.is_empty());
     out
 }
 
@@ -591,7 +596,7 @@ fn code_map_errors(
 
 #[test]
 fn the_code_map_rule_catches_a_missing_file_and_a_stale_name() {
-    let arch = "# A\n## Code map\n### `crates/x` (`x`)\n- `lib.rs`: root. `gone.rs` was here; `sub/` and `sub/b.rs`.\n## Invariants\n- `nothing.rs` here is not checked\n";
+    let arch = "# A\n## Code map\n### `crates/x` (`x`)\n- `lib.rs`: root. `gone.rs` was here; `sub/` and `sub/b.rs`.\n### How to\n`elsewhere.rs` is not checked\n## Invariants\n- `nothing.rs` here is not checked\n";
     let sections = code_map_sections(arch);
     assert_eq!(sections.len(), 1);
     let files = |_: &str| {

@@ -45,3 +45,7 @@ where
         Ok(())
     }
 }
+
+// By name (`--algorithms`; see `crate::spec`).
+crate::spec::by_name!(name: "channels_last", params: []);
+crate::spec::by_name!(image | _p, _norm | ChannelsLast);

@@ -239,6 +239,41 @@ where
     }
 }
 
+// By name (`--algorithms`; see `crate::spec`).
+crate::spec::by_name!(
+    name: "factorize",
+    params: [
+        "factorize_convs",
+        "factorize_linears",
+        "min_channels",
+        "latent_channels",
+        "min_features",
+        "latent_features",
+    ],
+);
+crate::spec::by_name!(
+    image | p,
+    _norm
+        | crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::Factorize(
+            options_by_name(p)?
+        ),)
+);
+crate::spec::by_name!(language | p | Factorize::new(options_by_name(p)?)?);
+
+/// Factorize's settings from its `--algorithms` parameters, checked.
+fn options_by_name(p: &crate::spec::Params<'_>) -> Result<FactorizeOptions> {
+    let d = FactorizeOptions::default();
+    FactorizeOptions {
+        factorize_convs: p.bool("factorize_convs", d.factorize_convs)?,
+        factorize_linears: p.bool("factorize_linears", d.factorize_linears)?,
+        min_channels: p.usize("min_channels", d.min_channels)?,
+        latent_channels: p.f64("latent_channels", d.latent_channels)?,
+        min_features: p.usize("min_features", d.min_features)?,
+        latent_features: p.f64("latent_features", d.latent_features)?,
+    }
+    .check()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -136,6 +136,14 @@ where
     }
 }
 
+// By name (`--algorithms`; see `crate::spec`).
+crate::spec::by_name!(name: "low_precision_groupnorm", params: []);
+crate::spec::by_name!(
+    image | _p,
+    _norm
+        | crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::LowPrecisionGroupNorm,)
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -82,6 +82,10 @@ where
     }
 }
 
+// By name (`--algorithms`; see `crate::spec`).
+crate::spec::by_name!(name: "low_precision_layernorm", params: []);
+crate::spec::by_name!(language | _p | LowPrecisionLayerNorm::default());
+
 #[cfg(test)]
 mod tests {
     use super::*;

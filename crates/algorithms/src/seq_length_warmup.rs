@@ -125,6 +125,29 @@ where
     }
 }
 
+// By name (`--algorithms`; see `crate::spec`).
+crate::spec::by_name!(
+    name: "seq_length_warmup",
+    params: [
+        "duration",
+        "min_seq_length",
+        "max_seq_length",
+        "step_size",
+        "truncate",
+    ],
+);
+crate::spec::by_name!(
+    language
+        | p
+        | SeqLengthWarmup::<S::Backend>::new(
+            p.f64("duration", 0.3)?,
+            p.usize("min_seq_length", 8)?,
+            p.usize("max_seq_length", 1024)?,
+            p.usize("step_size", 8)?,
+            p.bool("truncate", true)?,
+        )?
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;
