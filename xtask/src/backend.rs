@@ -1,0 +1,76 @@
+//! The backends xtask builds for: their features, target directories and names.
+
+use clap::ValueEnum;
+
+use crate::process::strings;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Backend {
+    Flex,
+    Ndarray,
+    Wgpu,
+    Cuda,
+    All,
+}
+
+impl Backend {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Backend::Flex => "flex",
+            Backend::Ndarray => "ndarray",
+            Backend::Wgpu => "wgpu",
+            Backend::Cuda => "cuda",
+            Backend::All => "all",
+        }
+    }
+
+    pub(crate) fn each(self) -> Vec<Backend> {
+        match self {
+            Backend::All => vec![
+                Backend::Flex,
+                Backend::Ndarray,
+                Backend::Wgpu,
+                Backend::Cuda,
+            ],
+            b => vec![b],
+        }
+    }
+
+    /// Cargo arguments that select what to build for this backend. The CPU backend builds
+    /// `flex_selection` (`--workspace`, or `-p` and a package) in the default target
+    /// directory, with `flex_features` (`package/feature`). A GPU backend always builds the
+    /// example and test packages together, with the same features (the backend's and `mpi`,
+    /// which the multi-process tests and `launch` need), so that its build, test, bench and
+    /// launch share one set of artifacts in its own target directory; and without the
+    /// default features, so the CPU backend is not compiled in beside it (each program would
+    /// otherwise monomorphise the whole trainer for both backends).
+    pub(crate) fn cargo_args(self, flex_selection: &[&str], flex_features: &[&str]) -> Vec<String> {
+        if self == Backend::Flex {
+            let mut args = strings(flex_selection);
+            if !flex_features.is_empty() {
+                args.push("--features".into());
+                args.push(flex_features.join(","));
+            }
+            return args;
+        }
+        let mut args = strings(&["-p", "flashover-examples", "-p", "flashover-tests"]);
+        args.push("--target-dir".into());
+        args.push(format!("target/backend-{}", self.name()));
+        args.push("--no-default-features".into());
+        args.push("--features".into());
+        args.push(format!(
+            "flashover-examples/{0},flashover-tests/{0},flashover-tests/mpi",
+            self.name()
+        ));
+        args
+    }
+}
+
+impl Backend {
+    pub(crate) fn target_dir(self) -> String {
+        match self {
+            Backend::Flex => "target".into(),
+            b => format!("target/backend-{}", b.name()),
+        }
+    }
+}

@@ -1,0 +1,80 @@
+//! `cargo xtask build` and `test`: per backend, each non-default one in its own target
+//! directory; on a GPU backend the test runs a representative subset (`GPU_SUBSET`).
+
+use anyhow::Result;
+
+use crate::backend::Backend;
+use crate::process::*;
+
+pub(crate) fn build(backend: Backend, check: bool) -> Result<()> {
+    let verb = if check { "check" } else { "build" };
+    for b in backend.each() {
+        let mut args = strings(&[verb, "--release", "--all-targets"]);
+        args.extend(b.cargo_args(&["--workspace"], &[]));
+        cargo(&args)?;
+    }
+    Ok(())
+}
+
+/// The cross-crate tests a GPU backend runs by default: one or two of each kind whose result
+/// depends on the backend's kernels and device buffers (numerics, determinism, exact
+/// resumption, every algorithm's tensor code, device memory, the collective's device-host
+/// round trip). The rest of the suite checks host code (files, parsing, locks, messages,
+/// timing, the source tree) that is the same on every backend, or repeats these on more
+/// configurations; `cargo xtask test --backend wgpu --all` runs everything.
+pub(crate) const GPU_SUBSET: &[&str] = &[
+    "determinism::",
+    "microbatch::",
+    "events::short_run_trace_matches_the_snapshot",
+    "trainer::eval_and_predict_report_sane_values",
+    "trainer::sgd_with_momentum_adam_and_adamw_all_train_through_the_trainer",
+    "trainer::non_finite_batches_can_be_skipped_and_counted",
+    "resume::resume_mid_epoch",
+    "resume::resume_from_an_asynchronous_save",
+    "algorithms::every_algorithm_trains_and_changes_the_run",
+    "algorithms::resume_with_the_stateful_algorithms_together",
+    "seams::two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch",
+    "seams::sam_steps_alike_on_every_rank",
+    "observe::device_memory_is_read_where_the_backend_reports_it",
+    "observe::nan_monitor_names_the_batch_of_a_bad_loss_or_gradient",
+    "precision::",
+    "distributed::two_processes_train_like_one_process_on_the_whole_batch_and_repeat_bit_exactly",
+];
+
+pub(crate) fn test(backend: Backend, all: bool) -> Result<()> {
+    for b in backend.each() {
+        if b == Backend::Flex {
+            cargo(&strings(&["test", "--release", "--workspace"]))?;
+            continue;
+        }
+        // The same packages and features as `build`, so a build followed by a test compiles
+        // nothing twice.
+        if all {
+            let mut args = strings(&["test", "--release"]);
+            args.extend(b.cargo_args(&[], &[]));
+            // Everything but the long accuracy run and the SIGKILL test, whose kill times
+            // are tuned to the CPU backend's speed.
+            args.extend(strings(&[
+                "--",
+                "--skip",
+                "accuracy::",
+                "--skip",
+                "crash::",
+            ]));
+            cargo(&args)?;
+            continue;
+        }
+        // The subset needs only the cross-crate test binary and the example it runs; the
+        // other example programs (benchmarks) and the unit tests of the examples would double
+        // the build on a GPU backend, where each program monomorphises the trainer anew.
+        let mut build = strings(&["build", "--release", "--example", "mnist"]);
+        build.extend(b.cargo_args(&[], &[]));
+        cargo(&build)?;
+        let mut args = strings(&["test", "--release", "--test", "tests"]);
+        args.extend(b.cargo_args(&[], &[]));
+        args.push("--".into());
+        args.extend(strings(GPU_SUBSET));
+        cargo(&args)?;
+    }
+    Ok(())
+}
