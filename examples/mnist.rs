@@ -11,14 +11,11 @@ use std::time::Instant;
 use anyhow::Context;
 use burn::optim::Optimizer;
 use clap::Parser;
-use flashover::backend::COMPILED;
-use flashover::core::precision::{LossScaling, Precision};
+use flashover::core::precision::LossScaling;
 use flashover::distributed::{Distributed, Options as DistOptions};
 use flashover::models::TrainBackend;
 use flashover::prelude::*;
-use flashover_examples::cli::{
-    self, CheckpointArgs, LogArgs, OptimizerKind, ScheduleKind, WithOptimizer,
-};
+use flashover_examples::cli::{self, WithOptimizer};
 use flashover_examples::{
     bundled_mnist_dir, defaults, MetricCurve, MnistCnn, MnistData, MnistModel, MnistRun, ModelKind,
 };
@@ -37,60 +34,13 @@ flashover_examples::use_mimalloc!();
 #[derive(Debug, Parser)]
 #[command(version, about, long_about = None)]
 struct Args {
-    /// How long to train (ep, ba, sp or tok, or a wall-clock time such as 1h30m).
-    #[arg(long, default_value = defaults::MAX_DURATION)]
-    max_duration: Time,
-    /// Samples per batch (per optimizer step), over all processes: with N processes each
-    /// reads batch-size / N (N must divide it), so the run trains like one process would.
-    #[arg(long, default_value_t = defaults::BATCH_SIZE)]
-    batch_size: usize,
-    /// Split each process's share of a batch into microbatches of this size (gradient
-    /// accumulation), or `auto`: the whole share, halved whenever the device runs out of
-    /// memory (the batch is retried with the same random draws; the size is kept).
-    #[arg(long)]
-    microbatch_size: Option<cli::MicrobatchSize>,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = defaults::LR)]
-    lr: f64,
-    /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
-    optimizer: OptimizerKind,
-    /// Momentum for SGD.
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
-    /// Weight decay (decoupled for AdamW, L2 for Adam and SGD).
-    #[arg(long, default_value_t = defaults::WEIGHT_DECAY)]
-    weight_decay: f32,
-    /// Learning-rate schedule over the run.
-    #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
-    schedule: ScheduleKind,
-    /// Linear warmup at the start of the schedule.
-    #[arg(long, default_value = defaults::WARMUP)]
-    warmup: Time,
-    /// Multiply the run's length and schedule milestones by this ratio (default 1, or the
-    /// recipe's ratio with --recipe).
-    #[arg(long)]
-    scale_schedule_ratio: Option<f64>,
-    /// A preset stack of speed-up algorithms with its scale-schedule ratio: mild, medium or
-    /// hot, or for the ResNets resnet-mild, resnet-medium or resnet-hot.
-    #[arg(long)]
-    recipe: Option<String>,
-    // The help lists the names from the algorithms' registry (`spec::help`), so it cannot
-    // drift from what the parser accepts.
-    #[arg(long, default_value = "", help = flashover::algorithms::spec::help(true))]
-    algorithms: String,
+    #[command(flatten)]
+    run: cli::RunArgs<MnistDefaults>,
     /// Layout of the CNN's activations: auto (channels-last on the CPU, where Flashover's
     /// kernels are the fast path; channels-first on GPU backends), channels-first (Burn's own
     /// kernels) or channels-last. The weights are the same in every format.
     #[arg(long, default_value = "auto")]
     memory_format: MemoryFormat,
-    /// Floating-point setup: fp32; fp16 or bf16 (the whole model in the half type); amp_fp16
-    /// or amp_bf16 (float32 weights and optimizer, forward and backward in the half type;
-    /// float16 with dynamic loss scaling). Half types need a backend that computes them (flex,
-    /// wgpu with shader-f16, cuda); the run stops with an error naming the supported ones
-    /// otherwise.
-    #[arg(long, default_value = "fp32")]
-    precision: Precision,
     /// Float16 precisions: the first loss scale (PyTorch's default, 2^16).
     #[arg(long, default_value_t = 65536.0)]
     loss_scale_init: f64,
@@ -101,19 +51,10 @@ struct Args {
     /// ResNets at widths 16-32-64, with batch norm), resnet18 (four stages at 16-32-64-128).
     #[arg(long, default_value = "cnn")]
     model: ModelKind,
-    /// Seed for weights, data order and every random draw.
-    #[arg(long, default_value_t = defaults::SEED)]
-    seed: u64,
-    /// Evaluate on the test split this often.
-    #[arg(long, default_value = "1ep")]
-    eval_interval: Time,
     /// Directory with MNIST IDX files (train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz],
     /// t10k-* or test-* for the test split). Default: the bundled 10k digits.
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Backend to run on, among those compiled in.
-    #[arg(long, default_value_t = COMPILED[0].to_string())]
-    backend: String,
     /// Write model.safetensors, summary.json and training.png (loss, accuracy and learning
     /// rate against batches) here.
     #[arg(long)]
@@ -124,26 +65,6 @@ struct Args {
     /// Evaluate on only the first N test digits.
     #[arg(long)]
     test_limit: Option<usize>,
-    /// Batches the loader prepares ahead on its own thread (0: none).
-    #[arg(long, default_value_t = 2)]
-    prefetch: usize,
-    /// Skip batches whose loss is NaN or infinite instead of stopping with an error.
-    #[arg(long)]
-    skip_nonfinite_loss: bool,
-    /// Log the training loss every N batches.
-    #[arg(long, default_value_t = defaults::LOG_EVERY)]
-    log_every: u64,
-    /// No progress bar.
-    #[arg(long)]
-    no_progress: bool,
-    #[command(flatten)]
-    checkpoint: CheckpointArgs,
-    #[command(flatten)]
-    logs: LogArgs,
-    /// Stop cleanly once training reaches this time (the state is saved if --save-folder is
-    /// set), for example to resume later.
-    #[arg(long)]
-    stop_after: Option<Time>,
     /// The number of processes this run expects (started by `cargo xtask launch -n N` or
     /// `mpirun -n N`); an error if the launcher started another number, or none.
     #[arg(long)]
@@ -161,6 +82,28 @@ struct Args {
     /// of sharding and resumption; use with --prefetch 0).
     #[arg(long, hide = true)]
     record_indices: Option<PathBuf>,
+}
+
+/// The MNIST job's defaults for the flags it shares with the other main jobs.
+#[derive(Debug, Clone)]
+struct MnistDefaults;
+
+impl cli::RunDefaults for MnistDefaults {
+    const MAX_DURATION: &'static str = defaults::MAX_DURATION;
+    const MAX_DURATION_HELP: &'static str =
+        "How long to train (ep, ba, sp or tok, or a wall-clock time such as 1h30m)";
+    const BATCH_SIZE: usize = defaults::BATCH_SIZE;
+    const BATCH_SIZE_HELP: &'static str = "Samples per batch (per optimizer step), over all processes: with N processes each reads batch-size / N (N must divide it), so the run trains like one process would";
+    const MICROBATCH_HELP: &'static str = "Split each process's share of a batch into microbatches of this size (gradient accumulation), or `auto`: the whole share, halved whenever the device runs out of memory (the batch is retried with the same random draws; the size is kept)";
+    const LR: f64 = defaults::LR;
+    const WEIGHT_DECAY: f32 = defaults::WEIGHT_DECAY;
+    const WARMUP: &'static str = defaults::WARMUP;
+    const SEED: u64 = defaults::SEED;
+    const EVAL_INTERVAL: &'static str = "1ep";
+    const EVAL_INTERVAL_HELP: &'static str = "Evaluate on the test split this often";
+    const LOG_EVERY: u64 = defaults::LOG_EVERY;
+    const RECIPE_HELP: &'static str = "A preset stack of speed-up algorithms with its scale-schedule ratio: mild, medium or hot, or for the ResNets resnet-mild, resnet-medium or resnet-hot";
+    const IMAGE: bool = true;
 }
 
 fn main() {
@@ -266,7 +209,7 @@ fn join(args: &Args) -> anyhow::Result<Distributed> {
 }
 
 fn dispatch(args: &Args, dist: &Distributed, device: usize) -> anyhow::Result<()> {
-    flashover_examples::with_backend!(args.backend.as_str(), run(args, device, dist))
+    flashover_examples::with_backend!(args.run.backend.as_str(), run(args, device, dist))
 }
 
 fn run<B: TrainBackend>(
@@ -277,11 +220,11 @@ fn run<B: TrainBackend>(
     let device = flashover_examples::device_at::<B>(device_index);
     match args.model.resnet() {
         None => {
-            let model = MnistCnn::<B>::new(&device, args.seed);
+            let model = MnistCnn::<B>::new(&device, args.run.seed);
             with_optimizer(args, device, model, dist)
         }
         Some(shape) => {
-            let model = shape.init::<B>(&device, args.seed);
+            let model = shape.init::<B>(&device, args.run.seed);
             with_optimizer(args, device, model, dist)
         }
     }
@@ -310,7 +253,13 @@ fn with_optimizer<B: TrainBackend, M: MnistModel<B>>(
     dist: &Distributed,
 ) -> anyhow::Result<()> {
     let job = Job { args, device, dist };
-    cli::with_optimizer(args.optimizer, args.weight_decay, args.momentum, model, job)
+    cli::with_optimizer(
+        args.run.optimizer,
+        args.run.weight_decay,
+        args.run.momentum,
+        model,
+        job,
+    )
 }
 
 fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
@@ -326,11 +275,11 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     // Every output location is checked before the first batch, not found unwritable after
     // the run. Only rank 0 writes.
     flashover_examples::cli::local_folder_flag("--out", args.out.as_deref())?;
-    flashover_examples::cli::local_folder_flag("--log-dir", args.logs.log_dir.as_deref())?;
+    flashover_examples::cli::local_folder_flag("--log-dir", args.run.logs.log_dir.as_deref())?;
     if let (Some(out), true) = (&args.out, main) {
         flashover::callbacks::check_writable_dir(out).context("checking --out")?;
     }
-    let batch_size = flashover::distributed::per_rank("batch_size", args.batch_size, world)?;
+    let batch_size = flashover::distributed::per_rank("batch_size", args.run.batch_size, world)?;
     let record_indices = args
         .record_indices
         .as_ref()
@@ -340,76 +289,80 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
             dir: args.data_dir.clone().unwrap_or_else(bundled_mnist_dir),
             batch_size,
             eval_batch_size: 500,
-            seed: args.seed,
+            seed: args.run.seed,
             train_limit: args.train_limit,
             test_limit: args.test_limit,
-            prefetch: args.prefetch,
+            prefetch: args.run.prefetch,
             world,
             record_indices,
         },
-        max_duration: args.max_duration,
-        microbatch_size: args.microbatch_size.and_then(cli::MicrobatchSize::fixed),
-        auto_microbatching: args.microbatch_size == Some(cli::MicrobatchSize::Auto),
-        lr: args.lr,
-        scheduler: cli::scheduler(args.schedule, args.warmup),
+        max_duration: args.run.max_duration,
+        microbatch_size: args
+            .run
+            .microbatch_size
+            .and_then(cli::MicrobatchSize::fixed),
+        auto_microbatching: args.run.microbatch_size == Some(cli::MicrobatchSize::Auto),
+        lr: args.run.lr,
+        scheduler: cli::scheduler(args.run.schedule, args.run.warmup),
         scale_schedule_ratio: 1.0,
-        seed: args.seed,
-        eval_interval: args.eval_interval,
-        skip_nonfinite_loss: args.skip_nonfinite_loss,
-        algorithms: flashover::algorithms::spec::parse_list(&args.algorithms)?,
+        seed: args.run.seed,
+        eval_interval: args.run.eval_interval,
+        skip_nonfinite_loss: args.run.skip_nonfinite_loss,
+        algorithms: flashover::algorithms::spec::parse_list(&args.run.algorithms)?,
         memory_format: args.memory_format,
-        precision: args.precision,
+        precision: args.run.precision,
         loss_scaling: LossScaling {
             init_scale: args.loss_scale_init,
             growth_interval: args.loss_scale_growth_interval,
             ..LossScaling::default()
         },
     };
-    if let Some(name) = &args.recipe {
+    if let Some(name) = &args.run.recipe {
         recipe = recipe.with_recipe(name)?;
     }
-    if let Some(ssr) = args.scale_schedule_ratio {
+    if let Some(ssr) = args.run.scale_schedule_ratio {
         recipe.scale_schedule_ratio = ssr;
     }
     let curve = MetricCurve::default();
     let mut builder = recipe
         .builder_with::<B, M, O>(model, optimizer, &device)
         .context("setting up the run")?
-        .logger(ConsoleLogger::new(args.log_every))
-        .hyperparameter("backend", args.backend.clone())
+        .logger(ConsoleLogger::new(args.run.log_every))
+        .hyperparameter("backend", args.run.backend.clone())
         .hyperparameter("model", args.model.name())
-        .hyperparameter("optimizer", args.optimizer.name())
+        .hyperparameter("optimizer", args.run.optimizer.name())
         .callback(curve.clone())
         .boxed_collective(dist.collective(device.clone())?);
-    if !args.no_progress {
+    if !args.run.no_progress {
         builder = builder.logger(ProgressBar::new());
     }
-    if let Some(at) = args.stop_after {
+    if let Some(at) = args.run.stop_after {
         builder = builder.callback(StopAt::new(at));
     }
-    if let Some(saver) = args.checkpoint.saver()? {
+    if let Some(saver) = args.run.checkpoint.saver()? {
         builder = builder.callback(saver);
     }
     // Rank 0 looks first (it may move damaged checkpoints aside, or download from an
     // object store), then the others find the folder as rank 0 left it; the trainer checks
     // that every rank resumed alike.
     let resume = if main {
-        let r = args.checkpoint.autoresume(true)?;
+        let r = args.run.checkpoint.autoresume(true)?;
         dist.barrier()?;
         r
     } else {
         dist.barrier()?;
-        args.checkpoint.autoresume(false)?
+        args.run.checkpoint.autoresume(false)?
     };
     // A resumed run appends to the logs of the run it continues.
-    let ck = &args.checkpoint;
+    let ck = &args.run.checkpoint;
     let resuming = resume.is_some() || (ck.load.is_some() && !ck.weights_only);
     let log_sync = args
+        .run
         .logs
-        .start_log_sync(main, args.checkpoint.save_location()?.as_ref())?;
-    let (mut builder, plot) = args.logs.observe(
+        .start_log_sync(main, args.run.checkpoint.save_location()?.as_ref())?;
+    let (mut builder, plot) = args.run.logs.observe(
         builder,
-        args.log_every,
+        args.run.log_every,
         &device,
         args.out.as_deref(),
         resuming,
@@ -483,7 +436,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         "world_size": world.size,
         "devices": args.devices,
         "allreduce_seconds": dist.allreduce_time().as_secs_f64(),
-        "batch_size": args.batch_size,
+        "batch_size": args.run.batch_size,
         "epochs": ts.epoch,
         "batches": ts.batch,
         "samples": ts.sample,
@@ -493,11 +446,11 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         // Dynamic loss scaling (float16): the scale reached and the steps it skipped.
         "loss_scale": state.loss_scaler.map(|s| s.scale),
         "overflow_skipped_steps": state.loss_scaler.map(|s| s.skipped_steps),
-        "backend": args.backend,
+        "backend": args.run.backend,
         "model": args.model.name(),
-        "seed": args.seed,
+        "seed": args.run.seed,
         "max_duration": state.max_duration.to_string(),
-        "recipe": args.recipe,
+        "recipe": args.run.recipe,
         "algorithms": recipe.algorithms.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
         "scale_schedule_ratio": recipe.scale_schedule_ratio,
         // Whether the convolutions and pools ran channels-last (the CPU fast path).

@@ -22,16 +22,13 @@ use burn::optim::Optimizer;
 use clap::Parser;
 use flashover::algorithms::recipes::recipe;
 use flashover::algorithms::spec::{build_language_model, parse_list, AlgorithmSpec};
-use flashover::backend::COMPILED;
 use flashover::callbacks::Generate;
 use flashover::checkpoint::remote::Location;
 use flashover::core::metric::{Accuracy, LossMetric};
 use flashover::core::trainer::Evaluator;
 use flashover::models::{Gpt, GptConfig, Sampling, TrainBackend};
 use flashover::prelude::*;
-use flashover_examples::cli::{
-    self, CheckpointArgs, LogArgs, OptimizerKind, ScheduleKind, WithOptimizer,
-};
+use flashover_examples::cli::{self, OptimizerKind, WithOptimizer};
 use flashover_examples::shakespeare::{
     bigram_loss, bundled_shakespeare, read_text, window_loader, ShakespeareSplit, TokenizerChoice,
     Windows,
@@ -50,20 +47,8 @@ flashover_examples::use_mimalloc!();
 #[derive(Debug, Parser)]
 #[command(version, about, long_about = None)]
 struct Args {
-    /// How long to train (ep, ba, sp or tok); the default takes about 5 minutes on two
-    /// cores.
-    #[arg(long, default_value = "700ba")]
-    max_duration: Time,
-    /// Windows per batch (per optimizer step).
-    #[arg(long, default_value_t = 32)]
-    batch_size: usize,
-    /// Split each batch into microbatches of this many windows (gradient accumulation), or
-    /// `auto` (see the mnist example).
-    #[arg(long)]
-    microbatch_size: Option<cli::MicrobatchSize>,
-    /// Floating-point setup: fp32, fp16, bf16, amp_fp16 or amp_bf16 (see the mnist example).
-    #[arg(long, default_value = "fp32")]
-    precision: flashover::core::precision::Precision,
+    #[command(flatten)]
+    run: cli::RunArgs<GptDefaults>,
     /// Tokens per training window (at most --context, or ALiBi's max_sequence_length).
     #[arg(long, default_value_t = 128)]
     seq_len: usize,
@@ -86,71 +71,12 @@ struct Args {
     /// A separate output layer instead of logits through the token embeddings.
     #[arg(long)]
     untied: bool,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 3e-3)]
-    lr: f64,
-    /// Optimizer.
-    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
-    optimizer: OptimizerKind,
-    /// Momentum for SGD.
-    #[arg(long, default_value_t = 0.9)]
-    momentum: f64,
-    /// Weight decay (decoupled for AdamW, L2 for Adam and SGD).
-    #[arg(long, default_value_t = 0.01)]
-    weight_decay: f32,
-    /// Learning-rate schedule over the run.
-    #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
-    schedule: ScheduleKind,
-    /// Linear warmup at the start of the schedule.
-    #[arg(long, default_value = "100ba")]
-    warmup: Time,
-    /// Multiply the run's length and schedule milestones by this ratio (default 1, or the
-    /// recipe's ratio with --recipe).
-    #[arg(long)]
-    scale_schedule_ratio: Option<f64>,
-    /// A preset stack of speed-up algorithms with its scale-schedule ratio: gpt-mild,
-    /// gpt-medium or gpt-hot.
-    #[arg(long)]
-    recipe: Option<String>,
-    // The help lists the names from the algorithms' registry (`spec::help`), so it cannot
-    // drift from what the parser accepts.
-    #[arg(long, default_value = "", help = flashover::algorithms::spec::help(false))]
-    algorithms: String,
-    /// Seed for weights, data order and every random draw.
-    #[arg(long, default_value_t = 42)]
-    seed: u64,
-    /// Evaluate on the validation plays this often (and at the end).
-    #[arg(long, default_value = "350ba")]
-    eval_interval: Time,
     /// Evaluate on only the first N validation windows (default: all of them).
     #[arg(long)]
     val_windows: Option<usize>,
     /// Train on only the first N training windows.
     #[arg(long)]
     train_windows: Option<usize>,
-    /// Backend to run on, among those compiled in.
-    #[arg(long, default_value_t = COMPILED[0].to_string())]
-    backend: String,
-    /// Log the training loss every N batches.
-    #[arg(long, default_value_t = 50)]
-    log_every: u64,
-    /// No progress bar.
-    #[arg(long)]
-    no_progress: bool,
-    /// Batches the loader prepares ahead on its own thread (0: none).
-    #[arg(long, default_value_t = 2)]
-    prefetch: usize,
-    /// Skip batches whose loss is NaN or infinite instead of stopping with an error.
-    #[arg(long)]
-    skip_nonfinite_loss: bool,
-    #[command(flatten)]
-    checkpoint: CheckpointArgs,
-    #[command(flatten)]
-    logs: LogArgs,
-    /// Stop cleanly once training reaches this time (the state is saved if --save-folder is
-    /// set), for example to resume later.
-    #[arg(long)]
-    stop_after: Option<Time>,
     /// After training (or, with --autoresume on a finished run, instead of it), continue this
     /// text with --tokens characters sampled from the model; printed before the summary and
     /// in it as `generated`.
@@ -192,6 +118,30 @@ struct Args {
     bpe_vocab: usize,
 }
 
+/// The language job's defaults for the flags it shares with the other main jobs.
+#[derive(Debug, Clone)]
+struct GptDefaults;
+
+impl cli::RunDefaults for GptDefaults {
+    const MAX_DURATION: &'static str = "700ba";
+    const MAX_DURATION_HELP: &'static str =
+        "How long to train (ep, ba, sp or tok); the default takes about 5 minutes on two cores";
+    const BATCH_SIZE: usize = 32;
+    const BATCH_SIZE_HELP: &'static str = "Windows per batch (per optimizer step)";
+    const MICROBATCH_HELP: &'static str = "Split each batch into microbatches of this many windows (gradient accumulation), or `auto` (see the mnist example)";
+    const LR: f64 = 3e-3;
+    const WEIGHT_DECAY: f32 = 0.01;
+    const WARMUP: &'static str = "100ba";
+    const SEED: u64 = 42;
+    const EVAL_INTERVAL: &'static str = "350ba";
+    const EVAL_INTERVAL_HELP: &'static str =
+        "Evaluate on the validation plays this often (and at the end)";
+    const LOG_EVERY: u64 = 50;
+    const RECIPE_HELP: &'static str =
+        "A preset stack of speed-up algorithms with its scale-schedule ratio: gpt-mild, gpt-medium or gpt-hot";
+    const IMAGE: bool = false;
+}
+
 /// The tokenizers offered.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum TokenizerKind {
@@ -205,7 +155,7 @@ fn main() {
     // Log lines on stderr, coloured only on a terminal (never ANSI codes in a log file).
     flashover::init_logging();
     let args = Args::parse();
-    if let Err(e) = flashover_examples::with_backend!(args.backend.as_str(), run(&args)) {
+    if let Err(e) = flashover_examples::with_backend!(args.run.backend.as_str(), run(&args)) {
         eprintln!("error: {}", flashover::core::error::report(e.as_ref()));
         std::process::exit(1);
     }
@@ -245,7 +195,7 @@ fn longest_input(algorithms: &[AlgorithmSpec], context: usize) -> anyhow::Result
 
 fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let started = Instant::now();
-    args.logs.check()?;
+    args.run.logs.check()?;
     for (flag, value) in [
         ("--val-windows", args.val_windows),
         ("--train-windows", args.train_windows),
@@ -258,13 +208,13 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     }
     let mut algorithms = Vec::new();
     let mut scale_schedule_ratio = 1.0;
-    if let Some(name) = &args.recipe {
+    if let Some(name) = &args.run.recipe {
         let r = recipe(name)?;
         algorithms = r.specs();
         scale_schedule_ratio = r.scale_schedule_ratio;
     }
-    algorithms.extend(parse_list(&args.algorithms)?);
-    if let Some(ssr) = args.scale_schedule_ratio {
+    algorithms.extend(parse_list(&args.run.algorithms)?);
+    if let Some(ssr) = args.run.scale_schedule_ratio {
         scale_schedule_ratio = ssr;
     }
     let longest = longest_input(&algorithms, args.context)?;
@@ -289,7 +239,7 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         tokens: args.tokens,
         temperature: args.temperature,
         top_k: args.top_k,
-        seed: args.seed,
+        seed: args.run.seed,
     };
     sampling.check().map_err(|e| {
         named_flag(
@@ -309,11 +259,11 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let split = ShakespeareSplit::load_with(&path, choice)?;
     // The checkpoints of a folder were trained with one tokenizer: kept beside them, and
     // compared on every later run and on --load.
-    if let Some(folder) = &args.checkpoint.local_folder()? {
+    if let Some(folder) = &args.run.checkpoint.local_folder()? {
         split.tokenizer.keep_beside(folder)?;
     }
     // (A checkpoint loaded from an object store has no tokenizer beside it: not checked.)
-    if let Some(Location::Local(given)) = &args.checkpoint.load_location()? {
+    if let Some(Location::Local(given)) = &args.run.checkpoint.load_location()? {
         let dir = &flashover::checkpoint::resolve_checkpoint(given);
         let beside = [
             dir.join(TOKENIZER_FILE),
@@ -371,14 +321,14 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         })?
         .with_tied_weights(!args.untied);
     // A shape that cannot fit is refused here, not met as an allocation abort.
-    let copies = match args.optimizer {
+    let copies = match args.run.optimizer {
         OptimizerKind::Adamw | OptimizerKind::Adam => 4,
         OptimizerKind::Sgd => 3,
     };
-    let logits = (args.batch_size as u128)
+    let logits = (args.run.batch_size as u128)
         .saturating_mul(args.seq_len as u128)
         .saturating_mul(vocab as u128);
-    let host = matches!(args.backend.as_str(), "flex" | "ndarray");
+    let host = matches!(args.run.backend.as_str(), "flex" | "ndarray");
     flashover_examples::fits::check_fits(
         &format!(
             "--width {} with --layers {}, --context {} and a {vocab}-token vocabulary",
@@ -387,7 +337,7 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         &format!(
             "its {} parameters, their gradients and {}'s state, with one batch's logits,",
             config.num_params(),
-            args.optimizer.name()
+            args.run.optimizer.name()
         ),
         flashover_examples::fits::least_training_bytes(config.num_params(), copies, logits),
         if host {
@@ -397,7 +347,7 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         },
     )?;
     let device = B::Device::default();
-    let model = config.init::<B>(&device, args.seed);
+    let model = config.init::<B>(&device, args.run.seed);
     let prepared = Prepared {
         split,
         config,
@@ -410,7 +360,13 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         started,
     };
     let job = Job { args, prepared };
-    cli::with_optimizer(args.optimizer, args.weight_decay, args.momentum, model, job)
+    cli::with_optimizer(
+        args.run.optimizer,
+        args.run.weight_decay,
+        args.run.momentum,
+        model,
+        job,
+    )
 }
 
 /// The training run once `--optimizer` is built.
@@ -469,12 +425,12 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     let train = window_loader::<B>(
         "shakespeare-train",
         Windows::over(p.split.train.clone(), args.seq_len, args.train_windows),
-        args.batch_size,
+        args.run.batch_size,
         true,
-        args.seed,
+        args.run.seed,
         &device,
     )?
-    .with_prefetch(args.prefetch)?;
+    .with_prefetch(args.run.prefetch)?;
     let val_windows = Windows::over(p.split.validation.clone(), p.eval_seq_len, args.val_windows);
     let val_tokens = val_windows.len() * p.eval_seq_len;
     let val_bytes_per_token = bytes_per_target(
@@ -490,9 +446,9 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     let val = window_loader::<B::InnerBackend>(
         "shakespeare-validation",
         val_windows,
-        args.batch_size,
+        args.run.batch_size,
         false,
-        args.seed,
+        args.run.seed,
         &device,
     )?;
     let metrics = || -> Vec<Box<dyn flashover::core::metric::Metric<_>>> {
@@ -508,9 +464,9 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
             let loader = window_loader::<B::InnerBackend>(
                 &path.display().to_string(),
                 Windows::over(Arc::new(tokens.clone()), p.eval_seq_len, None),
-                args.batch_size,
+                args.run.batch_size,
                 false,
-                args.seed,
+                args.run.seed,
                 &device,
             )
             .with_context(|| format!("--eval-text {}", path.display()))?;
@@ -518,21 +474,27 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         }
     };
     let curve = MetricCurve::of("val", "loss");
-    let mut builder = Trainer::builder(model, optimizer, train, args.max_duration, device.clone())
-        .lr(args.lr)
-        .scheduler(cli::scheduler(args.schedule, args.warmup))
-        .scale_schedule_ratio(p.scale_schedule_ratio)
-        .seed(args.seed)
-        .eval_interval(args.eval_interval)
-        .evaluator(evaluator)
-        .skip_nonfinite_loss(args.skip_nonfinite_loss)
-        .precision(args.precision)
-        .logger(ConsoleLogger::new(args.log_every))
-        .callback(curve.clone())
-        .hyperparameter("backend", args.backend.clone())
-        .hyperparameter("optimizer", args.optimizer.name())
-        .hyperparameter("model", format!("{:?}", p.config));
-    match args.microbatch_size {
+    let mut builder = Trainer::builder(
+        model,
+        optimizer,
+        train,
+        args.run.max_duration,
+        device.clone(),
+    )
+    .lr(args.run.lr)
+    .scheduler(cli::scheduler(args.run.schedule, args.run.warmup))
+    .scale_schedule_ratio(p.scale_schedule_ratio)
+    .seed(args.run.seed)
+    .eval_interval(args.run.eval_interval)
+    .evaluator(evaluator)
+    .skip_nonfinite_loss(args.run.skip_nonfinite_loss)
+    .precision(args.run.precision)
+    .logger(ConsoleLogger::new(args.run.log_every))
+    .callback(curve.clone())
+    .hyperparameter("backend", args.run.backend.clone())
+    .hyperparameter("optimizer", args.run.optimizer.name())
+    .hyperparameter("model", format!("{:?}", p.config));
+    match args.run.microbatch_size {
         Some(cli::MicrobatchSize::Fixed(mb)) => builder = builder.microbatch_size(mb),
         Some(cli::MicrobatchSize::Auto) => builder = builder.auto_microbatching(true),
         None => {}
@@ -547,10 +509,10 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     if let Some(e) = text_evaluator {
         builder = builder.evaluator(e);
     }
-    if !args.no_progress {
+    if !args.run.no_progress {
         builder = builder.logger(ProgressBar::new());
     }
-    if let Some(at) = args.stop_after {
+    if let Some(at) = args.run.stop_after {
         builder = builder.callback(StopAt::new(at));
     }
     if let Some(every) = args.generate_every {
@@ -566,16 +528,18 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         );
         builder = builder.callback(Generate::new(prompts, every, f)?);
     }
-    if let Some(saver) = args.checkpoint.saver()? {
+    if let Some(saver) = args.run.checkpoint.saver()? {
         builder = builder.callback(saver);
     }
-    let (restore, resuming) = args.checkpoint.restore()?;
+    let (restore, resuming) = args.run.checkpoint.restore()?;
     let log_sync = args
+        .run
         .logs
-        .start_log_sync(true, args.checkpoint.save_location()?.as_ref())?;
+        .start_log_sync(true, args.run.checkpoint.save_location()?.as_ref())?;
     let (mut builder, plot) =
-        args.logs
-            .observe(builder, args.log_every, &device, None, resuming, true)?;
+        args.run
+            .logs
+            .observe(builder, args.run.log_every, &device, None, resuming, true)?;
     if let Some(restore) = restore {
         builder = builder.restore(restore);
     }
@@ -659,11 +623,11 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         "text_bits_per_byte": text_loss
             .zip(text_bytes_per_token)
             .map(|(l, b)| l / std::f64::consts::LN_2 / b),
-        "backend": args.backend,
-        "seed": args.seed,
-        "optimizer": args.optimizer.name(),
+        "backend": args.run.backend,
+        "seed": args.run.seed,
+        "optimizer": args.run.optimizer.name(),
         "max_duration": state.max_duration.to_string(),
-        "recipe": args.recipe,
+        "recipe": args.run.recipe,
         "algorithms": p.algorithms.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
         "scale_schedule_ratio": p.scale_schedule_ratio,
         "val_curve": curve.points(),

@@ -21,6 +21,127 @@ use flashover::core::time::Time;
 use flashover::core::trainer::TrainerBuilder;
 use std::sync::Arc;
 
+/// What differs between the programs in the run flags they share: defaults and the words of
+/// a few helps ([`RunArgs`] is generic over it, so each program flattens the same flags with
+/// its own defaults).
+pub trait RunDefaults: Send + Sync + 'static {
+    /// `--max-duration`'s default and help.
+    const MAX_DURATION: &'static str;
+    /// Help of `--max-duration`.
+    const MAX_DURATION_HELP: &'static str;
+    /// `--batch-size`'s default.
+    const BATCH_SIZE: usize;
+    /// Help of `--batch-size`.
+    const BATCH_SIZE_HELP: &'static str;
+    /// Help of `--microbatch-size`.
+    const MICROBATCH_HELP: &'static str;
+    /// `--lr`'s default.
+    const LR: f64;
+    /// `--weight-decay`'s default.
+    const WEIGHT_DECAY: f32;
+    /// `--warmup`'s default.
+    const WARMUP: &'static str;
+    /// `--seed`'s default.
+    const SEED: u64;
+    /// `--eval-interval`'s default.
+    const EVAL_INTERVAL: &'static str;
+    /// Help of `--eval-interval`.
+    const EVAL_INTERVAL_HELP: &'static str;
+    /// `--log-every`'s default.
+    const LOG_EVERY: u64;
+    /// Help of `--recipe` (the recipes the program's models take).
+    const RECIPE_HELP: &'static str;
+    /// Whether the program trains an image classifier (else a language model): which
+    /// algorithms its `--algorithms` help lists.
+    const IMAGE: bool;
+}
+
+/// The flags every main job takes with the same meaning: length and batch, optimizer and
+/// schedule, algorithms and recipe, precision, seed, evaluation and logging, checkpoints,
+/// stopping and the backend. Each program flattens it (`#[command(flatten)] run:
+/// RunArgs<Defaults>`) with its own [`RunDefaults`].
+#[derive(Debug, Clone, clap::Args)]
+pub struct RunArgs<D: RunDefaults> {
+    /// How long to train (the program's help says more).
+    #[arg(long, default_value = D::MAX_DURATION, help = D::MAX_DURATION_HELP)]
+    pub max_duration: Time,
+    /// Samples per batch (per optimizer step).
+    #[arg(long, default_value_t = D::BATCH_SIZE, help = D::BATCH_SIZE_HELP)]
+    pub batch_size: usize,
+    /// Microbatch size (gradient accumulation), or `auto`.
+    #[arg(long, help = D::MICROBATCH_HELP)]
+    pub microbatch_size: Option<MicrobatchSize>,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = D::LR)]
+    pub lr: f64,
+    /// Optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    pub optimizer: OptimizerKind,
+    /// Momentum for SGD.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Weight decay (decoupled for AdamW, L2 for Adam and SGD).
+    #[arg(long, default_value_t = D::WEIGHT_DECAY)]
+    pub weight_decay: f32,
+    /// Learning-rate schedule over the run.
+    #[arg(long, value_enum, default_value_t = ScheduleKind::Cosine)]
+    pub schedule: ScheduleKind,
+    /// Linear warmup at the start of the schedule.
+    #[arg(long, default_value = D::WARMUP)]
+    pub warmup: Time,
+    /// Multiply the run's length and schedule milestones by this ratio (default 1, or the
+    /// recipe's ratio with --recipe).
+    #[arg(long)]
+    pub scale_schedule_ratio: Option<f64>,
+    /// A preset stack of speed-up algorithms with its scale-schedule ratio.
+    #[arg(long, help = D::RECIPE_HELP)]
+    pub recipe: Option<String>,
+    /// Speed-up algorithms by name. (The help lists the names from the algorithms' registry,
+    /// `spec::help`, so it cannot drift from what the parser accepts.)
+    #[arg(long, default_value = "", help = flashover::algorithms::spec::help(D::IMAGE))]
+    pub algorithms: String,
+    /// Floating-point setup: fp32; fp16 or bf16 (the whole model in the half type); amp_fp16
+    /// or amp_bf16 (float32 weights and optimizer, forward and backward in the half type;
+    /// float16 with dynamic loss scaling). Half types need a backend that computes them (flex,
+    /// wgpu with shader-f16, cuda); the run stops with an error naming the supported ones
+    /// otherwise.
+    #[arg(long, default_value = "fp32")]
+    pub precision: flashover::core::precision::Precision,
+    /// Seed for weights, data order and every random draw.
+    #[arg(long, default_value_t = D::SEED)]
+    pub seed: u64,
+    /// How often to evaluate.
+    #[arg(long, default_value = D::EVAL_INTERVAL, help = D::EVAL_INTERVAL_HELP)]
+    pub eval_interval: Time,
+    /// Backend to run on, among those compiled in.
+    #[arg(long, default_value_t = flashover::backend::COMPILED[0].to_string())]
+    pub backend: String,
+    /// Batches the loader prepares ahead on its own thread (0: none).
+    #[arg(long, default_value_t = 2)]
+    pub prefetch: usize,
+    /// Skip batches whose loss is NaN or infinite instead of stopping with an error.
+    #[arg(long)]
+    pub skip_nonfinite_loss: bool,
+    /// Log the training loss every N batches.
+    #[arg(long, default_value_t = D::LOG_EVERY)]
+    pub log_every: u64,
+    /// No progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+    /// Checkpoints.
+    #[command(flatten)]
+    pub checkpoint: CheckpointArgs,
+    /// Logs, profiling and stopping rules.
+    #[command(flatten)]
+    pub logs: LogArgs,
+    /// Stop cleanly once training reaches this time (the state is saved if --save-folder is
+    /// set), for example to resume later.
+    #[arg(long)]
+    pub stop_after: Option<Time>,
+    #[arg(skip)]
+    _defaults: std::marker::PhantomData<D>,
+}
+
 /// The device type of a setup's backend.
 type DeviceOf<S> = <<S as Setup>::Backend as burn::tensor::backend::BackendTypes>::Device;
 
