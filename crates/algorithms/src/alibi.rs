@@ -225,22 +225,20 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(
+crate::spec::by_name! {
     name: "alibi",
     params: ["max_sequence_length", "train_sequence_length_scaling"],
-);
-crate::spec::by_name!(
-    language | p | {
-        let d = AlibiOptions::default();
-        Alibi::new(AlibiOptions::new(
-            p.usize("max_sequence_length", d.max_sequence_length)?,
-            p.f64(
-                "train_sequence_length_scaling",
-                d.train_sequence_length_scaling,
-            )?,
-        )?)
-    }
-);
+}
+crate::spec::by_name! {language |p| {
+    let d = AlibiOptions::default();
+    Alibi::new(AlibiOptions::new(
+        p.usize("max_sequence_length", d.max_sequence_length)?,
+        p.f64(
+            "train_sequence_length_scaling",
+            d.train_sequence_length_scaling,
+        )?,
+    )?)
+}}
 
 #[cfg(test)]
 mod tests {

@@ -156,26 +156,20 @@ impl ImageTransform for AugMixTransform {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(
+crate::spec::by_name! {
     name: "augmix",
     params: ["severity", "depth", "width", "alpha", "augmentation_set"],
-);
-crate::spec::by_name!(
-    image | p,
-    norm | AugMix::new(
-        AugMixConfig {
-            severity: p.f64("severity", 3.0)? as f32,
-            depth: p.parse("depth", -1i64, "-1 or an integer >= 1")?,
-            width: p.usize("width", 3)?,
-            alpha: p.f64("alpha", 1.0)?,
-            set: crate::augment::AugmentationSet::parse(
-                p.str("augmentation_set", "all"),
-                "augmix"
-            )?,
-        },
-        norm.clone(),
-    )?
-);
+}
+crate::spec::by_name! {image |p, norm| AugMix::new(
+    AugMixConfig {
+        severity: p.f64("severity", 3.0)? as f32,
+        depth: p.parse("depth", -1i64, "-1 or an integer >= 1")?,
+        width: p.usize("width", 3)?,
+        alpha: p.f64("alpha", 1.0)?,
+        set: crate::augment::AugmentationSet::parse(p.str("augmentation_set", "all"), "augmix")?,
+    },
+    norm.clone(),
+)?}
 
 #[cfg(test)]
 mod tests {

@@ -159,7 +159,7 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(
+crate::spec::by_name! {
     name: "blurpool",
     params: [
         "replace_convs",
@@ -167,18 +167,13 @@ crate::spec::by_name!(
         "blur_first",
         "min_channels",
     ],
-);
-crate::spec::by_name!(
-    image | p,
-    _norm | {
-        let d = BlurPoolOptions::default();
-        crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::BlurPool(
-            BlurPoolOptions {
-                replace_convs: p.bool("replace_convs", d.replace_convs)?,
-                replace_maxpools: p.bool("replace_maxpools", d.replace_maxpools)?,
-                blur_first: p.bool("blur_first", d.blur_first)?,
-                min_channels: p.usize("min_channels", d.min_channels)?,
-            },
-        ))
-    }
-);
+}
+crate::spec::by_name! {image |p, _norm| {
+    let d = BlurPoolOptions::default();
+    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::BlurPool(BlurPoolOptions {
+        replace_convs: p.bool("replace_convs", d.replace_convs)?,
+        replace_maxpools: p.bool("replace_maxpools", d.replace_maxpools)?,
+        blur_first: p.bool("blur_first", d.blur_first)?,
+        min_channels: p.usize("min_channels", d.min_channels)?,
+    }))
+}}

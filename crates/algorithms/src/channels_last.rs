@@ -47,5 +47,5 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "channels_last", params: []);
-crate::spec::by_name!(image | _p, _norm | ChannelsLast);
+crate::spec::by_name! {name: "channels_last", params: []}
+crate::spec::by_name! {image |_p, _norm| ChannelsLast}

@@ -71,11 +71,8 @@ impl ImageTransform for ColOutTransform {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "colout", params: ["p_row", "p_col"]);
-crate::spec::by_name!(
-    image | p,
-    _norm | ColOut::new(p.f64("p_row", 0.15)?, p.f64("p_col", 0.15)?)?
-);
+crate::spec::by_name! {name: "colout", params: ["p_row", "p_col"]}
+crate::spec::by_name! {image |p, _norm| ColOut::new(p.f64("p_row", 0.15)?, p.f64("p_col", 0.15)?)?}
 
 #[cfg(test)]
 mod tests {

@@ -175,13 +175,9 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "cutmix", params: ["alpha", "interpolate_loss"]);
-crate::spec::by_name!(
-    image | p,
-    _norm
-        | CutMix::new(p.f64("alpha", 1.0)?)?
-            .with_interpolate_loss(p.bool("interpolate_loss", false)?)
-);
+crate::spec::by_name! {name: "cutmix", params: ["alpha", "interpolate_loss"]}
+crate::spec::by_name! {image |p, _norm| CutMix::new(p.f64("alpha", 1.0)?)?
+.with_interpolate_loss(p.bool("interpolate_loss", false)?)}
 
 #[cfg(test)]
 mod tests {

@@ -120,11 +120,8 @@ impl ImageTransform for CutOutTransform {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "cutout", params: ["num_holes", "length"]);
-crate::spec::by_name!(
-    image | p,
-    _norm | CutOut::new(p.usize("num_holes", 1)?, p.f64("length", 0.5)?)?
-);
+crate::spec::by_name! {name: "cutout", params: ["num_holes", "length"]}
+crate::spec::by_name! {image |p, _norm| CutOut::new(p.usize("num_holes", 1)?, p.f64("length", 0.5)?)?}
 
 #[cfg(test)]
 mod tests {

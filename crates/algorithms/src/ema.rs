@@ -254,12 +254,10 @@ impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "ema", params: ["half_life"]);
-crate::spec::by_name!(
-    general
-        | p
-        | Ema::<S::Backend>::new(p.time("half_life", flashover_core::time::Time::Batch(1000))?,)?
-);
+crate::spec::by_name! {name: "ema", params: ["half_life"]}
+crate::spec::by_name! {general |p| Ema::<S::Backend>::new(
+    p.time("half_life", flashover_core::time::Time::Batch(1000))?,
+)?}
 
 #[cfg(test)]
 mod tests {

@@ -240,7 +240,7 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(
+crate::spec::by_name! {
     name: "factorize",
     params: [
         "factorize_convs",
@@ -250,15 +250,11 @@ crate::spec::by_name!(
         "min_features",
         "latent_features",
     ],
-);
-crate::spec::by_name!(
-    image | p,
-    _norm
-        | crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::Factorize(
-            options_by_name(p)?
-        ),)
-);
-crate::spec::by_name!(language | p | Factorize::new(options_by_name(p)?)?);
+}
+crate::spec::by_name! {image |p, _norm| crate::surgery::SurgeryByName::new(
+    crate::surgery::NamedSurgery::Factorize(options_by_name(p)?),
+)}
+crate::spec::by_name! {language |p| Factorize::new(options_by_name(p)?)?}
 
 /// Factorize's settings from its `--algorithms` parameters, checked.
 fn options_by_name(p: &crate::spec::Params<'_>) -> Result<FactorizeOptions> {

@@ -154,7 +154,7 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(
+crate::spec::by_name! {
     name: "gated_linear_units",
     params: [
         "activation",
@@ -162,18 +162,16 @@ crate::spec::by_name!(
         "gated_layer_bias",
         "non_gated_layer_bias",
     ],
-);
-crate::spec::by_name!(
-    language | p | {
-        let d = GluOptions::default();
-        GatedLinearUnits::new(GluOptions {
-            activation: GluOptions::activation(p.str("activation", d.activation.name()))?,
-            scale_hidden: p.bool("scale_hidden", d.scale_hidden)?,
-            gated_layer_bias: p.bool("gated_layer_bias", d.gated_layer_bias)?,
-            non_gated_layer_bias: p.bool("non_gated_layer_bias", d.non_gated_layer_bias)?,
-        })
-    }
-);
+}
+crate::spec::by_name! {language |p| {
+    let d = GluOptions::default();
+    GatedLinearUnits::new(GluOptions {
+        activation: GluOptions::activation(p.str("activation", d.activation.name()))?,
+        scale_hidden: p.bool("scale_hidden", d.scale_hidden)?,
+        gated_layer_bias: p.bool("gated_layer_bias", d.gated_layer_bias)?,
+        non_gated_layer_bias: p.bool("non_gated_layer_bias", d.non_gated_layer_bias)?,
+    })
+}}
 
 #[cfg(test)]
 mod tests {

@@ -111,16 +111,10 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "ghost_batchnorm", params: ["ghost_batch_size"]);
-crate::spec::by_name!(
-    image | p,
-    _norm | {
-        let size = p.usize(
-            "ghost_batch_size",
-            GhostBatchNorm::default().ghost_batch_size(),
-        )?;
-        // The same check as the typed algorithm's, now rather than at INIT.
-        GhostBatchNorm::new(size)?;
-        crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::GhostBatchNorm(size))
-    }
-);
+crate::spec::by_name! {name: "ghost_batchnorm", params: ["ghost_batch_size"]}
+crate::spec::by_name! {image |p, _norm| {
+    let size = p.usize("ghost_batch_size", GhostBatchNorm::default().ghost_batch_size())?;
+    // The same check as the typed algorithm's, now rather than at INIT.
+    GhostBatchNorm::new(size)?;
+    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::GhostBatchNorm(size))
+}}

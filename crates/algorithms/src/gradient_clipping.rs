@@ -224,15 +224,11 @@ impl<S: Setup> Algorithm<S> for GradientClipping {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "gradient_clipping", params: ["clipping_type", "clipping_threshold"]);
-crate::spec::by_name!(
-    general
-        | p
-        | GradientClipping::new(
-            ClippingType::parse(p.str("clipping_type", "norm"))?,
-            p.f64("clipping_threshold", 1.0)?,
-        )?
-);
+crate::spec::by_name! {name: "gradient_clipping", params: ["clipping_type", "clipping_threshold"]}
+crate::spec::by_name! {general |p| GradientClipping::new(
+    ClippingType::parse(p.str("clipping_type", "norm"))?,
+    p.f64("clipping_threshold", 1.0)?,
+)?}
 
 #[cfg(test)]
 mod tests {

@@ -362,20 +362,13 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "gyro_dropout", params: ["p", "sigma", "tau"]);
-crate::spec::by_name!(
-    image | p,
-    _norm | {
-        let d = GyroDropoutOptions::default();
-        crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::GyroDropout(
-            GyroDropoutOptions::new(
-                p.f64("p", d.p)?,
-                p.usize("sigma", d.sigma)?,
-                p.usize("tau", d.tau)?,
-            )?,
-        ))
-    }
-);
+crate::spec::by_name! {name: "gyro_dropout", params: ["p", "sigma", "tau"]}
+crate::spec::by_name! {image |p, _norm| {
+    let d = GyroDropoutOptions::default();
+    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::GyroDropout(
+        GyroDropoutOptions::new(p.f64("p", d.p)?, p.usize("sigma", d.sigma)?, p.usize("tau", d.tau)?)?,
+    ))
+}}
 
 #[cfg(test)]
 mod tests {

@@ -121,8 +121,8 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "label_smoothing", params: ["smoothing"]);
-crate::spec::by_name!(general | p | LabelSmoothing::new(p.f64("smoothing", 0.1)?)?);
+crate::spec::by_name! {name: "label_smoothing", params: ["smoothing"]}
+crate::spec::by_name! {general |p| LabelSmoothing::new(p.f64("smoothing", 0.1)?)?}
 
 #[cfg(test)]
 mod tests {

@@ -104,10 +104,11 @@ impl<S: Setup> Algorithm<S> for LayerFreezing {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "layer_freezing", params: ["freeze_start", "freeze_level"]);
-crate::spec::by_name!(
-    general | p | LayerFreezing::new(p.f64("freeze_start", 0.5)?, p.f64("freeze_level", 1.0)?,)?
-);
+crate::spec::by_name! {name: "layer_freezing", params: ["freeze_start", "freeze_level"]}
+crate::spec::by_name! {general |p| LayerFreezing::new(
+    p.f64("freeze_start", 0.5)?,
+    p.f64("freeze_level", 1.0)?,
+)?}
 
 #[cfg(test)]
 mod tests {

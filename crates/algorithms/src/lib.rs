@@ -115,6 +115,7 @@ pub mod label_smoothing;
 pub mod layer_freezing;
 pub mod low_precision_groupnorm;
 pub mod low_precision_layernorm;
+pub mod low_precision_norm;
 pub mod mixup;
 pub mod params;
 pub mod progressive_resizing;

@@ -19,74 +19,40 @@
 //! `flashover_models::norm::GroupNorm`); no parameter is added or changed. The layers changed
 //! and the half type are the checkpoint state; a checkpoint of another surgery is refused.
 
-use burn::tensor::backend::Backend;
-use burn::tensor::backend::DTypeUsage;
-use burn::tensor::DType;
-use flashover_core::callback::Algorithm;
-use flashover_core::event::Event;
-use flashover_core::logger::Logger;
-use flashover_core::precision::Precision;
-use flashover_core::setup::Setup;
-use flashover_core::state::State;
 use flashover_core::surgery::{GroupNormSurgery, HalfType, SurgeryRecord};
 
 use crate::error::AlgorithmError;
-use crate::surgery::{surgery_at_init, Applied};
+pub use crate::low_precision_norm::{accelerated_half, norm_half};
+use crate::low_precision_norm::{LowPrecisionNorm, NormKind, SetNormHalf};
 
-/// The half type `B` runs accelerated on `device`: bf16 first, then f16; `None` where
-/// neither is.
-pub fn accelerated_half<B: Backend>(device: &B::Device) -> Option<HalfType> {
-    let fast = |d: DType| B::dtype_usage(device, d).contains(DTypeUsage::Accelerated);
-    if fast(DType::BF16) {
-        Some(HalfType::BF16)
-    } else if fast(DType::F16) {
-        Some(HalfType::F16)
-    } else {
-        None
+/// The group norms of a model (the kind of [`LowPrecisionGroupNorm`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GroupNorms;
+
+impl NormKind for GroupNorms {
+    const NAME: &'static str = "low_precision_groupnorm";
+    const LAYER: &'static str = "group norm";
+}
+
+impl<M: GroupNormSurgery + ?Sized> SetNormHalf<M> for GroupNorms {
+    fn set_half(model: &mut M, half: HalfType) -> Vec<String> {
+        let mut layers = Vec::new();
+        model.for_each_group_norm(&mut |info, variant| {
+            variant.low_precision = Some(half);
+            layers.push(info.path.clone());
+        });
+        layers
     }
-}
-
-/// The half type the low-precision norms compute in: the run's, when it trains in a half or
-/// mixed precision (the norms then join the rest of the forward pass in that type, where
-/// they would otherwise be float32: Composer's use of them under autocast); in a float32
-/// run, the device's accelerated half type ([`accelerated_half`]); `None` where neither is.
-pub fn norm_half<B: Backend>(precision: Precision, device: &B::Device) -> Option<HalfType> {
-    precision.half().or_else(|| accelerated_half::<B>(device))
-}
-
-/// A low-precision normalisation's settings in the `--algorithms` syntax, with the half type
-/// chosen (shared with `low_precision_layernorm`).
-pub(crate) fn describe_half(algorithm: &str, half: Option<HalfType>) -> String {
-    match half {
-        Some(HalfType::BF16) => format!("{algorithm}:bf16"),
-        Some(HalfType::F16) => format!("{algorithm}:f16"),
-        None => algorithm.to_string(),
-    }
-}
-
-/// A low-precision normalisation's error for a backend without an accelerated half type:
-/// `layer` then stays in float32 (shared with `low_precision_layernorm`).
-pub(crate) fn no_half_type(
-    algorithm: &'static str,
-    layer: &str,
-    backend: String,
-) -> AlgorithmError {
-    AlgorithmError::param(
-        algorithm,
-        "backend",
-        backend,
-        format!("a run in a half or mixed precision (--precision amp_bf16, amp_fp16, bf16 or fp16), or a backend whose device runs f16 or bf16 accelerated (cuda, or wgpu on a GPU with half-precision matrix units); this float32 run on this backend would keep {layer} in float32: set a precision or remove the algorithm"),
-    )
 }
 
 /// The settings in the `--algorithms` syntax, with the half type chosen.
 pub(crate) fn describe(half: Option<HalfType>) -> String {
-    describe_half("low_precision_groupnorm", half)
+    crate::low_precision_norm::describe::<GroupNorms>(half)
 }
 
 /// The error for a backend without an accelerated half type.
 pub(crate) fn unsupported(backend: String) -> AlgorithmError {
-    no_half_type("low_precision_groupnorm", "group norm", backend)
+    crate::low_precision_norm::unsupported::<GroupNorms>(backend)
 }
 
 /// Makes every group norm of `model` compute in `half` (the functional form; call it
@@ -95,58 +61,24 @@ pub fn apply_low_precision_groupnorm<M: GroupNormSurgery + ?Sized>(
     model: &mut M,
     half: HalfType,
 ) -> SurgeryRecord {
-    let mut layers = Vec::new();
-    model.for_each_group_norm(&mut |info, variant| {
-        variant.low_precision = Some(half);
-        layers.push(info.path.clone());
-    });
-    SurgeryRecord {
-        settings: describe(Some(half)),
-        layers,
-    }
+    crate::low_precision_norm::apply::<GroupNorms, M>(model, half)
 }
 
 /// The LowPrecisionGroupNorm algorithm: [`apply_low_precision_groupnorm`] at `INIT` in the
 /// run's half type, or in a float32 run the backend's accelerated one ([`norm_half`]); an
 /// error where there is none.
-#[derive(Debug, Clone, Default)]
-pub struct LowPrecisionGroupNorm {
-    half: Option<HalfType>,
-    applied: Applied,
-}
-
-impl<S: Setup> Algorithm<S> for LowPrecisionGroupNorm
-where
-    S::Model: GroupNormSurgery,
-{
-    surgery_at_init!("low_precision_groupnorm", |this| describe(this.half));
-
-    fn apply(
-        &mut self,
-        _event: Event,
-        state: &mut State<S>,
-        _logger: &mut Logger,
-    ) -> flashover_core::Result<()> {
-        let half = norm_half::<S::Backend>(state.precision, &state.device)
-            .ok_or_else(|| unsupported(S::Backend::name(&state.device)))?;
-        self.half = Some(half);
-        self.applied.run("low_precision_groupnorm", state, |model| {
-            Ok(apply_low_precision_groupnorm(model, half))
-        })
-    }
-}
+pub type LowPrecisionGroupNorm = LowPrecisionNorm<GroupNorms>;
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "low_precision_groupnorm", params: []);
-crate::spec::by_name!(
-    image | _p,
-    _norm
-        | crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::LowPrecisionGroupNorm,)
-);
+crate::spec::by_name! {name: "low_precision_groupnorm", params: []}
+crate::spec::by_name! {image |_p, _norm| crate::surgery::SurgeryByName::new(
+    crate::surgery::NamedSurgery::LowPrecisionGroupNorm,
+)}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::tensor::backend::Backend;
     use flashover_core::surgery::{GroupNormVariant, NormInfo};
 
     struct Norms(Vec<GroupNormVariant>);

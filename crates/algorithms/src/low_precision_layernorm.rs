@@ -13,26 +13,28 @@
 //! `flashover_models::norm::LayerNorm`); no parameter is added or changed. The layers
 //! changed and the half type are the checkpoint state.
 
-use burn::tensor::backend::Backend;
-use flashover_core::callback::Algorithm;
-use flashover_core::event::Event;
-use flashover_core::logger::Logger;
-use flashover_core::setup::Setup;
-use flashover_core::state::State;
 use flashover_core::surgery::{HalfType, LayerNormSurgery, SurgeryRecord};
 
-use crate::error::AlgorithmError;
-use crate::low_precision_groupnorm::{describe_half, no_half_type, norm_half};
-use crate::surgery::{surgery_at_init, Applied};
+use crate::low_precision_norm::{LowPrecisionNorm, NormKind, SetNormHalf};
 
-/// The settings in the `--algorithms` syntax, with the half type chosen.
-pub(crate) fn describe(half: Option<HalfType>) -> String {
-    describe_half("low_precision_layernorm", half)
+/// The layer norms of a model (the kind of [`LowPrecisionLayerNorm`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LayerNorms;
+
+impl NormKind for LayerNorms {
+    const NAME: &'static str = "low_precision_layernorm";
+    const LAYER: &'static str = "layer norm";
 }
 
-/// The error for a backend without an accelerated half type.
-pub(crate) fn unsupported(backend: String) -> AlgorithmError {
-    no_half_type("low_precision_layernorm", "layer norm", backend)
+impl<M: LayerNormSurgery + ?Sized> SetNormHalf<M> for LayerNorms {
+    fn set_half(model: &mut M, half: HalfType) -> Vec<String> {
+        let mut layers = Vec::new();
+        model.for_each_layer_norm(&mut |info, variant| {
+            variant.low_precision = Some(half);
+            layers.push(info.path.clone());
+        });
+        layers
+    }
 }
 
 /// Makes every layer norm of `model` compute in `half` (the functional form; call it before
@@ -41,54 +43,23 @@ pub fn apply_low_precision_layernorm<M: LayerNormSurgery + ?Sized>(
     model: &mut M,
     half: HalfType,
 ) -> SurgeryRecord {
-    let mut layers = Vec::new();
-    model.for_each_layer_norm(&mut |info, variant| {
-        variant.low_precision = Some(half);
-        layers.push(info.path.clone());
-    });
-    SurgeryRecord {
-        settings: describe(Some(half)),
-        layers,
-    }
+    crate::low_precision_norm::apply::<LayerNorms, M>(model, half)
 }
 
 /// The LowPrecisionLayerNorm algorithm: [`apply_low_precision_layernorm`] at `INIT` in the
 /// run's half type, or in a float32 run the backend's accelerated one
-/// ([`norm_half`](crate::low_precision_groupnorm::norm_half)); an error where there is none.
-#[derive(Debug, Clone, Default)]
-pub struct LowPrecisionLayerNorm {
-    half: Option<HalfType>,
-    applied: Applied,
-}
-
-impl<S: Setup> Algorithm<S> for LowPrecisionLayerNorm
-where
-    S::Model: LayerNormSurgery,
-{
-    surgery_at_init!("low_precision_layernorm", |this| describe(this.half));
-
-    fn apply(
-        &mut self,
-        _event: Event,
-        state: &mut State<S>,
-        _logger: &mut Logger,
-    ) -> flashover_core::Result<()> {
-        let half = norm_half::<S::Backend>(state.precision, &state.device)
-            .ok_or_else(|| unsupported(S::Backend::name(&state.device)))?;
-        self.half = Some(half);
-        self.applied.run("low_precision_layernorm", state, |model| {
-            Ok(apply_low_precision_layernorm(model, half))
-        })
-    }
-}
+/// ([`norm_half`](crate::low_precision_norm::norm_half)); an error where there is none.
+pub type LowPrecisionLayerNorm = LowPrecisionNorm<LayerNorms>;
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "low_precision_layernorm", params: []);
-crate::spec::by_name!(language | _p | LowPrecisionLayerNorm::default());
+crate::spec::by_name! {name: "low_precision_layernorm", params: []}
+crate::spec::by_name! {language |_p| LowPrecisionLayerNorm::default()}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::low_precision_norm::norm_half;
+    use burn::tensor::backend::Backend;
     use flashover_core::surgery::{LayerNormVariant, NormInfo};
 
     struct Norms(Vec<LayerNormVariant>);
@@ -122,7 +93,10 @@ mod tests {
         assert_eq!(norm_half::<F>(Precision::Fp32, &d), None);
         assert_eq!(norm_half::<F>(Precision::AmpBf16, &d), Some(HalfType::BF16));
         assert_eq!(norm_half::<F>(Precision::Fp16, &d), Some(HalfType::F16));
-        let e = unsupported(<F as Backend>::name(&Default::default())).to_string();
+        let e = crate::low_precision_norm::unsupported::<LayerNorms>(<F as Backend>::name(
+            &Default::default(),
+        ))
+        .to_string();
         assert!(
             e.contains("low_precision_layernorm") && e.contains("float32"),
             "{e}"

@@ -228,13 +228,9 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "mixup", params: ["alpha", "interpolate_loss"]);
-crate::spec::by_name!(
-    image | p,
-    _norm
-        | MixUp::new(p.f64("alpha", 0.2)?)?
-            .with_interpolate_loss(p.bool("interpolate_loss", false)?)
-);
+crate::spec::by_name! {name: "mixup", params: ["alpha", "interpolate_loss"]}
+crate::spec::by_name! {image |p, _norm| MixUp::new(p.f64("alpha", 0.2)?)?
+.with_interpolate_loss(p.bool("interpolate_loss", false)?)}
 
 #[cfg(test)]
 mod tests {

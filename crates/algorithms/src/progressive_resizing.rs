@@ -255,7 +255,7 @@ impl ImageTransform for ProgressiveResizingTransform {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(
+crate::spec::by_name! {
     name: "progressive_resizing",
     params: [
         "initial_scale",
@@ -265,34 +265,31 @@ crate::spec::by_name!(
         "mode",
         "grid",
     ],
-);
-crate::spec::by_name!(
-    image | p,
-    _norm | {
-        let mode = match p.str("mode", "resize") {
-            "resize" => ResizeMode::Resize,
-            "crop" => ResizeMode::Crop,
-            other => {
-                return Err(crate::error::AlgorithmError::param(
-                    "progressive_resizing",
-                    "mode",
-                    other,
-                    "resize or crop",
-                ))
-            }
-        };
-        let grid = ResizeGrid::parse(p.str("grid", "corner"))?;
-        ProgressiveResizing::new()
-            .with(
-                p.f64("initial_scale", 0.5)?,
-                p.f64("delay_fraction", 0.5)?,
-                p.f64("finetune_fraction", 0.2)?,
-                p.usize("size_increment", 4)?,
-                mode,
-            )?
-            .with_grid(grid)
-    }
-);
+}
+crate::spec::by_name! {image |p, _norm| {
+    let mode = match p.str("mode", "resize") {
+        "resize" => ResizeMode::Resize,
+        "crop" => ResizeMode::Crop,
+        other => {
+            return Err(crate::error::AlgorithmError::param(
+                "progressive_resizing",
+                "mode",
+                other,
+                "resize or crop",
+            ))
+        }
+    };
+    let grid = ResizeGrid::parse(p.str("grid", "corner"))?;
+    ProgressiveResizing::new()
+        .with(
+            p.f64("initial_scale", 0.5)?,
+            p.f64("delay_fraction", 0.5)?,
+            p.f64("finetune_fraction", 0.2)?,
+            p.usize("size_increment", 4)?,
+            mode,
+        )?
+        .with_grid(grid)
+}}
 
 #[cfg(test)]
 mod tests {

@@ -88,16 +88,13 @@ impl ImageTransform for RandAugmentTransform {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "randaugment", params: ["depth", "severity", "augmentation_set"]);
-crate::spec::by_name!(
-    image | p,
-    norm | RandAugment::new(
-        p.usize("depth", 1)?,
-        p.f64("severity", 9.0)?,
-        crate::augment::AugmentationSet::parse(p.str("augmentation_set", "all"), "randaugment")?,
-        norm.clone(),
-    )?
-);
+crate::spec::by_name! {name: "randaugment", params: ["depth", "severity", "augmentation_set"]}
+crate::spec::by_name! {image |p, norm| RandAugment::new(
+    p.usize("depth", 1)?,
+    p.f64("severity", 9.0)?,
+    crate::augment::AugmentationSet::parse(p.str("augmentation_set", "all"), "randaugment")?,
+    norm.clone(),
+)?}
 
 #[cfg(test)]
 mod tests {

@@ -163,16 +163,12 @@ impl<S: Setup> Algorithm<S> for Sam {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "sam", params: ["rho", "epsilon", "interval"]);
-crate::spec::by_name!(
-    general
-        | p
-        | Sam::new(
-            p.f64("rho", 0.05)?,
-            p.f64("epsilon", 1e-12)?,
-            p.parse("interval", 1u64, "an integer >= 1")?,
-        )?
-);
+crate::spec::by_name! {name: "sam", params: ["rho", "epsilon", "interval"]}
+crate::spec::by_name! {general |p| Sam::new(
+    p.f64("rho", 0.05)?,
+    p.f64("epsilon", 1e-12)?,
+    p.parse("interval", 1u64, "an integer >= 1")?,
+)?}
 
 #[cfg(test)]
 mod tests {

@@ -197,17 +197,13 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "selective_backprop", params: ["start", "end", "keep", "interrupt"]);
-crate::spec::by_name!(
-    general
-        | p
-        | SelectiveBackprop::new(
-            p.f64("start", 0.5)?,
-            p.f64("end", 0.9)?,
-            p.f64("keep", 0.5)?,
-            p.parse("interrupt", 2u64, "a non-negative integer")?,
-        )?
-);
+crate::spec::by_name! {name: "selective_backprop", params: ["start", "end", "keep", "interrupt"]}
+crate::spec::by_name! {general |p| SelectiveBackprop::new(
+    p.f64("start", 0.5)?,
+    p.f64("end", 0.9)?,
+    p.f64("keep", 0.5)?,
+    p.parse("interrupt", 2u64, "a non-negative integer")?,
+)?}
 
 #[cfg(test)]
 mod tests {

@@ -126,7 +126,7 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(
+crate::spec::by_name! {
     name: "seq_length_warmup",
     params: [
         "duration",
@@ -135,18 +135,14 @@ crate::spec::by_name!(
         "step_size",
         "truncate",
     ],
-);
-crate::spec::by_name!(
-    language
-        | p
-        | SeqLengthWarmup::<S::Backend>::new(
-            p.f64("duration", 0.3)?,
-            p.usize("min_seq_length", 8)?,
-            p.usize("max_seq_length", 1024)?,
-            p.usize("step_size", 8)?,
-            p.bool("truncate", true)?,
-        )?
-);
+}
+crate::spec::by_name! {language |p| SeqLengthWarmup::<S::Backend>::new(
+    p.f64("duration", 0.3)?,
+    p.usize("min_seq_length", 8)?,
+    p.usize("max_seq_length", 1024)?,
+    p.usize("step_size", 8)?,
+    p.bool("truncate", true)?,
+)?}
 
 #[cfg(test)]
 mod tests {

@@ -5,9 +5,10 @@
 //! ([`build_language_model`]). An unknown name or parameter is an error listing the valid ones.
 //!
 //! **One registry.** Each algorithm's module declares, once, its name and parameters
-//! ([`by_name!`]`(name: ..., params: [...])`) and its constructor from parameters for the
-//! workloads it takes (`by_name!(general ...)` for any classifier, `image`, `language`). The
-//! [`registry!`] call below lists each module once per workload; the parser, the error
+//! (`by_name! {name: ..., params: [...]}`) and its constructor from parameters for the
+//! workloads it takes (`by_name! {general |p| ...}` for any classifier, `image`, `language`;
+//! braces, so that rustfmt leaves the closure-like syntax alone). The
+//! `registry!` call below lists each module once per workload; the parser, the error
 //! messages, [`help`] (the examples' `--algorithms` help) and the refusals of the other
 //! workload's algorithms are generated from it. Adding an algorithm is its module plus its name
 //! in that list.

@@ -142,19 +142,16 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "squeeze_excite", params: ["latent_channels", "min_channels"]);
-crate::spec::by_name!(
-    image | p,
-    _norm | {
-        let d = SqueezeExciteOptions::default();
-        crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::SqueezeExcite(
-            SqueezeExciteOptions::new(
-                p.f64("latent_channels", d.latent_channels)?,
-                p.usize("min_channels", d.min_channels)?,
-            )?,
-        ))
-    }
-);
+crate::spec::by_name! {name: "squeeze_excite", params: ["latent_channels", "min_channels"]}
+crate::spec::by_name! {image |p, _norm| {
+    let d = SqueezeExciteOptions::default();
+    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::SqueezeExcite(
+        SqueezeExciteOptions::new(
+            p.f64("latent_channels", d.latent_channels)?,
+            p.usize("min_channels", d.min_channels)?,
+        )?,
+    ))
+}}
 
 #[cfg(test)]
 mod tests {

@@ -351,7 +351,7 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(
+crate::spec::by_name! {
     name: "stochastic_depth",
     params: [
         "stochastic_method",
@@ -359,44 +359,41 @@ crate::spec::by_name!(
         "drop_distribution",
         "drop_warmup",
     ],
-);
-crate::spec::by_name!(
-    image | p,
-    _norm | {
-        let d = StochasticDepthOptions::default();
-        let options = StochasticDepthOptions {
-            method: match p.str("stochastic_method", "block") {
-                "block" => flashover_core::surgery::DropMode::Block,
-                "sample" => flashover_core::surgery::DropMode::Sample,
-                other => {
-                    return Err(crate::error::AlgorithmError::param(
-                        "stochastic_depth",
-                        "stochastic_method",
-                        other,
-                        "block or sample",
-                    ))
-                }
-            },
-            drop_rate: p.f64("drop_rate", d.drop_rate)?,
-            distribution: match p.str("drop_distribution", "linear") {
-                "linear" => DropDistribution::Linear,
-                "uniform" => DropDistribution::Uniform,
-                other => {
-                    return Err(crate::error::AlgorithmError::param(
-                        "stochastic_depth",
-                        "drop_distribution",
-                        other,
-                        "linear or uniform",
-                    ))
-                }
-            },
-            drop_warmup: p.f64("drop_warmup", d.drop_warmup)?,
-        };
-        // The same checks as the typed algorithm's, now rather than at INIT.
-        StochasticDepth::new(options)?;
-        crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::StochasticDepth(options))
-    }
-);
+}
+crate::spec::by_name! {image |p, _norm| {
+    let d = StochasticDepthOptions::default();
+    let options = StochasticDepthOptions {
+        method: match p.str("stochastic_method", "block") {
+            "block" => flashover_core::surgery::DropMode::Block,
+            "sample" => flashover_core::surgery::DropMode::Sample,
+            other => {
+                return Err(crate::error::AlgorithmError::param(
+                    "stochastic_depth",
+                    "stochastic_method",
+                    other,
+                    "block or sample",
+                ))
+            }
+        },
+        drop_rate: p.f64("drop_rate", d.drop_rate)?,
+        distribution: match p.str("drop_distribution", "linear") {
+            "linear" => DropDistribution::Linear,
+            "uniform" => DropDistribution::Uniform,
+            other => {
+                return Err(crate::error::AlgorithmError::param(
+                    "stochastic_depth",
+                    "drop_distribution",
+                    other,
+                    "linear or uniform",
+                ))
+            }
+        },
+        drop_warmup: p.f64("drop_warmup", d.drop_warmup)?,
+    };
+    // The same checks as the typed algorithm's, now rather than at INIT.
+    StochasticDepth::new(options)?;
+    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::StochasticDepth(options))
+}}
 
 #[cfg(test)]
 mod tests {

@@ -268,7 +268,7 @@ impl Applied {
 /// in its `applied` field, required on load and compared there with `settings`, an expression
 /// over `this`, the algorithm).
 macro_rules! surgery_at_init {
-    ($name:literal, |$this:ident| $settings:expr) => {
+    ($name:expr, |$this:ident| $settings:expr) => {
         fn name(&self) -> &str {
             $name
         }

@@ -262,7 +262,7 @@ impl<S: Setup> Algorithm<S> for Swa<S::Backend> {
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(
+crate::spec::by_name! {
     name: "swa",
     params: [
         "swa_start",
@@ -273,36 +273,34 @@ crate::spec::by_name!(
         "anneal_batches",
         "anneal_strategy",
     ],
-);
-crate::spec::by_name!(
-    general | p | {
-        let anneal = match p.str("anneal_strategy", "linear") {
-            "linear" => Anneal::Linear,
-            "cos" => Anneal::Cos,
-            other => {
-                return Err(crate::error::AlgorithmError::param(
-                    "swa",
-                    "anneal_strategy",
-                    other,
-                    "linear or cos",
-                ))
-            }
-        };
-        let swa_lr = match p.raw("swa_lr") {
-            None => None,
-            Some(_) => Some(p.f64("swa_lr", 0.0)?),
-        };
-        Swa::<S::Backend>::new(SwaConfig {
-            swa_start: p.f64("swa_start", 0.7)?,
-            swa_end: p.f64("swa_end", 1.0)?,
-            update_interval: p.time("update_interval", flashover_core::time::Time::Epoch(1))?,
-            schedule_swa_lr: p.bool("schedule_swa_lr", false)?,
-            swa_lr,
-            anneal_batches: p.parse("anneal_batches", 10u64, "a non-negative integer")?,
-            anneal,
-        })?
-    }
-);
+}
+crate::spec::by_name! {general |p| {
+    let anneal = match p.str("anneal_strategy", "linear") {
+        "linear" => Anneal::Linear,
+        "cos" => Anneal::Cos,
+        other => {
+            return Err(crate::error::AlgorithmError::param(
+                "swa",
+                "anneal_strategy",
+                other,
+                "linear or cos",
+            ))
+        }
+    };
+    let swa_lr = match p.raw("swa_lr") {
+        None => None,
+        Some(_) => Some(p.f64("swa_lr", 0.0)?),
+    };
+    Swa::<S::Backend>::new(SwaConfig {
+        swa_start: p.f64("swa_start", 0.7)?,
+        swa_end: p.f64("swa_end", 1.0)?,
+        update_interval: p.time("update_interval", flashover_core::time::Time::Epoch(1))?,
+        schedule_swa_lr: p.bool("schedule_swa_lr", false)?,
+        swa_lr,
+        anneal_batches: p.parse("anneal_batches", 10u64, "a non-negative integer")?,
+        anneal,
+    })?
+}}
 
 #[cfg(test)]
 mod tests {

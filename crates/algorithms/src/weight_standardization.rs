@@ -94,11 +94,7 @@ where
 }
 
 // By name (`--algorithms`; see `crate::spec`).
-crate::spec::by_name!(name: "weight_standardization", params: ["n_last_layers_ignore"]);
-crate::spec::by_name!(
-    image | p,
-    _norm
-        | crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::WeightStandardization(
-            p.usize("n_last_layers_ignore", 0)?
-        ),)
-);
+crate::spec::by_name! {name: "weight_standardization", params: ["n_last_layers_ignore"]}
+crate::spec::by_name! {image |p, _norm| crate::surgery::SurgeryByName::new(
+    crate::surgery::NamedSurgery::WeightStandardization(p.usize("n_last_layers_ignore", 0)?),
+)}
