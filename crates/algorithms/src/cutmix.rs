@@ -22,9 +22,7 @@ use flashover_core::state::State;
 
 use crate::error::{AlgorithmError, Result};
 use crate::mixup::PartnerTargets;
-use crate::util::{
-    index_tensor, inner_images, permutation, set_inner_images, CallCounter, ImageClassBatch,
-};
+use crate::util::{index_tensor, permutation, ImageClassBatch};
 
 /// A box `[y0, y1) x [x0, x1)` in pixels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,7 +97,6 @@ pub fn draw_box(rng: &mut Rng, alpha: f64, h: usize, w: usize) -> CutBox {
 pub struct CutMix<B: Backend> {
     alpha: f64,
     targets: PartnerTargets<B>,
-    calls: CallCounter,
 }
 
 impl<B: Backend> CutMix<B> {
@@ -116,7 +113,6 @@ impl<B: Backend> CutMix<B> {
         Ok(CutMix {
             alpha,
             targets: PartnerTargets::new("cutmix"),
-            calls: CallCounter::default(),
         })
     }
 
@@ -137,10 +133,7 @@ where
     }
 
     fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        matches!(
-            event,
-            Event::BeforeForward | Event::BeforeLoss | Event::AfterLoss
-        )
+        PartnerTargets::<S::Backend>::matches(event)
     }
 
     fn apply(
@@ -149,28 +142,14 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        match event {
-            Event::BeforeForward => {
-                let ts = &state.timestamp;
-                let stream =
-                    self.calls
-                        .next("cutmix", ts.epoch, ts.batch_in_epoch, state.batch_attempt);
-                let mut rng = state.rng(&stream);
-                let Some(batch) = state.batch.as_mut() else {
-                    return Ok(());
-                };
-                let x = inner_images(batch);
-                let [n, _, h, w] = x.dims();
-                let b = draw_box(&mut rng, self.alpha, h, w);
-                let perm = permutation(&mut rng, n);
-                let p = index_tensor(&perm, &x.device());
-                set_inner_images(batch, paste_box(x, p, &b));
-                self.targets.set(1.0 - box_label_weight(&b, h, w), perm);
-            }
-            Event::BeforeLoss | Event::AfterLoss => self.targets.apply(event, state)?,
-            _ => {}
-        }
-        Ok(())
+        let alpha = self.alpha;
+        self.targets.apply(event, state, |rng, x| {
+            let [n, _, h, w] = x.dims();
+            let b = draw_box(rng, alpha, h, w);
+            let perm = permutation(rng, n);
+            let p = index_tensor(&perm, &x.device());
+            Ok((paste_box(x, p, &b), 1.0 - box_label_weight(&b, h, w), perm))
+        })
     }
 }
 

@@ -16,7 +16,7 @@ use burn::tensor::{Int, Tensor};
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::model::{Batch, ClassTargets, Logits, TrainModel};
+use flashover_core::model::{ClassTargets, Logits, TrainModel};
 use flashover_core::rng::Rng;
 use flashover_core::setup::{BatchOf, OutputOf, Setup};
 use flashover_core::state::State;
@@ -66,7 +66,6 @@ pub fn mixup_batch<B: Backend, T: ImageClassBatch<B>>(
 pub struct MixUp<B: Backend> {
     alpha: f64,
     targets: PartnerTargets<B>,
-    calls: CallCounter,
 }
 
 impl<B: Backend> MixUp<B> {
@@ -83,7 +82,6 @@ impl<B: Backend> MixUp<B> {
         Ok(MixUp {
             alpha,
             targets: PartnerTargets::new("mixup"),
-            calls: CallCounter::default(),
         })
     }
 
@@ -94,16 +92,19 @@ impl<B: Backend> MixUp<B> {
     }
 }
 
-/// The target side that MixUp and CutMix share. Once a (micro)batch's images are mixed with
-/// partner weight `w` and permutation `perm` (`set`), either the targets become
-/// `(1 - w) * y + w * y[perm]` at `BEFORE_LOSS` (restored at `AFTER_LOSS`), or, with
-/// `interpolate_loss`, the loss becomes `(1 - w) * loss + w * loss(y[perm])` at `AFTER_LOSS`.
+/// What MixUp and CutMix share: the events they act at, the per-call random stream, and the
+/// target side. At `BEFORE_FORWARD` the algorithm's own mixing (`mix_images`) draws from the
+/// microbatch's stream and mixes the images with partner weight `w` and permutation `perm`;
+/// then either the targets become `(1 - w) * y + w * y[perm]` at `BEFORE_LOSS` (restored at
+/// `AFTER_LOSS`), or, with `interpolate_loss`, the loss becomes
+/// `(1 - w) * loss + w * loss(y[perm])` at `AFTER_LOSS`.
 pub(crate) struct PartnerTargets<B: Backend> {
-    /// The algorithm's name, for errors.
+    /// The algorithm's name, for errors and its random stream.
     algorithm: &'static str,
     pub(crate) interpolate_loss: bool,
     current: Option<(f64, Vec<usize>)>,
     saved: SavedTargets<B>,
+    calls: CallCounter,
 }
 
 impl<B: Backend> PartnerTargets<B> {
@@ -113,21 +114,31 @@ impl<B: Backend> PartnerTargets<B> {
             interpolate_loss: false,
             current: None,
             saved: SavedTargets::default(),
+            calls: CallCounter::default(),
         }
     }
 
-    /// Records the partner weight and permutation of the current microbatch.
-    pub(crate) fn set(&mut self, weight: f64, perm: Vec<usize>) {
-        self.current = Some((weight, perm));
+    /// The events a pair-mixing algorithm acts at.
+    pub(crate) fn matches(event: Event) -> bool {
+        matches!(
+            event,
+            Event::BeforeForward | Event::BeforeLoss | Event::AfterLoss
+        )
     }
 }
 
 impl<B: AutodiffBackend> PartnerTargets<B> {
-    /// Runs the target side at `BEFORE_LOSS` or `AFTER_LOSS`.
+    /// Runs the algorithm at `event`: at `BEFORE_FORWARD`, `mix_images` gets the microbatch's
+    /// random stream and its gradient-free images, and returns the mixed images, the partner
+    /// weight and the permutation; the target side at `BEFORE_LOSS` and `AFTER_LOSS`.
     pub(crate) fn apply<S>(
         &mut self,
         event: Event,
         state: &mut State<S>,
+        mix_images: impl FnOnce(
+            &mut Rng,
+            Tensor<B::InnerBackend, 4>,
+        ) -> Result<(Tensor<B::InnerBackend, 4>, f64, Vec<usize>)>,
     ) -> flashover_core::Result<()>
     where
         S: Setup<Backend = B>,
@@ -135,6 +146,22 @@ impl<B: AutodiffBackend> PartnerTargets<B> {
         OutputOf<S>: Logits<B>,
     {
         match event {
+            Event::BeforeForward => {
+                let ts = &state.timestamp;
+                let stream = self.calls.next(
+                    self.algorithm,
+                    ts.epoch,
+                    ts.batch_in_epoch,
+                    state.batch_attempt,
+                );
+                let mut rng = state.rng(&stream);
+                let Some(batch) = state.batch.as_mut() else {
+                    return Ok(());
+                };
+                let (mixed, weight, perm) = mix_images(&mut rng, inner_images(batch))?;
+                set_inner_images(batch, mixed);
+                self.current = Some((weight, perm));
+            }
             Event::BeforeLoss if !self.interpolate_loss => {
                 let (Some((w, perm)), Some(batch), Some(out)) = (
                     self.current.as_ref(),
@@ -190,10 +217,7 @@ where
     }
 
     fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        matches!(
-            event,
-            Event::BeforeForward | Event::BeforeLoss | Event::AfterLoss
-        )
+        PartnerTargets::<S::Backend>::matches(event)
     }
 
     fn apply(
@@ -202,28 +226,13 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        match event {
-            Event::BeforeForward => {
-                let ts = &state.timestamp;
-                let stream =
-                    self.calls
-                        .next("mixup", ts.epoch, ts.batch_in_epoch, state.batch_attempt);
-                let mut rng = state.rng(&stream);
-                let Some(batch) = state.batch.as_mut() else {
-                    return Ok(());
-                };
-                let n = batch.len();
-                let lambda = mixing_coefficient(&mut rng, self.alpha);
-                let perm = permutation(&mut rng, n);
-                let x = inner_images(batch);
-                let p = index_tensor(&perm, &x.device());
-                set_inner_images(batch, mix(x, p, lambda));
-                self.targets.set(lambda, perm);
-            }
-            Event::BeforeLoss | Event::AfterLoss => self.targets.apply(event, state)?,
-            _ => {}
-        }
-        Ok(())
+        let alpha = self.alpha;
+        self.targets.apply(event, state, |rng, x| {
+            let lambda = mixing_coefficient(rng, alpha);
+            let perm = permutation(rng, x.dims()[0]);
+            let p = index_tensor(&perm, &x.device());
+            Ok((mix(x, p, lambda), lambda, perm))
+        })
     }
 }
 
