@@ -20,6 +20,78 @@
 //! threads.
 #![warn(missing_docs)]
 
+/// The traits an image classifier of this crate implements the same way: `Autocast` (its
+/// `compute` field), `HasMemoryFormat` (its `format` field), and `TrainModel`/`EvalModel` on
+/// `ClassificationBatch<B, 4>` through its `logits`, the loss on soft targets when an
+/// algorithm set them, and `flops_per_sample` (forward plus backward: about three forward
+/// passes) from `$forward_flops`, the model's forward FLOPs per sample. One place for the
+/// impls `MnistCnn` and `ResNet` would otherwise repeat.
+macro_rules! image_classifier {
+    ($model:ident, |$m:ident| $forward_flops:expr) => {
+        impl<B: burn::tensor::backend::Backend> flashover_core::precision::Autocast for $model<B> {
+            fn compute_dtype(&self) -> Option<burn::tensor::FloatDType> {
+                self.compute
+            }
+
+            fn with_compute_dtype(mut self, dtype: Option<burn::tensor::FloatDType>) -> Self {
+                self.compute = dtype;
+                self
+            }
+        }
+
+        impl<B: burn::tensor::backend::Backend> flashover_core::model::HasMemoryFormat
+            for $model<B>
+        {
+            fn memory_format(&self) -> flashover_core::model::MemoryFormat {
+                self.format
+            }
+
+            fn with_memory_format(mut self, format: flashover_core::model::MemoryFormat) -> Self {
+                self.format = format;
+                self
+            }
+        }
+
+        impl<B: $crate::TrainBackend> flashover_core::model::TrainModel<B> for $model<B> {
+            type Batch = flashover_core::model::ClassificationBatch<B, 4>;
+            type Output = burn::tensor::Tensor<B, 2>;
+
+            fn forward(&self, batch: &Self::Batch) -> burn::tensor::Tensor<B, 2> {
+                self.logits(batch.inputs.clone())
+            }
+
+            fn loss(
+                &self,
+                logits: &burn::tensor::Tensor<B, 2>,
+                batch: &Self::Batch,
+            ) -> burn::tensor::Tensor<B, 1> {
+                // Soft targets (label smoothing, MixUp, CutMix) when an algorithm set them.
+                flashover_core::loss::classification_loss(logits.clone(), batch)
+            }
+
+            fn flops_per_sample(&self) -> Option<f64> {
+                let $m = self;
+                Some(3.0 * $forward_flops)
+            }
+        }
+
+        impl<B: $crate::ChannelsLastBackend> flashover_core::model::EvalModel<B> for $model<B> {
+            type Batch = flashover_core::model::ClassificationBatch<B, 4>;
+            type Output = flashover_core::model::ClassificationOutput<B>;
+
+            fn forward_eval(
+                &self,
+                batch: &Self::Batch,
+            ) -> flashover_core::model::ClassificationOutput<B> {
+                flashover_core::model::ClassificationOutput::scored(
+                    self.logits(batch.inputs.clone()),
+                    batch.targets.clone(),
+                )
+            }
+        }
+    };
+}
+
 mod error;
 pub mod gemm;
 mod gpt;

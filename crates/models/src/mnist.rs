@@ -7,22 +7,19 @@ use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::adaptive_avg_pool2d;
 use burn::tensor::{FloatDType, Tensor};
-use flashover_core::loss::classification_loss;
-use flashover_core::model::{
-    ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
-};
+use flashover_core::model::MemoryFormat;
 use flashover_core::params::init_model;
-use flashover_core::precision::{cast_to, Autocast};
+use flashover_core::precision::cast_to;
 use flashover_core::surgery::{
     ConvInfo, ConvSurgery, ConvVariant, DropoutInfo, DropoutSurgery, DropoutVariant, ExciteSurgery,
     FactorSurgery, LinearInfo, PoolInfo, PoolSurgery, PoolVariant, SurgeryModel,
 };
 
+use crate::channels_last;
 use crate::layers::{
     add_squeeze_excite, factorize_layers, nhwc_to_nchw, Conv2d, Linear, MaxPool2d,
 };
 use crate::ops::ChannelsLastBackend;
-use crate::{channels_last, TrainBackend};
 
 /// A small CNN for 28x28 digits: two 3x3 convolutions (16 and 32 channels, each followed by
 /// ReLU and 2x2 max-pooling), then 1568 -> 128 -> 10 fully connected. About 220k parameters.
@@ -119,56 +116,7 @@ impl<B: ChannelsLastBackend> MnistCnn<B> {
     }
 }
 
-impl<B: Backend> Autocast for MnistCnn<B> {
-    fn compute_dtype(&self) -> Option<FloatDType> {
-        self.compute
-    }
-
-    fn with_compute_dtype(mut self, dtype: Option<FloatDType>) -> Self {
-        self.compute = dtype;
-        self
-    }
-}
-
-impl<B: Backend> HasMemoryFormat for MnistCnn<B> {
-    fn memory_format(&self) -> MemoryFormat {
-        self.format
-    }
-
-    fn with_memory_format(mut self, format: MemoryFormat) -> Self {
-        self.format = format;
-        self
-    }
-}
-
-impl<B: TrainBackend> TrainModel<B> for MnistCnn<B> {
-    type Batch = ClassificationBatch<B, 4>;
-    type Output = Tensor<B, 2>;
-
-    fn forward(&self, batch: &Self::Batch) -> Tensor<B, 2> {
-        self.logits(batch.inputs.clone())
-    }
-
-    fn loss(&self, logits: &Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
-        // Soft targets (label smoothing, MixUp, CutMix) when an algorithm set them.
-        classification_loss(logits.clone(), batch)
-    }
-
-    /// Forward plus backward: about three forward passes (the backward pass computes
-    /// gradients for both the inputs and the weights of each layer).
-    fn flops_per_sample(&self) -> Option<f64> {
-        Some(3.0 * self.forward_flops())
-    }
-}
-
-impl<B: ChannelsLastBackend> EvalModel<B> for MnistCnn<B> {
-    type Batch = ClassificationBatch<B, 4>;
-    type Output = ClassificationOutput<B>;
-
-    fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
-        ClassificationOutput::scored(self.logits(batch.inputs.clone()), batch.targets.clone())
-    }
-}
+image_classifier!(MnistCnn, |m| m.forward_flops());
 
 /// Surgery (`flashover_core::surgery`) reaches the two convolutions, the classifier's input
 /// and the max pool, which both stages share (one layer, so one variant for both). The CNN has no batch norm, so the

@@ -24,12 +24,9 @@ use burn::nn::{BatchNormConfig, LinearConfig, PaddingConfig2d};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
-use flashover_core::loss::classification_loss;
-use flashover_core::model::{
-    ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
-};
+use flashover_core::model::MemoryFormat;
 use flashover_core::params::init_model;
-use flashover_core::precision::{cast_to, Autocast};
+use flashover_core::precision::cast_to;
 use flashover_core::surgery::{
     ConvInfo, ConvSurgery, ConvVariant, DepthDrop, DropoutInfo, DropoutSurgery, DropoutVariant,
     ExciteSurgery, FactorSurgery, Keep, LinearInfo, NormInfo, NormSurgery, NormVariant, PoolInfo,
@@ -39,7 +36,7 @@ use flashover_core::surgery::{
 use crate::layers::{add_squeeze_excite, factorize_layers, Conv2d, Linear};
 use crate::norm::BatchNorm;
 use crate::ops::ChannelsLastBackend;
-use crate::{channels_last, ModelError, TrainBackend};
+use crate::{channels_last, ModelError};
 
 /// The shape of a [`ResNet`]: stages of basic blocks, their widths, the input channels and
 /// the classes. Built by its constructors, which check it, so every `ResNetConfig` is one a
@@ -371,55 +368,9 @@ impl<B: ChannelsLastBackend> ResNet<B> {
     }
 }
 
-impl<B: Backend> Autocast for ResNet<B> {
-    fn compute_dtype(&self) -> Option<FloatDType> {
-        self.compute
-    }
-
-    fn with_compute_dtype(mut self, dtype: Option<FloatDType>) -> Self {
-        self.compute = dtype;
-        self
-    }
-}
-
-impl<B: Backend> HasMemoryFormat for ResNet<B> {
-    fn memory_format(&self) -> MemoryFormat {
-        self.format
-    }
-
-    fn with_memory_format(mut self, format: MemoryFormat) -> Self {
-        self.format = format;
-        self
-    }
-}
-
-impl<B: TrainBackend> TrainModel<B> for ResNet<B> {
-    type Batch = ClassificationBatch<B, 4>;
-    type Output = Tensor<B, 2>;
-
-    fn forward(&self, batch: &Self::Batch) -> Tensor<B, 2> {
-        self.logits(batch.inputs.clone())
-    }
-
-    fn loss(&self, logits: &Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
-        classification_loss(logits.clone(), batch)
-    }
-
-    /// Forward plus backward (about three forward passes) on the main job's 28x28 digits; the
-    /// trait asks for one figure per sample, whatever the batch's image size.
-    fn flops_per_sample(&self) -> Option<f64> {
-        Some(3.0 * self.forward_flops(28, 28))
-    }
-}
-
-impl<B: ChannelsLastBackend> EvalModel<B> for ResNet<B> {
-    type Batch = ClassificationBatch<B, 4>;
-    type Output = ClassificationOutput<B>;
-
-    fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
-        ClassificationOutput::scored(self.logits(batch.inputs.clone()), batch.targets.clone())
-    }
-}
+// flops_per_sample: on the main job's 28x28 digits (the trait asks for one figure per
+// sample, whatever the batch's image size).
+image_classifier!(ResNet, |m| m.forward_flops(28, 28));
 
 /// Surgery (`flashover_core::surgery`) reaches every convolution (the stem, each block's two
 /// and each projection) and every batch norm, in module order, with their paths in the
