@@ -547,6 +547,9 @@ fn ends_with_path(path: &str, name: &str) -> bool {
     path == name || path.ends_with(&format!("/{name}"))
 }
 
+/// The `.rs` files and the folders under a section's root, relative to it.
+type Listing = (Vec<String>, Vec<String>);
+
 /// What the code map gets wrong about the files under `root` (`/`-separated paths of the
 /// `.rs` files and folders under each section's root, relative to it): a source file that its
 /// section does not name (by its name, or by a path ending in it), and a named `.rs` file or
@@ -554,7 +557,7 @@ fn ends_with_path(path: &str, name: &str) -> bool {
 /// name starts with a top-level folder).
 fn code_map_errors(
     sections: &[(String, String)],
-    files_of: &dyn Fn(&str) -> (Vec<String>, Vec<String>),
+    files_of: &dyn Fn(&str) -> Listing,
 ) -> Vec<String> {
     let mut out = Vec::new();
     for (root, text) in sections {
