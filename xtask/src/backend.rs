@@ -2,8 +2,6 @@
 
 use clap::ValueEnum;
 
-use crate::process::strings;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Backend {
     Flex,
@@ -46,14 +44,17 @@ impl Backend {
     /// otherwise monomorphise the whole trainer for both backends).
     pub(crate) fn cargo_args(self, flex_selection: &[&str], flex_features: &[&str]) -> Vec<String> {
         if self == Backend::Flex {
-            let mut args = strings(flex_selection);
+            let mut args: Vec<String> = flex_selection.iter().map(|s| s.to_string()).collect();
             if !flex_features.is_empty() {
                 args.push("--features".into());
                 args.push(flex_features.join(","));
             }
             return args;
         }
-        let mut args = strings(&["-p", "flashover-examples", "-p", "flashover-tests"]);
+        let mut args: Vec<String> = ["-p", "flashover-examples", "-p", "flashover-tests"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         args.push("--target-dir".into());
         args.push(format!("target/backend-{}", self.name()));
         args.push("--no-default-features".into());
