@@ -22,6 +22,7 @@ use flashover::core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainM
 use flashover::core::params::init_model;
 use flashover::core::Result;
 
+pub use crate::tokenizer::CharTokenizer;
 use crate::tokenizer::{BpeTokenizer, Tokenizer};
 
 /// The bundled corpus (gzipped ASCII), relative to the workspace.
@@ -77,54 +78,6 @@ pub fn read_text(path: &Path) -> Result<Vec<u8>> {
         .read_to_end(&mut text)
         .map_err(io)?;
     Ok(text)
-}
-
-/// A character (byte) tokenizer: one token per distinct byte of the text it was fitted on,
-/// ids in byte order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CharTokenizer {
-    /// The distinct bytes, sorted; a token id indexes this.
-    pub vocab: Vec<u8>,
-}
-
-impl CharTokenizer {
-    /// The tokenizer of `text`'s distinct bytes.
-    pub fn fit(text: &[u8]) -> Self {
-        let mut seen = [false; 256];
-        text.iter().for_each(|&b| seen[b as usize] = true);
-        Self {
-            vocab: (0..=255u8).filter(|&b| seen[b as usize]).collect(),
-        }
-    }
-
-    /// `text` as token ids; the first byte outside the vocabulary is an error naming it and
-    /// its offset.
-    pub fn encode(&self, text: &[u8]) -> std::result::Result<Vec<u16>, String> {
-        let mut id = [u16::MAX; 256];
-        self.vocab
-            .iter()
-            .enumerate()
-            .for_each(|(i, &b)| id[b as usize] = i as u16);
-        text.iter()
-            .enumerate()
-            .map(|(at, &b)| match id[b as usize] {
-                u16::MAX => Err(format!(
-                    "byte {b:#04x} ({:?}) at offset {at} is not in the tokenizer's {} characters",
-                    b as char,
-                    self.vocab.len()
-                )),
-                t => Ok(t),
-            })
-            .collect()
-    }
-
-    /// Token ids back to text (ids outside the vocabulary become `?`).
-    pub fn decode(&self, tokens: &[u16]) -> String {
-        tokens
-            .iter()
-            .map(|&t| self.vocab.get(t as usize).map_or('?', |&b| b as char))
-            .collect()
-    }
 }
 
 /// The line under each work's title in the bundled corpus.

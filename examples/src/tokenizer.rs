@@ -25,7 +25,53 @@ use flashover::core::error::CoreError;
 use flashover::core::Result;
 use serde::{Deserialize, Serialize};
 
-pub use crate::shakespeare::CharTokenizer;
+/// A character (byte) tokenizer: one token per distinct byte of the text it was fitted on,
+/// ids in byte order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CharTokenizer {
+    /// The distinct bytes, sorted; a token id indexes this.
+    pub vocab: Vec<u8>,
+}
+
+impl CharTokenizer {
+    /// The tokenizer of `text`'s distinct bytes.
+    pub fn fit(text: &[u8]) -> Self {
+        let mut seen = [false; 256];
+        text.iter().for_each(|&b| seen[b as usize] = true);
+        Self {
+            vocab: (0..=255u8).filter(|&b| seen[b as usize]).collect(),
+        }
+    }
+
+    /// `text` as token ids; the first byte outside the vocabulary is an error naming it and
+    /// its offset.
+    pub fn encode(&self, text: &[u8]) -> std::result::Result<Vec<u16>, String> {
+        let mut id = [u16::MAX; 256];
+        self.vocab
+            .iter()
+            .enumerate()
+            .for_each(|(i, &b)| id[b as usize] = i as u16);
+        text.iter()
+            .enumerate()
+            .map(|(at, &b)| match id[b as usize] {
+                u16::MAX => Err(format!(
+                    "byte {b:#04x} ({:?}) at offset {at} is not in the tokenizer's {} characters",
+                    b as char,
+                    self.vocab.len()
+                )),
+                t => Ok(t),
+            })
+            .collect()
+    }
+
+    /// Token ids back to text (ids outside the vocabulary become `?`).
+    pub fn decode(&self, tokens: &[u16]) -> String {
+        tokens
+            .iter()
+            .map(|&t| self.vocab.get(t as usize).map_or('?', |&b| b as char))
+            .collect()
+    }
+}
 
 /// A byte-level BPE tokenizer: the 256 bytes, then one token per merge.
 #[derive(Debug, Clone, PartialEq, Eq)]

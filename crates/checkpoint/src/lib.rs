@@ -50,6 +50,7 @@ pub mod format;
 mod load;
 mod lock;
 pub mod remote;
+mod retention;
 mod saver;
 mod state_file;
 mod weights;

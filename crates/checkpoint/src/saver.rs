@@ -2,8 +2,9 @@
 //! a function of time), serialises the state on the training thread, and writes it (on the
 //! training thread, or on a background writer that the next save or `FIT_END` waits for).
 //!
-//! Retention is a pure policy ([`retention`]) that returns which checkpoints to delete; the
-//! writer carries it out after the new checkpoint and the `latest` pointer are in place.
+//! Retention is a pure policy ([`retention`], in `retention.rs`, shared with the remote
+//! uploader) that returns which checkpoints to delete; the writer carries it out after the new
+//! checkpoint and the `latest` pointer are in place.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -27,6 +28,7 @@ use crate::format::{
     self, is_scratch, write_checkpoint, write_latest, MODEL, OPTIMIZER, TRAINER_STATE,
 };
 use crate::lock::{lock_folder, FolderLock};
+pub use crate::retention::retention;
 use crate::state_file::TrainerStateFile;
 use crate::weights::weights_to_bytes;
 
@@ -85,18 +87,6 @@ pub fn render_name(template: &str, ts: &Timestamp, rank: usize) -> Result<String
         )));
     }
     Ok(out)
-}
-
-/// Which checkpoints to delete so that the newest `keep` remain. `existing` pairs each
-/// checkpoint's name with its batch count; newer means more batches (then a later name).
-/// `keep` of 0 keeps everything.
-pub fn retention(existing: &[(String, u64)], keep: usize) -> Vec<String> {
-    if keep == 0 || existing.len() <= keep {
-        return Vec::new();
-    }
-    let mut sorted: Vec<&(String, u64)> = existing.iter().collect();
-    sorted.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| b.0.cmp(&a.0)));
-    sorted[keep..].iter().map(|(n, _)| n.clone()).collect()
 }
 
 /// Checkpoints in `folder` whose manifest can be read, with their batch counts. Damaged ones,
@@ -589,7 +579,6 @@ impl<S: Setup> Callback<S> for Saver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
 
     #[test]
     fn names_render_from_the_timestamp() {
@@ -638,24 +627,5 @@ mod tests {
         assert_eq!(names(100), ["ep1-ba200"]);
         assert!(names(200).is_empty());
         assert!(conflicting_checkpoints(&[], 0).is_empty());
-    }
-
-    proptest! {
-        #[test]
-        fn retention_keeps_exactly_the_newest(batches in prop::collection::vec(0u64..1000, 0..30), keep in 0usize..10) {
-            let existing: Vec<(String, u64)> = batches.iter().enumerate().map(|(i, b)| (format!("ck{i:02}"), *b)).collect();
-            let delete = retention(&existing, keep);
-            let kept: Vec<&(String, u64)> = existing.iter().filter(|(n, _)| !delete.contains(n)).collect();
-            if keep == 0 {
-                prop_assert!(delete.is_empty());
-            } else {
-                prop_assert_eq!(kept.len(), existing.len().min(keep));
-                let oldest_kept = kept.iter().map(|(_, b)| *b).min().unwrap_or(u64::MAX);
-                for d in &delete {
-                    let b = existing.iter().find(|(n, _)| n == d).unwrap().1;
-                    prop_assert!(b <= oldest_kept);
-                }
-            }
-        }
     }
 }

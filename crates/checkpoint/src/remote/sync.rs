@@ -41,7 +41,7 @@ use crate::load::{
     autoresume_with, find_resumable, AutoresumeOptions, CheckpointRestore, LoadOptions,
 };
 use crate::lock::lock_folder;
-use crate::saver::retention;
+use crate::retention::retention;
 
 /// A checkpoint in the store whose manifest could be read.
 #[derive(Debug, Clone)]
