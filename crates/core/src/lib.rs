@@ -10,6 +10,7 @@
 
 pub mod callback;
 pub mod collective;
+mod cross_entropy;
 pub mod data;
 pub mod engine;
 pub mod error;

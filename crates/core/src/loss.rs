@@ -8,113 +8,15 @@
 //!
 //! Pure tensor functions; nothing here knows the trainer.
 
-use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Int, Tensor};
+use burn::tensor::Tensor;
 
-use crate::error::{CoreError, Result};
+pub use crate::cross_entropy::{
+    check_class_indices, cross_entropy, one_hot_classes, one_hot_sequence,
+    per_sample_cross_entropy, per_sample_soft_cross_entropy, sequence_cross_entropy,
+    sequence_soft_cross_entropy, soft_cross_entropy,
+};
 use crate::model::ClassTargets;
-
-/// Checks that every class index in `targets` lies in `0..num_classes`, with one read-back of
-/// the smallest and largest index. A negative index is an error, never wrapped to the last
-/// classes (there is no ignore index).
-pub fn check_class_indices<B: Backend, const D: usize>(
-    targets: &Tensor<B, D, Int>,
-    num_classes: usize,
-) -> Result<()> {
-    let n = targets.shape().num_elements();
-    if n == 0 {
-        return Ok(());
-    }
-    let flat = targets.clone().reshape([n]);
-    let ends = Tensor::cat(vec![flat.clone().min(), flat.max()], 0);
-    let ends: Vec<i64> = ends.into_data().iter::<i64>().map(|v| v.elem()).collect();
-    let bad = ends
-        .iter()
-        .copied()
-        .find(|&v| v < 0 || v as u64 >= num_classes as u64);
-    match bad {
-        None => Ok(()),
-        Some(value) => Err(CoreError::ClassIndex { value, num_classes }),
-    }
-}
-
-/// Class indices `[N]` as one-hot distributions `[N, C]`; an index outside `0..C` is an
-/// error naming it.
-pub fn one_hot_classes<B: Backend>(
-    targets: Tensor<B, 1, Int>,
-    num_classes: usize,
-) -> Result<Tensor<B, 2>> {
-    check_class_indices(&targets, num_classes)?;
-    Ok(targets.one_hot::<2>(num_classes).float())
-}
-
-/// Class indices `[N, L]` as one-hot distributions `[N, C, L]` (classes on axis 1, as token
-/// logits `[N, C, L]` have them); an index outside `0..C` is an error naming it.
-pub fn one_hot_sequence<B: Backend>(
-    targets: Tensor<B, 2, Int>,
-    num_classes: usize,
-) -> Result<Tensor<B, 3>> {
-    check_class_indices(&targets, num_classes)?;
-    Ok(targets.one_hot_fill::<3>(num_classes, 1.0, 0.0, 1).float())
-}
-
-/// Mean cross-entropy of token logits `[N, C, L]` against class indices `[N, L]`, over all
-/// `N * L` positions.
-pub fn sequence_cross_entropy<B: Backend>(
-    logits: Tensor<B, 3>,
-    targets: Tensor<B, 2, Int>,
-) -> Tensor<B, 1> {
-    let [n, l] = targets.dims();
-    log_softmax(logits, 1)
-        .gather(1, targets.reshape([n, 1, l]))
-        .mean()
-        .neg()
-}
-
-/// Mean cross-entropy of token logits `[N, C, L]` against distributions `[N, C, L]`:
-/// `-mean_{n,l} sum_c p[n, c, l] * log_softmax(logits)[n, c, l]`.
-pub fn sequence_soft_cross_entropy<B: Backend>(
-    logits: Tensor<B, 3>,
-    targets: Tensor<B, 3>,
-) -> Tensor<B, 1> {
-    (log_softmax(logits, 1) * targets).sum_dim(1).mean().neg()
-}
-
-/// Mean cross-entropy of `logits` `[batch, classes]` against class indices `[batch]`.
-pub fn cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
-    per_sample_cross_entropy(logits, targets).mean()
-}
-
-/// Cross-entropy of each sample, `[batch]`.
-pub fn per_sample_cross_entropy<B: Backend>(
-    logits: Tensor<B, 2>,
-    targets: Tensor<B, 1, Int>,
-) -> Tensor<B, 1> {
-    let n = targets.dims()[0];
-    log_softmax(logits, 1)
-        .gather(1, targets.reshape([n, 1]))
-        .reshape([n])
-        .neg()
-}
-
-/// Mean cross-entropy of `logits` against class distributions `[batch, classes]`:
-/// `-mean_b sum_c p[b, c] * log_softmax(logits)[b, c]`.
-pub fn soft_cross_entropy<B: Backend>(logits: Tensor<B, 2>, targets: Tensor<B, 2>) -> Tensor<B, 1> {
-    per_sample_soft_cross_entropy(logits, targets).mean()
-}
-
-/// Soft cross-entropy of each sample, `[batch]`.
-pub fn per_sample_soft_cross_entropy<B: Backend>(
-    logits: Tensor<B, 2>,
-    targets: Tensor<B, 2>,
-) -> Tensor<B, 1> {
-    let n = targets.dims()[0];
-    (log_softmax(logits, 1) * targets)
-        .sum_dim(1)
-        .reshape([n])
-        .neg()
-}
 
 /// The classification loss of `logits` on `batch`: soft cross-entropy when an algorithm has
 /// set soft targets, plain cross-entropy on the class indices otherwise.
@@ -142,6 +44,8 @@ pub fn per_sample_classification_loss<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::CoreError;
+    use burn::tensor::Int;
     use crate::model::{Batch, ClassificationBatch};
     use burn::backend::Flex;
     use burn::tensor::TensorData;

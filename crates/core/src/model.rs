@@ -231,7 +231,7 @@ pub trait ClassTargets<B: Backend>: Batch {
     fn target_distribution(&self, num_classes: usize) -> crate::Result<Tensor<B, 2>> {
         match self.soft_targets() {
             Some(t) => Ok(t.clone()),
-            None => crate::loss::one_hot_classes(self.classes().clone(), num_classes),
+            None => crate::cross_entropy::one_hot_classes(self.classes().clone(), num_classes),
         }
     }
 }
@@ -260,7 +260,7 @@ impl<B: Backend> ClassificationOutput<B> {
     /// classifier's `forward_eval` returns.
     pub fn scored(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Self {
         Self {
-            loss: crate::loss::cross_entropy(logits.clone(), targets.clone()),
+            loss: crate::cross_entropy::cross_entropy(logits.clone(), targets.clone()),
             logits,
             targets,
         }
