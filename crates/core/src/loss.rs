@@ -45,9 +45,9 @@ pub fn per_sample_classification_loss<B: Backend>(
 mod tests {
     use super::*;
     use crate::error::CoreError;
-    use burn::tensor::Int;
     use crate::model::{Batch, ClassificationBatch};
     use burn::backend::Flex;
+    use burn::tensor::Int;
     use burn::tensor::TensorData;
 
     type B = Flex;

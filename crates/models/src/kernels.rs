@@ -37,6 +37,13 @@ use rayon::prelude::*;
 
 use crate::gemm::{matmul, MatMut, MatRef};
 
+/// ALiBi's bias of query `i` for key `j <= i` with slope `slope`: `-slope * (i - j)`, the
+/// one expression every implementation (these kernels, and Burn's ops in `crate::ops`) uses, so that they agree to the bit on it.
+#[inline]
+pub fn alibi_bias(slope: f32, i: usize, j: usize) -> f32 {
+    -(slope * (i - j) as f32)
+}
+
 /// Output positions a chunk aims for: enough rows for an efficient matrix product, few
 /// enough that a batch splits into several chunks for threads and the scratch stays in cache.
 const CHUNK_POSITIONS: usize = 2048;
@@ -1168,7 +1175,7 @@ pub fn attention_forward(
                         Some(m) => seen
                             .iter_mut()
                             .enumerate()
-                            .for_each(|(j, v)| *v = *v * scale + crate::ops::alibi_bias(m, i, j)),
+                            .for_each(|(j, v)| *v = *v * scale + alibi_bias(m, i, j)),
                     }
                     let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
                     let mut sum = 0.0f32;

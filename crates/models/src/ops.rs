@@ -276,12 +276,8 @@ pub fn burn_causal_attention<B: Backend>(
     (primitive(out), primitive(probs))
 }
 
-/// ALiBi's bias of query `i` for key `j <= i` with slope `slope`: `-slope * (i - j)`, the
-/// one expression every implementation uses, so that they agree to the bit on it.
-#[inline]
-pub fn alibi_bias(slope: f32, i: usize, j: usize) -> f32 {
-    -(slope * (i - j) as f32)
-}
+/// ALiBi's bias of query `i` for key `j <= i` (defined beside the kernels, which use it too).
+pub use crate::kernels::alibi_bias;
 
 /// [`ChannelsLastBackend::causal_attention_backward`] through Burn's tensor ops.
 pub fn burn_causal_attention_backward<B: Backend>(
