@@ -51,11 +51,11 @@ use flashover::core::precision::{Autocast, LossScaling, Precision};
 use flashover::core::schedule::Scheduler;
 use flashover::core::setup::{Setup, SetupOf};
 use flashover::core::state::{State, World};
-use flashover::core::surgery::SurgeryModel;
 use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::core::Result;
 use flashover::models::TrainBackend;
+use flashover::surgery::Surgical;
 
 /// Calls `f::<Autodiff<B>>(args...)` for the backend named by `name` (a `&str`), among those
 /// compiled into this build; any other name is an error listing the available ones. Shared by
@@ -185,7 +185,7 @@ pub use flashover::models::{MnistCnn, ResNet, ResNetConfig};
 
 /// An image classifier the MNIST example can train: `[N, 1, 28, 28]` digits in, `[N, 10]`
 /// logits out, evaluated by the inner module, with a memory format to choose and its surgery
-/// capabilities ([`SurgeryModel`], for `--algorithms blurpool` and the like). Implemented for
+/// capabilities ([`Surgical`], for `--algorithms blurpool` and the like). Implemented for
 /// every model with those types (the CNN and the ResNets).
 pub trait MnistModel<B: TrainBackend>:
     TrainModel<
@@ -198,7 +198,7 @@ pub trait MnistModel<B: TrainBackend>:
             Output = ClassificationOutput<B::InnerBackend>,
         >,
     > + HasMemoryFormat
-    + SurgeryModel
+    + Surgical
     + Autocast
 {
 }
@@ -214,7 +214,7 @@ impl<B: TrainBackend, M> MnistModel<B> for M where
                 Output = ClassificationOutput<B::InnerBackend>,
             >,
         > + HasMemoryFormat
-        + SurgeryModel
+        + Surgical
         + Autocast
 {
 }

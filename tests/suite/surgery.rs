@@ -5,9 +5,10 @@
 
 use flashover::algorithms::blurpool::{apply_blurpool, BlurPoolOptions};
 use flashover::algorithms::ghost_batchnorm::apply_ghost_batchnorm;
-use flashover::algorithms::surgery::{NamedSurgery, RunAt};
-use flashover::core::surgery::SurgeryModel;
+use flashover::algorithms::spec::parse_list;
 use flashover::models::{MnistCnn, ResNetConfig};
+use flashover::surgery::{LayerMut, SurgicalExt};
+use flashover_examples::MnistModel;
 use flashover_tests::*;
 
 /// The suite's training backend (flex by default; the GPU backends' builds compile this too).
@@ -55,16 +56,29 @@ fn blurpool_blurs_the_strided_convolutions_with_enough_channels_and_every_max_po
     assert!(apply_blurpool(&mut cnn, &options).layers.is_empty());
 }
 
-/// The start of a 100-batch run with seed 1.
-fn run_at() -> RunAt {
-    RunAt {
-        fraction: 0.0,
-        seed: 1,
-        batches: Some(100),
-        max_duration: flashover::core::time::Time::Batch(100),
-        half: None,
-        backend: "flex".into(),
-    }
+/// `model` once `algorithms` (the `--algorithms` syntax, built by name as the example builds
+/// them) ran at `INIT` of a run of `max_duration` on the bundled digits, or the error the
+/// build ended with.
+fn built<M: MnistModel<AB>>(model: M, algorithms: &str, max_duration: &str) -> Result<M, String> {
+    let mut run = short_run(128, 32, 100, max_duration);
+    run.algorithms = parse_list(algorithms).map_err(|e| e.to_string())?;
+    let optimizer = burn::optim::AdamWConfig::new().init::<AB, M>();
+    let builder = run
+        .builder_with(model, optimizer, &device())
+        .map_err(|e| e.to_string())?;
+    let trainer = builder.build().map_err(|e| e.to_string())?;
+    Ok(trainer.into_model())
+}
+
+/// The paths of `model`'s layers for which `changed` says yes.
+fn changed<M: SurgicalExt>(model: &mut M, changed: impl Fn(&LayerMut<'_>) -> bool) -> Vec<String> {
+    let mut paths = Vec::new();
+    model.visit(&mut |path, layer| {
+        if changed(&layer) {
+            paths.push(path.to_string());
+        }
+    });
+    paths
 }
 
 #[test]
@@ -79,12 +93,9 @@ fn ghost_batchnorm_reaches_every_batch_norm_and_needs_some() {
         ["stem_norm", "blocks.0.norm1", "blocks.0.norm2"]
     );
     assert!(apply_ghost_batchnorm(&mut r20, 0).is_err());
-    // By name, on a model without batch norms: an error naming what is missing.
-    let mut cnn = MnistCnn::<AB>::new(&device, 1);
-    let err = NamedSurgery::GhostBatchNorm(16)
-        .apply_to(&mut cnn as &mut dyn SurgeryModel, &run_at())
-        .unwrap_err()
-        .to_string();
+    // On a model without batch norms: an error at INIT naming what is missing.
+    let cnn = MnistCnn::<AB>::new(&device, 1);
+    let err = built(cnn, "ghost_batchnorm:ghost_batch_size=16", "2ba").unwrap_err();
     assert!(
         err.contains("ghost_batchnorm needs a model with surgery-ready batch norms"),
         "{err}"
@@ -294,31 +305,36 @@ fn squeeze_excite_and_gyro_dropout_reach_their_layers_in_code_and_by_name() {
         .weight
         .dims();
     assert_eq!(hidden, [64, 16], "a quarter of 64 channels");
-    // By name: the same layers and settings.
-    let mut r20b = ResNetConfig::cifar(20, 16).unwrap().init::<AB>(&device, 1);
-    let (by_name, gyro) = NamedSurgery::SqueezeExcite(options)
-        .apply_to(&mut r20b as &mut dyn SurgeryModel, &run_at())
-        .unwrap();
-    assert!(gyro.is_none());
-    assert_eq!(by_name, record);
+    // By name: the same layers.
+    let r20b = ResNetConfig::cifar(20, 16).unwrap().init::<AB>(&device, 1);
+    let mut r20b = built(
+        r20b,
+        "squeeze_excite:latent_channels=0.25:min_channels=64",
+        "2ba",
+    )
+    .unwrap();
+    let by_name = changed(
+        &mut r20b,
+        |l| matches!(l, LayerMut::Conv(c) if c.has_squeeze_excite()),
+    );
+    assert_eq!(by_name, record.layers);
     // Gyro dropout reaches the classifier's input of either model.
     let mut cnn = MnistCnn::<AB>::new(&device, 1);
     let (g, record) = Gyro::apply(&mut cnn, GyroDropoutOptions::default(), 1, 500);
     assert_eq!(record.layers, ["fc2"]);
     assert_eq!(g.period(), 16, "floor(500 / 256) * 16");
-    let (record, gyro) = NamedSurgery::GyroDropout(GyroDropoutOptions::default())
-        .apply_to(&mut r20 as &mut dyn SurgeryModel, &run_at())
-        .unwrap();
-    assert_eq!(record.layers, ["head"]);
-    assert_eq!(gyro.unwrap().period(), 1, "100 batches, fewer than sigma");
+    let r20 = ResNetConfig::cifar(20, 16).unwrap().init::<AB>(&device, 1);
+    let mut r20 = built(r20, "gyro_dropout", "2ba").unwrap();
+    let mut sites = Vec::new();
+    r20.for_each_dropout(&mut |info, variant| {
+        if variant.gyro.is_some() {
+            sites.push(info.path.clone());
+        }
+    });
+    assert_eq!(sites, ["head"]);
     // A run whose length is not in batches has no schedule to pick masks on.
-    let mut tokens = run_at();
-    tokens.batches = None;
-    tokens.max_duration = flashover::core::time::Time::Token(1000);
-    let err = NamedSurgery::GyroDropout(GyroDropoutOptions::default())
-        .apply_to(&mut cnn as &mut dyn SurgeryModel, &tokens)
-        .unwrap_err()
-        .to_string();
+    let cnn = MnistCnn::<AB>::new(&device, 1);
+    let err = built(cnn, "gyro_dropout", "1000tok").unwrap_err();
     assert!(
         err.contains("max_duration") && err.contains("1000tok"),
         "{err}"
@@ -382,17 +398,13 @@ fn factorize_reaches_the_wide_layers_and_cuts_the_flops() {
     // A second pass leaves factored layers alone.
     assert!(apply_factorize(&mut cnn, &options).0.layers.is_empty());
     // By name on a ResNet: the 3x3 convolutions 32 wide or more.
-    let mut r8 = ResNetConfig::cifar(8, 16).unwrap().init::<AB>(&device, 1);
-    let by_name = FactorizeOptions {
-        min_channels: 32,
-        latent_channels: 8.0,
-        ..Default::default()
-    };
-    let (record, _) = NamedSurgery::Factorize(by_name)
-        .apply_to(&mut r8 as &mut dyn SurgeryModel, &run_at())
-        .unwrap();
+    let r8 = ResNetConfig::cifar(8, 16).unwrap().init::<AB>(&device, 1);
+    let mut r8 = built(r8, "factorize:min_channels=32:latent_channels=8", "2ba").unwrap();
     assert_eq!(
-        record.layers,
+        changed(
+            &mut r8,
+            |l| matches!(l, LayerMut::Conv(c) if c.is_factored())
+        ),
         [
             "blocks.1.conv2",
             "blocks.2.conv1",
@@ -425,12 +437,215 @@ fn low_precision_groupnorm_is_refused_on_a_backend_without_a_fast_half_type() {
         "{}",
         out.stderr
     );
-    // By name on a model without group norms, where the backend has no half type: the
-    // backend is named first (it is the reason nothing could change).
-    let mut r8 = ResNetConfig::cifar(8, 4).unwrap().init::<AB>(&device, 1);
-    let err = NamedSurgery::LowPrecisionGroupNorm
-        .apply_to(&mut r8 as &mut dyn SurgeryModel, &run_at())
-        .unwrap_err()
-        .to_string();
+    // On a model without group norms, where the backend has no half type: the backend is
+    // named first (it is the reason nothing could change).
+    let r8 = ResNetConfig::cifar(8, 4).unwrap().init::<AB>(&device, 1);
+    let err = built(r8, "low_precision_groupnorm", "2ba").unwrap_err();
     assert!(err.contains("backend") && err.contains("float32"), "{err}");
+}
+
+/// A model of the user's own, built from Flashover's layers: it takes every image surgery by
+/// implementing the one trait, `Surgical`, and nothing else of surgery.
+mod user_model {
+    use burn::module::Module;
+    use burn::nn::conv::Conv2dConfig;
+    use burn::nn::{BatchNormConfig, LinearConfig, PaddingConfig2d};
+    use burn::tensor::activation::relu;
+    use burn::tensor::backend::Backend;
+    use burn::tensor::Tensor;
+    use flashover::core::loss::classification_loss;
+    use flashover::core::model::{
+        ClassificationBatch, ClassificationOutput, EvalModel, TrainModel,
+    };
+    use flashover::models::layers::{Conv2d, Linear, MaxPool2d};
+    use flashover::models::norm::BatchNorm;
+    use flashover::models::{ChannelsLastBackend, TrainBackend};
+    use flashover::surgery::{Layers, Surgical};
+
+    /// conv (1 -> 16) - batch norm - strided conv (16 -> 32) - max pool - global average -
+    /// dense head.
+    #[derive(Module, Debug)]
+    pub struct TinyNet<B: Backend> {
+        conv: Conv2d<B>,
+        norm: BatchNorm<B>,
+        down: Conv2d<B>,
+        pool: MaxPool2d,
+        head: Linear<B>,
+    }
+
+    impl<B: Backend> TinyNet<B> {
+        pub fn new(device: &B::Device) -> Self {
+            let conv = |i, o, s| {
+                Conv2d::new(
+                    &Conv2dConfig::new([i, o], [3, 3])
+                        .with_stride([s, s])
+                        .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1)),
+                    device,
+                )
+            };
+            Self {
+                conv: conv(1, 16, 1),
+                norm: BatchNorm::new(&BatchNormConfig::new(16), device),
+                down: conv(16, 32, 2),
+                pool: MaxPool2d::new([2, 2], [2, 2]),
+                head: Linear::new(&LinearConfig::new(32, 10), device),
+            }
+        }
+    }
+
+    impl<B: ChannelsLastBackend> TinyNet<B> {
+        fn logits(&self, x: Tensor<B, 4>) -> Tensor<B, 2> {
+            let x = relu(self.norm.forward(self.conv.forward(x, false, false), false));
+            let x = self.pool.forward(self.down.forward(x, false, true), false);
+            let [n, c, h, w] = x.dims();
+            let x = x.reshape([n, c, h * w]).mean_dim(2).reshape([n, c]);
+            self.head.forward(x, false, false)
+        }
+    }
+
+    /// All the surgery this model has: its layers, with their paths, in module order.
+    impl<B: Backend> Surgical for TinyNet<B> {
+        fn visit_layers(&mut self, layers: &mut Layers<'_>) {
+            layers.conv("conv", &mut self.conv);
+            layers.batch_norm("norm", &mut self.norm);
+            layers.conv("down", &mut self.down);
+            layers.max_pool("pool", &mut self.pool);
+            layers.dropout_site("head", &mut self.head);
+            layers.linear("head", &mut self.head);
+        }
+    }
+
+    impl<B: TrainBackend> TrainModel<B> for TinyNet<B> {
+        type Batch = ClassificationBatch<B, 4>;
+        type Output = Tensor<B, 2>;
+
+        fn forward(&self, batch: &Self::Batch) -> Tensor<B, 2> {
+            self.logits(batch.inputs.clone())
+        }
+
+        fn loss(&self, logits: &Tensor<B, 2>, batch: &Self::Batch) -> Tensor<B, 1> {
+            classification_loss(logits.clone(), batch)
+        }
+    }
+
+    impl<B: ChannelsLastBackend> EvalModel<B> for TinyNet<B> {
+        type Batch = ClassificationBatch<B, 4>;
+        type Output = ClassificationOutput<B>;
+
+        fn forward_eval(&self, batch: &Self::Batch) -> ClassificationOutput<B> {
+            ClassificationOutput::scored(self.logits(batch.inputs.clone()), batch.targets.clone())
+        }
+    }
+}
+
+#[test]
+fn a_users_model_built_from_flashovers_layers_takes_the_surgeries_through_one_trait() {
+    use flashover::algorithms::blurpool::BlurPool;
+    use flashover::algorithms::factorize::{Factorize, FactorizeOptions};
+    use flashover::algorithms::ghost_batchnorm::GhostBatchNorm;
+    use flashover::algorithms::gyro_dropout::GyroDropout;
+    use flashover::algorithms::squeeze_excite::{SqueezeExcite, SqueezeExciteOptions};
+    use flashover::algorithms::weight_standardization::WeightStandardization;
+    use flashover::core::callback::Algorithm;
+    use flashover::core::params::params_sha256;
+    use flashover::core::time::Time;
+    use flashover::core::trainer::Trainer;
+    use flashover_examples::mnist_loaders;
+    use user_model::TinyNet;
+
+    let run = short_run(128, 32, 100, "4ba");
+    let train = |algorithms: Vec<Box<dyn Algorithm<_>>>| {
+        let (loader, _) = mnist_loaders::<AB>(&run.data, &device()).unwrap();
+        let model = TinyNet::<AB>::new(&device());
+        let optimizer = burn::optim::AdamWConfig::new().init::<AB, TinyNet<AB>>();
+        let mut builder =
+            Trainer::builder(model, optimizer, loader, Time::Batch(4), device()).seed(3);
+        for a in algorithms {
+            builder = builder.boxed_algorithm(a);
+        }
+        let mut trainer = builder.build().map_err(|e| e.to_string())?;
+        trainer.fit().map_err(|e| e.to_string())?;
+        Ok::<_, String>(trainer.into_model())
+    };
+    let plain = train(Vec::new()).unwrap();
+    let mut model = train(vec![
+        Box::new(BlurPool::default()),
+        Box::new(GhostBatchNorm::new(8).unwrap()),
+        Box::new(WeightStandardization::new(1)),
+        Box::new(SqueezeExcite::new(
+            SqueezeExciteOptions::new(0.25, 16).unwrap(),
+        )),
+        Box::new(GyroDropout::default()),
+        Box::new(
+            Factorize::new(FactorizeOptions {
+                min_channels: 16,
+                latent_channels: 4.0,
+                factorize_linears: false,
+                ..Default::default()
+            })
+            .unwrap(),
+        ),
+    ])
+    .unwrap();
+    let mut conv_settings = Vec::new();
+    model.for_each_conv(&mut |info, v| conv_settings.push((info.path.clone(), *v)));
+    use flashover::surgery::{Blur, ConvVariant};
+    assert_eq!(
+        conv_settings,
+        [
+            // Weight standardization leaves the last convolution alone; BlurPool blurs the
+            // strided one with 16 input channels.
+            (
+                "conv".to_string(),
+                ConvVariant {
+                    blur: None,
+                    standardize: true
+                }
+            ),
+            (
+                "down".to_string(),
+                ConvVariant {
+                    blur: Some(Blur::First),
+                    standardize: false
+                }
+            ),
+        ]
+    );
+    let mut norms = Vec::new();
+    model.for_each_batch_norm(&mut |info, v| norms.push((info.path.clone(), v.ghost_batch_size)));
+    assert_eq!(norms, [("norm".to_string(), Some(8))]);
+    let mut pools = Vec::new();
+    model.for_each_max_pool(&mut |info, v| pools.push((info.path.clone(), v.blur)));
+    assert_eq!(pools, [("pool".to_string(), true)]);
+    let mut sites = Vec::new();
+    model.for_each_dropout(&mut |info, v| {
+        sites.push((info.path.clone(), info.features, v.gyro.is_some()))
+    });
+    assert_eq!(sites, [("head".to_string(), 32, true)]);
+    assert_eq!(
+        changed(
+            &mut model,
+            |l| matches!(l, LayerMut::Conv(c) if c.has_squeeze_excite())
+        ),
+        ["down"],
+        "SqueezeExcite's rule: 16 channels in and out or more"
+    );
+    assert_eq!(
+        changed(
+            &mut model,
+            |l| matches!(l, LayerMut::Conv(c) if c.is_factored())
+        ),
+        ["down"],
+        "Factorize's rule: a 16-wide input at rank 4"
+    );
+    assert_ne!(params_sha256(&model), params_sha256(&plain));
+    // A surgery whose layers the model does not have is refused at INIT, naming them.
+    let err = train(vec![Box::new(
+        flashover::algorithms::stochastic_depth::StochasticDepth::default(),
+    )])
+    .unwrap_err();
+    assert!(
+        err.contains("stochastic_depth needs a model with surgery-ready residual blocks"),
+        "{err}"
+    );
 }

@@ -15,8 +15,18 @@ fn is_layered(name: &str, manifest: &str) -> bool {
     manifest.contains("/crates/") && name != "flashover-core" && name != "flashover"
 }
 
+/// The workspace crates a layered crate may depend on: `core`, and for the two crates that
+/// meet in model surgery (the surgeries and the layers they change), `surgery`.
+fn allowed_dependencies(name: &str) -> &'static [&'static str] {
+    match name {
+        "flashover-algorithms" | "flashover-models" => &["flashover-core", "flashover-surgery"],
+        _ => &["flashover-core"],
+    }
+}
+
 /// Every dependency arrow of `cargo metadata` output that breaks the layering: `core` depends
-/// on no other workspace crate, and a layered crate on none but `core` (any dependency kind).
+/// on no other workspace crate, and a layered crate on none but those
+/// [`allowed_dependencies`] names (any dependency kind).
 fn arrow_violations(metadata: &Value) -> Vec<String> {
     let packages = metadata["packages"].as_array().cloned().unwrap_or_default();
     let members: Vec<String> = packages
@@ -39,9 +49,10 @@ fn arrow_violations(metadata: &Value) -> Vec<String> {
             let kind = d["kind"].as_str().unwrap_or("normal");
             if name == "flashover-core" {
                 out.push(format!("flashover-core depends on {dep} ({kind}); core depends on no other Flashover crate"));
-            } else if is_layered(name, &manifest) && dep != "flashover-core" {
+            } else if is_layered(name, &manifest) && !allowed_dependencies(name).contains(&dep) {
                 out.push(format!(
-                    "{name} depends on {dep} ({kind}); it may depend on flashover-core only"
+                    "{name} depends on {dep} ({kind}); it may depend on {} only",
+                    allowed_dependencies(name).join(" and ")
                 ));
             }
         }
@@ -208,23 +219,36 @@ fn the_arrow_rule_catches_a_sibling_dependency() {
             {"name": "burn", "kind": null}]},
         {"name": "flashover-algorithms", "manifest_path": "/w/crates/algorithms/Cargo.toml", "dependencies": [
             {"name": "flashover-core", "kind": null},
+            {"name": "flashover-surgery", "kind": null},
             {"name": "flashover-callbacks", "kind": "dev"}]},
         {"name": "flashover-callbacks", "manifest_path": "/w/crates/callbacks/Cargo.toml", "dependencies": [
             {"name": "flashover-core", "kind": null}]},
         {"name": "flashover-models", "manifest_path": "/w/crates/models/Cargo.toml", "dependencies": [
             {"name": "flashover-checkpoint", "kind": null}]},
-        {"name": "flashover-checkpoint", "manifest_path": "/w/crates/checkpoint/Cargo.toml", "dependencies": []},
+        {"name": "flashover-checkpoint", "manifest_path": "/w/crates/checkpoint/Cargo.toml", "dependencies": [
+            {"name": "flashover-surgery", "kind": null}]},
+        {"name": "flashover-surgery", "manifest_path": "/w/crates/surgery/Cargo.toml", "dependencies": [
+            {"name": "flashover-models", "kind": null}]},
         {"name": "flashover", "manifest_path": "/w/crates/flashover/Cargo.toml", "dependencies": [
             {"name": "flashover-algorithms", "kind": null}]},
     ]});
     let v = arrow_violations(&meta);
-    assert_eq!(v.len(), 2, "{v:?}");
+    assert_eq!(v.len(), 4, "{v:?}");
     assert!(
         v[0].contains("flashover-algorithms depends on flashover-callbacks (dev)"),
         "{v:?}"
     );
     assert!(
         v[1].contains("flashover-models depends on flashover-checkpoint"),
+        "{v:?}"
+    );
+    // Surgery is a dependency of algorithms and models only, and itself sits on core.
+    assert!(
+        v[2].contains("flashover-checkpoint depends on flashover-surgery"),
+        "{v:?}"
+    );
+    assert!(
+        v[3].contains("flashover-surgery depends on flashover-models"),
         "{v:?}"
     );
     let core = serde_json::json!({"packages": [
@@ -264,6 +288,7 @@ fn crate_arrows_point_down_to_core_only() {
         "flashover-algorithms",
         "flashover-callbacks",
         "flashover-checkpoint",
+        "flashover-surgery",
     ] {
         assert!(
             names.contains(&expected),

@@ -24,7 +24,8 @@
 //! (enlarged to `max_sequence_length` rows); here the parameter is removed, which a
 //! checkpoint of the run records (the same model, nothing to train).
 //!
-//! Surgery at `INIT` through the model's [`AttentionSurgery`]; `AFTER_DATALOADER` reshapes
+//! Surgery at `INIT` on the attention layers and position embeddings the model shows
+//! ([`Surgical`]); `AFTER_DATALOADER` reshapes
 //! the batch. The layers changed and the settings are the checkpoint state.
 
 use flashover_core::callback::Algorithm;
@@ -33,11 +34,17 @@ use flashover_core::logger::Logger;
 use flashover_core::model::SequenceBatch;
 use flashover_core::setup::{BatchOf, Setup};
 use flashover_core::state::State;
-use flashover_core::surgery::{AttentionSurgery, SurgeryRecord};
+use flashover_surgery::{LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 
 use crate::error::{AlgorithmError, Result};
 use crate::seq_length_warmup::shorten;
-use crate::surgery::Applied;
+use crate::surgery::{Applied, Needs};
+
+const NEEDS: Needs = Needs {
+    algorithm: "alibi",
+    kinds: &[LayerKind::Attention],
+    describe: "surgery-ready attention layers",
+};
 
 /// ALiBi's slope for each of `heads` heads, the paper's sequence (see the module docs).
 /// Panics on 0 heads.
@@ -136,10 +143,7 @@ impl AlibiOptions {
 /// Applies ALiBi to `model` (the functional form; call it before training): removes its
 /// position embeddings, lets it take `max_sequence_length` tokens, and gives every attention
 /// layer its heads' slopes. Returns what it changed.
-pub fn apply_alibi<M: AttentionSurgery + ?Sized>(
-    model: &mut M,
-    options: &AlibiOptions,
-) -> SurgeryRecord {
+pub fn apply_alibi<M: Surgical + ?Sized>(model: &mut M, options: &AlibiOptions) -> SurgeryRecord {
     let mut layers = Vec::new();
     if let Some(path) = model.remove_position_embeddings(options.max_sequence_length) {
         layers.push(path);
@@ -174,7 +178,7 @@ impl Alibi {
 
 impl<S: Setup> Algorithm<S> for Alibi
 where
-    S::Model: AttentionSurgery,
+    S::Model: Surgical,
     BatchOf<S>: SequenceBatch<S::Backend>,
 {
     fn name(&self) -> &str {
@@ -196,7 +200,7 @@ where
             let options = self.options;
             return self
                 .applied
-                .run("alibi", state, |model| Ok(apply_alibi(model, &options)));
+                .run(NEEDS, state, |model| Ok(apply_alibi(model, &options)));
         }
         if let Some(batch) = state.batch.take() {
             let len = batch.seq_len();

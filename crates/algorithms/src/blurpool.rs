@@ -17,19 +17,25 @@
 //! shifts; it slows a step by the cost of the filter passes. Zero padding follows Composer;
 //! the paper's reference code pads by reflection.
 //!
-//! Surgery at `INIT` through the model's [`ConvSurgery`] and [`PoolSurgery`] (a model without
-//! them cannot take the algorithm: it does not compile); no parameter is added or changed. The
+//! Surgery at `INIT` on the convolutions and max pools the model shows ([`Surgical`]; a
+//! model with neither fails there, naming them); no parameter is added or changed. The
 //! layers changed are the algorithm's checkpoint state, and a checkpoint of another surgery is
-//! refused ([`flashover_core::surgery`]).
+//! refused ([`flashover_surgery::check_surgery_record`]).
 
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{Blur, ConvSurgery, PoolSurgery, SurgeryRecord};
+use flashover_surgery::{Blur, LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 
-use crate::surgery::{surgery_at_init, Applied};
+use crate::surgery::{surgery_at_init, Applied, Needs};
+
+const NEEDS: Needs = Needs {
+    algorithm: "blurpool",
+    kinds: &[LayerKind::Conv, LayerKind::MaxPool],
+    describe: "surgery-ready convolutions or max pools",
+};
 
 /// BlurPool's settings (Composer's names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +74,7 @@ impl BlurPoolOptions {
 /// Applies BlurPool to `model` (the functional form, for a hand-written loop: call it before
 /// building the optimizer) and returns what it changed. Applying it twice changes nothing
 /// more.
-pub fn apply_blurpool<M: ConvSurgery + PoolSurgery + ?Sized>(
+pub fn apply_blurpool<M: Surgical + ?Sized>(
     model: &mut M,
     options: &BlurPoolOptions,
 ) -> SurgeryRecord {
@@ -82,7 +88,7 @@ pub fn apply_blurpool<M: ConvSurgery + PoolSurgery + ?Sized>(
 }
 
 /// The convolution half of [`apply_blurpool`]; appends the paths it changed to `layers`.
-pub(crate) fn blur_convs<M: ConvSurgery + ?Sized>(
+pub(crate) fn blur_convs<M: Surgical + ?Sized>(
     model: &mut M,
     options: &BlurPoolOptions,
     layers: &mut Vec<String>,
@@ -104,7 +110,7 @@ pub(crate) fn blur_convs<M: ConvSurgery + ?Sized>(
 }
 
 /// The max-pool half of [`apply_blurpool`].
-pub(crate) fn blur_pools<M: PoolSurgery + ?Sized>(
+pub(crate) fn blur_pools<M: Surgical + ?Sized>(
     model: &mut M,
     options: &BlurPoolOptions,
     layers: &mut Vec<String>,
@@ -142,7 +148,7 @@ impl BlurPool {
 
 impl<S: Setup> Algorithm<S> for BlurPool
 where
-    S::Model: ConvSurgery + PoolSurgery,
+    S::Model: Surgical,
 {
     surgery_at_init!("blurpool", |this| this.options.describe());
 
@@ -152,7 +158,7 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        self.applied.run("blurpool", state, |model| {
+        self.applied.run(NEEDS, state, |model| {
             Ok(apply_blurpool(model, &self.options))
         })
     }
@@ -170,10 +176,10 @@ crate::spec::by_name! {
 }
 crate::spec::by_name! {image |p, _norm| {
     let d = BlurPoolOptions::default();
-    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::BlurPool(BlurPoolOptions {
+    BlurPool::new(BlurPoolOptions {
         replace_convs: p.bool("replace_convs", d.replace_convs)?,
         replace_maxpools: p.bool("replace_maxpools", d.replace_maxpools)?,
         blur_first: p.bool("blur_first", d.blur_first)?,
         min_channels: p.usize("min_channels", d.min_channels)?,
-    }))
+    })
 }}

@@ -29,7 +29,7 @@
 //! traffic, bounds a step; on small models the two smaller operations often cost more time
 //! than the one they replace.
 //!
-//! Surgery at `INIT` through the model's [`FactorSurgery`]: the layer's weight parameter
+//! Surgery at `INIT` on the convolutions and dense layers the model shows ([`Surgical`]): the layer's weight parameter
 //! keeps its name and id but becomes empty (no values, never trained), and the factors are
 //! new parameters (`<layer>.factors.first`, `<layer>.factors.second`). The layers factored
 //! are the checkpoint state; a checkpoint of another surgery is refused.
@@ -40,10 +40,16 @@ use flashover_core::logger::Logger;
 use flashover_core::model::TrainModel;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{ConvInfo, FactorSurgery, LinearInfo, SurgeryRecord};
+use flashover_surgery::{ConvInfo, LayerKind, LinearInfo, SurgeryRecord, Surgical, SurgicalExt};
 
 use crate::error::Result;
-use crate::surgery::{surgery_at_init, Applied};
+use crate::surgery::{surgery_at_init, Applied, Needs};
+
+const NEEDS: Needs = Needs {
+    algorithm: "factorize",
+    kinds: &[LayerKind::Conv, LayerKind::Linear],
+    describe: "convolutions or dense layers that can be factored",
+};
 use crate::util::check_latent;
 
 /// Factorize's settings (Composer's names and defaults).
@@ -145,7 +151,7 @@ pub struct FactorReport {
 
 /// Factors the layers of `model` that `options` selects (the functional form; call it
 /// before building the optimizer) and returns what it changed with the per-layer figures.
-pub fn apply_factorize<M: FactorSurgery + ?Sized>(
+pub fn apply_factorize<M: Surgical + ?Sized>(
     model: &mut M,
     options: &FactorizeOptions,
 ) -> (SurgeryRecord, FactorReport) {
@@ -215,7 +221,7 @@ pub(crate) fn log_flops(before: Option<f64>, after: Option<f64>) {
 
 impl<S: Setup> Algorithm<S> for Factorize
 where
-    S::Model: FactorSurgery,
+    S::Model: Surgical,
 {
     surgery_at_init!("factorize", |this| this.options.describe());
 
@@ -227,7 +233,7 @@ where
     ) -> flashover_core::Result<()> {
         let before = state.model().flops_per_sample();
         let mut report = None;
-        self.applied.run("factorize", state, |model| {
+        self.applied.run(NEEDS, state, |model| {
             let (record, layers) = apply_factorize(model, &self.options);
             report = Some(layers);
             Ok(record)
@@ -251,9 +257,7 @@ crate::spec::by_name! {
         "latent_features",
     ],
 }
-crate::spec::by_name! {image |p, _norm| crate::surgery::SurgeryByName::new(
-    crate::surgery::NamedSurgery::Factorize(options_by_name(p)?),
-)}
+crate::spec::by_name! {image |p, _norm| Factorize::new(options_by_name(p)?)?}
 crate::spec::by_name! {language |p| Factorize::new(options_by_name(p)?)?}
 
 /// Factorize's settings from its `--algorithms` parameters, checked.

@@ -16,7 +16,7 @@
 //! When it helps: language models, where Shazeer measured lower perplexity at equal
 //! parameters and compute; Composer reports BERT pretraining quality gains.
 //!
-//! Surgery at `INIT` through the model's [`GluSurgery`] (it rebuilds its MLPs); the layers
+//! Surgery at `INIT` on the MLPs the model shows ([`Surgical`]; each rebuilds itself); the layers
 //! changed and the settings are the checkpoint state.
 
 use flashover_core::callback::Algorithm;
@@ -24,10 +24,18 @@ use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{GluActivation, GluSettings, GluSurgery, SurgeryRecord};
+use flashover_surgery::{
+    GluActivation, GluSettings, LayerKind, SurgeryRecord, Surgical, SurgicalExt,
+};
 
 use crate::error::{AlgorithmError, Result};
-use crate::surgery::{surgery_at_init, Applied};
+use crate::surgery::{surgery_at_init, Applied, Needs};
+
+const NEEDS: Needs = Needs {
+    algorithm: "gated_linear_units",
+    kinds: &[LayerKind::Mlp],
+    describe: "transformer MLPs that can become gated linear units",
+};
 
 /// GatedLinearUnits' settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,7 +102,7 @@ impl GluOptions {
 /// Rebuilds every MLP of `model` as a gated linear unit (the functional form; call it before
 /// the optimizer sees the parameters), drawing the new weights from `seed`. Returns what it
 /// changed.
-pub fn apply_gated_linear_units<M: GluSurgery + ?Sized>(
+pub fn apply_gated_linear_units<M: Surgical + ?Sized>(
     model: &mut M,
     options: &GluOptions,
     seed: u64,
@@ -136,7 +144,7 @@ impl GatedLinearUnits {
 
 impl<S: Setup> Algorithm<S> for GatedLinearUnits
 where
-    S::Model: GluSurgery,
+    S::Model: Surgical,
 {
     surgery_at_init!("gated_linear_units", |this| this.options.describe());
 
@@ -147,7 +155,7 @@ where
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let (options, seed) = (self.options, state.seed);
-        self.applied.run("gated_linear_units", state, |model| {
+        self.applied.run(NEEDS, state, |model| {
             Ok(apply_gated_linear_units(model, &options, seed))
         })
     }

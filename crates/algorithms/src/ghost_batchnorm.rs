@@ -10,8 +10,8 @@
 //! Default `ghost_batch_size = 32` (Composer's). When it helps: models with batch norm trained
 //! at batches well above the ghost size; it costs a few small reductions per norm.
 //!
-//! Surgery at `INIT` through the model's [`NormSurgery`] (a model without batch norms cannot
-//! take it: it does not compile); no parameter changes. The layers changed are the
+//! Surgery at `INIT` on the batch norms the model shows ([`Surgical`]; a model without
+//! batch norms fails there, naming them); no parameter changes. The layers changed are the
 //! algorithm's checkpoint state, and a checkpoint of another surgery is refused.
 
 use flashover_core::callback::Algorithm;
@@ -19,15 +19,21 @@ use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{NormSurgery, SurgeryRecord};
+use flashover_surgery::{LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 
 use crate::error::{AlgorithmError, Result};
-use crate::surgery::{surgery_at_init, Applied};
+use crate::surgery::{surgery_at_init, Applied, Needs};
+
+const NEEDS: Needs = Needs {
+    algorithm: "ghost_batchnorm",
+    kinds: &[LayerKind::BatchNorm],
+    describe: "surgery-ready batch norms",
+};
 
 /// Sets every batch norm of `model` to normalise over ghost batches of `ghost_batch_size`
 /// samples (the functional form; call it before building the optimizer) and returns what it
 /// changed. `ghost_batch_size` must be at least 1.
-pub fn apply_ghost_batchnorm<M: NormSurgery + ?Sized>(
+pub fn apply_ghost_batchnorm<M: Surgical + ?Sized>(
     model: &mut M,
     ghost_batch_size: usize,
 ) -> Result<SurgeryRecord> {
@@ -94,7 +100,7 @@ impl Default for GhostBatchNorm {
 
 impl<S: Setup> Algorithm<S> for GhostBatchNorm
 where
-    S::Model: NormSurgery,
+    S::Model: Surgical,
 {
     surgery_at_init!("ghost_batchnorm", |this| describe(this.ghost_batch_size));
 
@@ -104,7 +110,7 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        self.applied.run("ghost_batchnorm", state, |model| {
+        self.applied.run(NEEDS, state, |model| {
             Ok(apply_ghost_batchnorm(model, self.ghost_batch_size)?)
         })
     }
@@ -114,7 +120,5 @@ where
 crate::spec::by_name! {name: "ghost_batchnorm", params: ["ghost_batch_size"]}
 crate::spec::by_name! {image |p, _norm| {
     let size = p.usize("ghost_batch_size", GhostBatchNorm::default().ghost_batch_size())?;
-    // The same check as the typed algorithm's, now rather than at INIT.
-    GhostBatchNorm::new(size)?;
-    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::GhostBatchNorm(size))
+    GhostBatchNorm::new(size)?
 }}

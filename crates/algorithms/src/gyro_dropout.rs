@@ -28,7 +28,7 @@
 //! connected heads); the paper reports +1-2% over plain dropout on CIFAR. On a model without
 //! dropout it adds regularisation that may or may not pay.
 //!
-//! Surgery at `INIT` through the model's [`DropoutSurgery`]; no parameter is added or changed.
+//! Surgery at `INIT` on the dropout sites the model shows ([`Surgical`]); no parameter is added or changed.
 //! The sites changed are the checkpoint state; a checkpoint of another surgery is refused.
 
 use flashover_core::callback::Algorithm;
@@ -37,11 +37,11 @@ use flashover_core::logger::Logger;
 use flashover_core::rng::{derive_seed, hash_str, Rng};
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{DropoutSurgery, GyroMasks, SurgeryRecord};
+use flashover_surgery::{GyroMasks, LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 use serde_json::Value;
 
 use crate::error::{AlgorithmError, Result};
-use crate::surgery::{Applied, RunAt};
+use crate::surgery::{Applied, Needs};
 
 /// GyroDropout's settings (Composer's names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -131,7 +131,7 @@ impl Gyro {
     /// batches and draws each site's masks from `seed` (the functional form; then call
     /// [`Gyro::before_forward`] before each training forward pass and [`Gyro::clear`]
     /// after the step). Returns it and what it changed.
-    pub fn apply<M: DropoutSurgery + ?Sized>(
+    pub fn apply<M: Surgical + ?Sized>(
         model: &mut M,
         options: GyroDropoutOptions,
         seed: u64,
@@ -190,12 +190,7 @@ impl Gyro {
     }
 
     /// Sets every site's masks for training batch `batch` on rank `rank`.
-    pub fn before_forward<M: DropoutSurgery + ?Sized>(
-        &self,
-        model: &mut M,
-        batch: u64,
-        rank: usize,
-    ) {
+    pub fn before_forward<M: Surgical + ?Sized>(&self, model: &mut M, batch: u64, rank: usize) {
         let mut index = 0;
         model.for_each_dropout(&mut |_, variant| {
             let i = index;
@@ -215,7 +210,7 @@ impl Gyro {
 
     /// Forgets the masks (after each step and a restore), so that no forward pass outside a
     /// training step uses a stale pick.
-    pub fn clear<M: DropoutSurgery + ?Sized>(model: &mut M) {
+    pub fn clear<M: Surgical + ?Sized>(model: &mut M) {
         model.for_each_dropout(&mut |_, variant| {
             if let Some(g) = &mut variant.gyro {
                 g.keep = None;
@@ -224,14 +219,15 @@ impl Gyro {
     }
 }
 
-/// Training batches in `run`, or an error where its length is not in batches, samples or
+/// Training batches in the run, or an error where its length is not in batches, samples or
 /// epochs.
-pub(crate) fn run_batches(run: &RunAt) -> Result<u64> {
-    run.batches.ok_or_else(|| {
+fn run_batches<S: Setup>(state: &State<S>) -> Result<u64> {
+    let batches = state.progress().to_batches(state.max_duration);
+    batches.map(|b| b.ceil() as u64).ok_or_else(|| {
         AlgorithmError::param(
             "gyro_dropout",
             "max_duration",
-            run.max_duration,
+            state.max_duration,
             "a run length in epochs, batches or samples (its schedule counts batches)",
         )
     })
@@ -263,75 +259,26 @@ impl GyroDropout {
     }
 }
 
-/// What GyroDropout does at `event`, for the typed and the by-name algorithm; `model` reaches
-/// the model's dropout sites.
-pub(crate) fn gyro_event<S: Setup>(
-    options: GyroDropoutOptions,
-    gyro: &mut Option<Gyro>,
-    event: Event,
-    state: &mut State<S>,
-    sites: fn(&mut S::Model) -> Option<&mut dyn DropoutSurgery>,
-) -> Result<Option<SurgeryRecord>> {
-    match event {
-        Event::Init => {
-            let run = RunAt::of(state);
-            let (batches, seed) = (run_batches(&run)?, run.seed);
-            let mut out = None;
-            state.map_model(|mut model| {
-                out = sites(&mut model).map(|m| Gyro::apply(m, options, seed, batches));
-                model
-            });
-            let Some((g, record)) = out else {
-                return Err(AlgorithmError::ModelLacks {
-                    algorithm: "gyro_dropout",
-                    needs: "surgery-ready dropout sites",
-                });
-            };
-            *gyro = Some(g);
-            Ok(Some(record))
-        }
-        Event::BeforeForward => {
-            if let Some(g) = gyro.as_ref() {
-                let (batch, rank) = (state.timestamp.batch, state.world.rank);
-                state.map_model(|mut model| {
-                    if let Some(m) = sites(&mut model) {
-                        g.before_forward(m, batch, rank);
-                    }
-                    model
-                });
-            }
-            Ok(None)
-        }
-        _ => {
-            state.map_model(|mut model| {
-                if let Some(m) = sites(&mut model) {
-                    Gyro::clear(m);
-                }
-                model
-            });
-            Ok(None)
-        }
-    }
-}
-
-/// The events GyroDropout acts on.
-pub(crate) fn gyro_matches(event: Event) -> bool {
-    matches!(
-        event,
-        Event::Init | Event::BeforeForward | Event::BatchEnd | Event::AfterLoad
-    )
-}
+/// What GyroDropout needs of the model.
+const NEEDS: Needs = Needs {
+    algorithm: "gyro_dropout",
+    kinds: &[LayerKind::DropoutSite],
+    describe: "surgery-ready dropout sites",
+};
 
 impl<S: Setup> Algorithm<S> for GyroDropout
 where
-    S::Model: DropoutSurgery,
+    S::Model: Surgical,
 {
     fn name(&self) -> &str {
         "gyro_dropout"
     }
 
     fn matches(&self, event: Event, _state: &State<S>) -> bool {
-        gyro_matches(event)
+        matches!(
+            event,
+            Event::Init | Event::BeforeForward | Event::BatchEnd | Event::AfterLoad
+        )
     }
 
     fn apply(
@@ -340,9 +287,36 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let sites: fn(&mut S::Model) -> Option<&mut dyn DropoutSurgery> = |m| Some(m);
-        if let Some(record) = gyro_event(self.options, &mut self.gyro, event, state, sites)? {
-            self.applied.keep("gyro_dropout", record);
+        match event {
+            Event::Init => {
+                let (options, batches, seed) = (self.options, run_batches(state)?, state.seed);
+                let mut out = None;
+                state.map_model(|mut model| {
+                    out = Some(
+                        NEEDS
+                            .check(&mut model)
+                            .map(|()| Gyro::apply(&mut model, options, seed, batches)),
+                    );
+                    model
+                });
+                // Invariant: `map_model` ran the closure.
+                let (gyro, record) = out.expect("the surgery ran")?;
+                self.gyro = Some(gyro);
+                self.applied.keep("gyro_dropout", record);
+            }
+            Event::BeforeForward => {
+                if let Some(g) = self.gyro.as_ref() {
+                    let (batch, rank) = (state.timestamp.batch, state.world.rank);
+                    state.map_model(|mut model| {
+                        g.before_forward(&mut model, batch, rank);
+                        model
+                    });
+                }
+            }
+            _ => state.map_model(|mut model| {
+                Gyro::clear(&mut model);
+                model
+            }),
         }
         Ok(())
     }
@@ -365,26 +339,38 @@ where
 crate::spec::by_name! {name: "gyro_dropout", params: ["p", "sigma", "tau"]}
 crate::spec::by_name! {image |p, _norm| {
     let d = GyroDropoutOptions::default();
-    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::GyroDropout(
-        GyroDropoutOptions::new(p.f64("p", d.p)?, p.usize("sigma", d.sigma)?, p.usize("tau", d.tau)?)?,
-    ))
+    GyroDropout::new(GyroDropoutOptions::new(
+        p.f64("p", d.p)?,
+        p.usize("sigma", d.sigma)?,
+        p.usize("tau", d.tau)?,
+    )?)
 }}
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flashover_core::surgery::{DropoutInfo, DropoutVariant};
+    use flashover_surgery::{DropoutSite, DropoutVariant, Layers};
 
+    /// Dropout sites of `.1` features each.
     struct Sites(Vec<DropoutVariant>, usize);
 
-    impl DropoutSurgery for Sites {
-        fn for_each_dropout(&mut self, f: &mut dyn FnMut(&DropoutInfo, &mut DropoutVariant)) {
+    struct Site<'a>(&'a mut DropoutVariant, usize);
+
+    impl DropoutSite for Site<'_> {
+        fn features(&self) -> usize {
+            self.1
+        }
+
+        fn dropout(&mut self) -> &mut DropoutVariant {
+            self.0
+        }
+    }
+
+    impl Surgical for Sites {
+        fn visit_layers(&mut self, layers: &mut Layers<'_>) {
+            let features = self.1;
             for (i, v) in self.0.iter_mut().enumerate() {
-                let info = DropoutInfo {
-                    path: format!("site{i}"),
-                    features: self.1,
-                };
-                f(&info, v);
+                layers.dropout_site(&format!("site{i}"), &mut Site(v, features));
             }
         }
     }

@@ -62,10 +62,9 @@
 //! assert_eq!(pixels(&batch), 2 * 28 * 28);
 //! ```
 //!
-//! The surgery algorithms change the model's architecture at `INIT` through the capability
-//! traits of `flashover_core::surgery`: BlurPool needs `ConvSurgery + PoolSurgery`,
-//! GhostBatchNorm `NormSurgery`, StochasticDepth `ResidualSurgery`, so a model without such
-//! layers cannot take them:
+//! The surgery algorithms change the model's architecture at `INIT` through the one trait of
+//! `flashover_surgery`, [`Surgical`](flashover_surgery::Surgical), with which a model shows
+//! its surgery-ready layers; a model that does not implement it cannot take them:
 //!
 //! ```compile_fail
 //! use burn::backend::{Autodiff, Flex};
@@ -91,7 +90,12 @@
 //! let _: Box<dyn Algorithm<S>> = Box::new(GradientClipping::new(ClippingType::Norm, 1.0).unwrap());
 //! ```
 //!
-//! This crate never touches the filesystem and depends on no other Flashover crate but core.
+//! A `Surgical` model without the kind of layer a surgery changes (GhostBatchNorm on the
+//! MNIST CNN, which has no batch norm) fails at `INIT`, before any batch, with
+//! [`AlgorithmError::ModelLacks`](crate::error::AlgorithmError::ModelLacks) naming the layers.
+//!
+//! This crate never touches the filesystem and depends on no other Flashover crate but core
+//! and surgery.
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 

@@ -15,13 +15,12 @@
 //! No hyperparameters. When it helps: models with group norms (detection and segmentation
 //! backbones, small-batch training) on a GPU in mixed precision.
 //!
-//! Surgery at `INIT` through the model's [`GroupNormSurgery`] (Flashover's layer:
+//! Surgery at `INIT` on the group norms the model shows ([`Surgical`]; Flashover's layer:
 //! `flashover_models::norm::GroupNorm`); no parameter is added or changed. The layers changed
 //! and the half type are the checkpoint state; a checkpoint of another surgery is refused.
 
-use flashover_core::surgery::{GroupNormSurgery, HalfType, SurgeryRecord};
+use flashover_surgery::{HalfType, LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 
-use crate::error::AlgorithmError;
 pub use crate::low_precision_norm::{accelerated_half, norm_half};
 use crate::low_precision_norm::{LowPrecisionNorm, NormKind, SetNormHalf};
 
@@ -32,9 +31,11 @@ pub struct GroupNorms;
 impl NormKind for GroupNorms {
     const NAME: &'static str = "low_precision_groupnorm";
     const LAYER: &'static str = "group norm";
+    const KINDS: &'static [LayerKind] = &[LayerKind::GroupNorm];
+    const NEEDS: &'static str = "surgery-ready group norms";
 }
 
-impl<M: GroupNormSurgery + ?Sized> SetNormHalf<M> for GroupNorms {
+impl<M: Surgical + ?Sized> SetNormHalf<M> for GroupNorms {
     fn set_half(model: &mut M, half: HalfType) -> Vec<String> {
         let mut layers = Vec::new();
         model.for_each_group_norm(&mut |info, variant| {
@@ -45,19 +46,9 @@ impl<M: GroupNormSurgery + ?Sized> SetNormHalf<M> for GroupNorms {
     }
 }
 
-/// The settings in the `--algorithms` syntax, with the half type chosen.
-pub(crate) fn describe(half: Option<HalfType>) -> String {
-    crate::low_precision_norm::describe::<GroupNorms>(half)
-}
-
-/// The error for a backend without an accelerated half type.
-pub(crate) fn unsupported(backend: String) -> AlgorithmError {
-    crate::low_precision_norm::unsupported::<GroupNorms>(backend)
-}
-
 /// Makes every group norm of `model` compute in `half` (the functional form; call it
 /// before training) and returns what it changed.
-pub fn apply_low_precision_groupnorm<M: GroupNormSurgery + ?Sized>(
+pub fn apply_low_precision_groupnorm<M: Surgical + ?Sized>(
     model: &mut M,
     half: HalfType,
 ) -> SurgeryRecord {
@@ -71,26 +62,36 @@ pub type LowPrecisionGroupNorm = LowPrecisionNorm<GroupNorms>;
 
 // By name (`--algorithms`; see `crate::spec`).
 crate::spec::by_name! {name: "low_precision_groupnorm", params: []}
-crate::spec::by_name! {image |_p, _norm| crate::surgery::SurgeryByName::new(
-    crate::surgery::NamedSurgery::LowPrecisionGroupNorm,
-)}
+crate::spec::by_name! {image |_p, _norm| LowPrecisionGroupNorm::default()}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::low_precision_norm::unsupported;
     use burn::tensor::backend::Backend;
-    use flashover_core::surgery::{GroupNormVariant, NormInfo};
+    use flashover_surgery::{GroupNormLayer, GroupNormVariant, Layers, NormInfo};
 
     struct Norms(Vec<GroupNormVariant>);
 
-    impl GroupNormSurgery for Norms {
-        fn for_each_group_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut GroupNormVariant)) {
+    struct Norm<'a>(&'a mut GroupNormVariant);
+
+    impl GroupNormLayer for Norm<'_> {
+        fn info(&self, path: &str) -> NormInfo {
+            NormInfo {
+                path: path.into(),
+                channels: 8,
+            }
+        }
+
+        fn variant(&mut self) -> &mut GroupNormVariant {
+            self.0
+        }
+    }
+
+    impl Surgical for Norms {
+        fn visit_layers(&mut self, layers: &mut Layers<'_>) {
             for (i, v) in self.0.iter_mut().enumerate() {
-                let info = NormInfo {
-                    path: format!("gn{i}"),
-                    channels: 8,
-                };
-                f(&info, v);
+                layers.group_norm(&format!("gn{i}"), &mut Norm(v));
             }
         }
     }
@@ -108,7 +109,7 @@ mod tests {
     fn the_cpu_backend_has_no_accelerated_half_type_and_the_error_says_so() {
         type F = burn::backend::Flex;
         assert_eq!(accelerated_half::<F>(&Default::default()), None);
-        let e = unsupported(<F as Backend>::name(&Default::default())).to_string();
+        let e = unsupported::<GroupNorms>(<F as Backend>::name(&Default::default())).to_string();
         assert!(
             e.contains("low_precision_groupnorm") && e.contains("float32"),
             "{e}"

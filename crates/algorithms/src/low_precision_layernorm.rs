@@ -9,11 +9,11 @@
 //! backend) is refused at `INIT` with an error naming it. No hyperparameters. When it helps:
 //! transformers on a GPU in mixed precision.
 //!
-//! Surgery at `INIT` through the model's [`LayerNormSurgery`] (Flashover's layer:
+//! Surgery at `INIT` on the layer norms the model shows ([`Surgical`]; Flashover's layer:
 //! `flashover_models::norm::LayerNorm`); no parameter is added or changed. The layers
 //! changed and the half type are the checkpoint state.
 
-use flashover_core::surgery::{HalfType, LayerNormSurgery, SurgeryRecord};
+use flashover_surgery::{HalfType, LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 
 use crate::low_precision_norm::{LowPrecisionNorm, NormKind, SetNormHalf};
 
@@ -24,9 +24,11 @@ pub struct LayerNorms;
 impl NormKind for LayerNorms {
     const NAME: &'static str = "low_precision_layernorm";
     const LAYER: &'static str = "layer norm";
+    const KINDS: &'static [LayerKind] = &[LayerKind::LayerNorm];
+    const NEEDS: &'static str = "surgery-ready layer norms";
 }
 
-impl<M: LayerNormSurgery + ?Sized> SetNormHalf<M> for LayerNorms {
+impl<M: Surgical + ?Sized> SetNormHalf<M> for LayerNorms {
     fn set_half(model: &mut M, half: HalfType) -> Vec<String> {
         let mut layers = Vec::new();
         model.for_each_layer_norm(&mut |info, variant| {
@@ -39,7 +41,7 @@ impl<M: LayerNormSurgery + ?Sized> SetNormHalf<M> for LayerNorms {
 
 /// Makes every layer norm of `model` compute in `half` (the functional form; call it before
 /// training) and returns what it changed.
-pub fn apply_low_precision_layernorm<M: LayerNormSurgery + ?Sized>(
+pub fn apply_low_precision_layernorm<M: Surgical + ?Sized>(
     model: &mut M,
     half: HalfType,
 ) -> SurgeryRecord {
@@ -60,18 +62,29 @@ mod tests {
     use super::*;
     use crate::low_precision_norm::norm_half;
     use burn::tensor::backend::Backend;
-    use flashover_core::surgery::{LayerNormVariant, NormInfo};
+    use flashover_surgery::{LayerNormLayer, LayerNormVariant, Layers, NormInfo};
 
     struct Norms(Vec<LayerNormVariant>);
 
-    impl LayerNormSurgery for Norms {
-        fn for_each_layer_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut LayerNormVariant)) {
+    struct Norm<'a>(&'a mut LayerNormVariant);
+
+    impl LayerNormLayer for Norm<'_> {
+        fn info(&self, path: &str) -> NormInfo {
+            NormInfo {
+                path: path.into(),
+                channels: 8,
+            }
+        }
+
+        fn variant(&mut self) -> &mut LayerNormVariant {
+            self.0
+        }
+    }
+
+    impl Surgical for Norms {
+        fn visit_layers(&mut self, layers: &mut Layers<'_>) {
             for (i, v) in self.0.iter_mut().enumerate() {
-                let info = NormInfo {
-                    path: format!("ln{i}"),
-                    channels: 8,
-                };
-                f(&info, v);
+                layers.layer_norm(&format!("ln{i}"), &mut Norm(v));
             }
         }
     }

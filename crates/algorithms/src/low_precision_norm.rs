@@ -1,8 +1,8 @@
 //! What the two low-precision normalisations ([`LowPrecisionGroupNorm`] and
 //! [`LowPrecisionLayerNorm`]) share: the half type they compute in, their settings and their
 //! error, and the algorithm itself, generic over which norms it changes ([`NormKind`], with
-//! [`SetNormHalf`] for the models whose surgery trait reaches those norms). Each kind's
-//! module adds its name, its surgery trait and its documentation.
+//! [`SetNormHalf`], which walks them on a `Surgical` model). Each kind's module adds its
+//! name, its layer kind and its documentation.
 //!
 //! [`LowPrecisionGroupNorm`]: crate::low_precision_groupnorm::LowPrecisionGroupNorm
 //! [`LowPrecisionLayerNorm`]: crate::low_precision_layernorm::LowPrecisionLayerNorm
@@ -17,10 +17,10 @@ use flashover_core::logger::Logger;
 use flashover_core::precision::Precision;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{HalfType, SurgeryRecord};
+use flashover_surgery::{HalfType, LayerKind, SurgeryRecord, Surgical};
 
 use crate::error::AlgorithmError;
-use crate::surgery::{surgery_at_init, Applied};
+use crate::surgery::{surgery_at_init, Applied, Needs};
 
 /// The half type `B` runs accelerated on `device`: bf16 first, then f16; `None` where
 /// neither is.
@@ -49,6 +49,10 @@ pub trait NormKind: std::fmt::Debug + Clone + Default + Send + Sync + 'static {
     const NAME: &'static str;
     /// The layers, in words (`group norm`).
     const LAYER: &'static str;
+    /// The kind of layer, for surgery.
+    const KINDS: &'static [LayerKind];
+    /// The layers as the error for a model without any names them.
+    const NEEDS: &'static str;
 }
 
 /// Makes every norm of kind `Self` of a model `M` compute in a half type; implemented by each
@@ -96,7 +100,10 @@ pub struct LowPrecisionNorm<K> {
     kind: PhantomData<K>,
 }
 
-impl<S: Setup, K: SetNormHalf<S::Model>> Algorithm<S> for LowPrecisionNorm<K> {
+impl<S: Setup, K: SetNormHalf<S::Model>> Algorithm<S> for LowPrecisionNorm<K>
+where
+    S::Model: Surgical,
+{
     surgery_at_init!(K::NAME, |this| describe::<K>(this.half));
 
     fn apply(
@@ -108,7 +115,12 @@ impl<S: Setup, K: SetNormHalf<S::Model>> Algorithm<S> for LowPrecisionNorm<K> {
         let half = norm_half::<S::Backend>(state.precision, &state.device)
             .ok_or_else(|| unsupported::<K>(S::Backend::name(&state.device)))?;
         self.half = Some(half);
+        let needs = Needs {
+            algorithm: K::NAME,
+            kinds: K::KINDS,
+            describe: K::NEEDS,
+        };
         self.applied
-            .run(K::NAME, state, |model| Ok(apply::<K, _>(model, half)))
+            .run(needs, state, |model| Ok(apply::<K, _>(model, half)))
     }
 }

@@ -16,10 +16,8 @@
 use flashover_core::callback::Algorithm;
 use flashover_core::model::{ClassTargets, HasMemoryFormat, Logits, SelectSamples, SequenceBatch};
 use flashover_core::setup::{BatchOf, OutputOf, Setup};
-use flashover_core::surgery::{
-    AttentionSurgery, FactorSurgery, GluSurgery, LayerNormSurgery, SurgeryModel,
-};
 use flashover_core::time::Time;
+use flashover_surgery::Surgical;
 
 use crate::augment::Normalization;
 use crate::error::{AlgorithmError, Result};
@@ -89,7 +87,7 @@ macro_rules! by_name {
         where
             flashover_core::setup::BatchOf<S>: $crate::util::ImageClassBatch<S::Backend>,
             flashover_core::setup::OutputOf<S>: flashover_core::model::Logits<S::Backend>,
-            S::Model: flashover_core::model::HasMemoryFormat + flashover_core::surgery::SurgeryModel,
+            S::Model: flashover_core::model::HasMemoryFormat + flashover_surgery::Surgical,
         {
             Ok(Box::new($body))
         }
@@ -104,10 +102,7 @@ macro_rules! by_name {
                 + flashover_core::model::SelectSamples<S::Backend>
                 + flashover_core::model::SequenceBatch<S::Backend>,
             flashover_core::setup::OutputOf<S>: flashover_core::model::Logits<S::Backend>,
-            S::Model: flashover_core::surgery::AttentionSurgery
-                + flashover_core::surgery::GluSurgery
-                + flashover_core::surgery::LayerNormSurgery
-                + flashover_core::surgery::FactorSurgery,
+            S::Model: flashover_surgery::Surgical,
         {
             Ok(Box::new($body))
         }
@@ -172,7 +167,7 @@ macro_rules! registry {
         where
             BatchOf<S>: ImageClassBatch<S::Backend>,
             OutputOf<S>: Logits<S::Backend>,
-            S::Model: HasMemoryFormat + SurgeryModel,
+            S::Model: HasMemoryFormat + Surgical,
         {
             $(if spec.name == crate::$i::NAMED.name {
                 return Some(crate::$i::build_image::<S>(p, norm));
@@ -189,7 +184,7 @@ macro_rules! registry {
                 + SelectSamples<S::Backend>
                 + SequenceBatch<S::Backend>,
             OutputOf<S>: Logits<S::Backend>,
-            S::Model: AttentionSurgery + GluSurgery + LayerNormSurgery + FactorSurgery,
+            S::Model: flashover_surgery::Surgical,
         {
             $(if spec.name == crate::$l::NAMED.name {
                 return Some(crate::$l::build_language::<S>(p));
@@ -372,7 +367,7 @@ pub fn build_image_classification<S: Setup>(
 where
     BatchOf<S>: ImageClassBatch<S::Backend>,
     OutputOf<S>: Logits<S::Backend>,
-    S::Model: HasMemoryFormat + SurgeryModel,
+    S::Model: HasMemoryFormat + Surgical,
 {
     let p = Params { spec };
     if let Some(built) = dispatch_general::<S>(spec, &p) {
@@ -406,7 +401,7 @@ pub fn build_language_model<S: Setup>(spec: &AlgorithmSpec) -> Result<Box<dyn Al
 where
     BatchOf<S>: ClassTargets<S::Backend> + SelectSamples<S::Backend> + SequenceBatch<S::Backend>,
     OutputOf<S>: Logits<S::Backend>,
-    S::Model: AttentionSurgery + GluSurgery + LayerNormSurgery + FactorSurgery,
+    S::Model: Surgical,
 {
     let p = Params { spec };
     if let Some(built) = dispatch_general::<S>(spec, &p) {

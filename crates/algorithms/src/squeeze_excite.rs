@@ -16,7 +16,7 @@
 //! 128 wide or more (the last stages of an ImageNet ResNet); on the narrow CIFAR ResNets here
 //! lower `min_channels` (the ResNet recipes use 32).
 //!
-//! Surgery at `INIT` through the model's [`ExciteSurgery`]: unlike the other surgeries this one
+//! Surgery at `INIT` on the convolutions the model shows ([`Surgical`]): unlike the other surgeries this one
 //! adds parameters (`<conv>.excite.reduce.weight`, `<conv>.excite.expand.weight`), drawn from
 //! the run's seed alone (the same on every rank; PyTorch's `Linear` initialisation), before
 //! the optimizer or a checkpoint sees the model. The layers given a block are the checkpoint
@@ -28,10 +28,16 @@ use flashover_core::logger::Logger;
 use flashover_core::rng::{derive_seed, hash_str};
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{ConvInfo, ExciteSurgery, SurgeryRecord};
+use flashover_surgery::{ConvInfo, LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 
 use crate::error::Result;
-use crate::surgery::{surgery_at_init, Applied};
+use crate::surgery::{surgery_at_init, Applied, Needs};
+
+const NEEDS: Needs = Needs {
+    algorithm: "squeeze_excite",
+    kinds: &[LayerKind::Conv],
+    describe: "convolutions that take squeeze-and-excitation blocks",
+};
 use crate::util::check_latent;
 
 /// SqueezeExcite's settings (Composer's names and defaults).
@@ -86,7 +92,7 @@ impl SqueezeExciteOptions {
 /// Adds a block after every convolution of `model` that `options` selects (the functional
 /// form; call it before building the optimizer), drawn from `seed`, and returns what it
 /// changed.
-pub fn apply_squeeze_excite<M: ExciteSurgery + ?Sized>(
+pub fn apply_squeeze_excite<M: Surgical + ?Sized>(
     model: &mut M,
     options: &SqueezeExciteOptions,
     seed: u64,
@@ -124,7 +130,7 @@ impl SqueezeExcite {
 
 impl<S: Setup> Algorithm<S> for SqueezeExcite
 where
-    S::Model: ExciteSurgery,
+    S::Model: Surgical,
 {
     surgery_at_init!("squeeze_excite", |this| this.options.describe());
 
@@ -135,7 +141,7 @@ where
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let seed = state.seed;
-        self.applied.run("squeeze_excite", state, |model| {
+        self.applied.run(NEEDS, state, |model| {
             Ok(apply_squeeze_excite(model, &self.options, seed))
         })
     }
@@ -145,12 +151,10 @@ where
 crate::spec::by_name! {name: "squeeze_excite", params: ["latent_channels", "min_channels"]}
 crate::spec::by_name! {image |p, _norm| {
     let d = SqueezeExciteOptions::default();
-    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::SqueezeExcite(
-        SqueezeExciteOptions::new(
-            p.f64("latent_channels", d.latent_channels)?,
-            p.usize("min_channels", d.min_channels)?,
-        )?,
-    ))
+    SqueezeExcite::new(SqueezeExciteOptions::new(
+        p.f64("latent_channels", d.latent_channels)?,
+        p.usize("min_channels", d.min_channels)?,
+    )?)
 }}
 
 #[cfg(test)]

@@ -22,7 +22,7 @@
 //! faster training and better accuracy); on shallow ones it mostly regularises. A dropped
 //! block saves its branch's compute in the block method.
 //!
-//! Surgery at `INIT` through the model's [`ResidualSurgery`]; no parameter changes. The layers
+//! Surgery at `INIT` on the residual blocks the model shows ([`Surgical`]); no parameter changes. The layers
 //! changed are the checkpoint state, and a checkpoint of another surgery is refused.
 
 use flashover_core::callback::Algorithm;
@@ -32,11 +32,19 @@ use flashover_core::model::Batch;
 use flashover_core::rng::{derive_seed, hash_str, Rng};
 use flashover_core::setup::{BatchOf, Setup};
 use flashover_core::state::State;
-use flashover_core::surgery::{DepthDrop, DropMode, Keep, ResidualSurgery, SurgeryRecord};
+use flashover_surgery::{
+    DepthDrop, DropMode, Keep, LayerKind, SurgeryRecord, Surgical, SurgicalExt,
+};
 use serde_json::Value;
 
 use crate::error::{AlgorithmError, Result};
-use crate::surgery::Applied;
+use crate::surgery::{Applied, Needs};
+
+const NEEDS: Needs = Needs {
+    algorithm: "stochastic_depth",
+    kinds: &[LayerKind::Residual],
+    describe: "surgery-ready residual blocks",
+};
 
 /// How the drop rate is spread over the blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,7 +135,7 @@ impl StochasticDepthOptions {
 /// In a hand-written loop, call [`draw`] before every training forward pass (without a draw
 /// every branch runs) and [`settle`] after the step; evaluation scales each branch by its
 /// survival probability either way.
-pub fn apply_stochastic_depth<M: ResidualSurgery + ?Sized>(
+pub fn apply_stochastic_depth<M: Surgical + ?Sized>(
     model: &mut M,
     options: &StochasticDepthOptions,
     fraction: f64,
@@ -151,7 +159,7 @@ pub fn apply_stochastic_depth<M: ResidualSurgery + ?Sized>(
 /// Sets every block's rate for `fraction` and draws which branches run for a batch of
 /// `samples` samples: block-wise from `block_rng`, sample-wise from `sample_rng`, block after
 /// block in module order (a branch is dropped when its uniform draw falls below its rate).
-pub fn draw<M: ResidualSurgery + ?Sized>(
+pub fn draw<M: Surgical + ?Sized>(
     model: &mut M,
     options: &StochasticDepthOptions,
     fraction: f64,
@@ -218,7 +226,7 @@ impl Draws {
     /// Draws for the coming forward pass (one per microbatch, each its own stream).
     pub(crate) fn before_forward(
         &mut self,
-        model: &mut dyn ResidualSurgery,
+        model: &mut dyn Surgical,
         options: &StochasticDepthOptions,
         inputs: &DrawInputs,
     ) {
@@ -252,7 +260,7 @@ impl Draws {
 /// the end of each batch (so that an evaluation, or a training-mode forward pass outside the
 /// step such as selective backprop's scoring, never reuses a stale draw, and sees the rates
 /// of the timestamp a checkpoint saves) and after a restore (the same state, rebuilt).
-pub fn settle(model: &mut dyn ResidualSurgery, options: &StochasticDepthOptions, fraction: f64) {
+pub fn settle(model: &mut dyn Surgical, options: &StochasticDepthOptions, fraction: f64) {
     model.for_each_residual(&mut |info, variant| {
         if let Some(d) = &mut variant.drop {
             d.rate = options.rate(info.index, info.count, fraction);
@@ -284,7 +292,7 @@ impl StochasticDepth {
 
 impl<S: Setup> Algorithm<S> for StochasticDepth
 where
-    S::Model: ResidualSurgery,
+    S::Model: Surgical,
     BatchOf<S>: Batch,
 {
     fn name(&self) -> &str {
@@ -310,7 +318,11 @@ where
                 let fraction = crate::util::fraction(state);
                 let mut record = None;
                 state.map_model(|mut model| {
-                    record = Some(apply_stochastic_depth(&mut model, &options, fraction));
+                    record = Some(
+                        NEEDS
+                            .check(&mut model)
+                            .and_then(|()| apply_stochastic_depth(&mut model, &options, fraction)),
+                    );
                     model
                 });
                 // Invariant: `map_model` ran the closure.
@@ -364,8 +376,8 @@ crate::spec::by_name! {image |p, _norm| {
     let d = StochasticDepthOptions::default();
     let options = StochasticDepthOptions {
         method: match p.str("stochastic_method", "block") {
-            "block" => flashover_core::surgery::DropMode::Block,
-            "sample" => flashover_core::surgery::DropMode::Sample,
+            "block" => flashover_surgery::DropMode::Block,
+            "sample" => flashover_surgery::DropMode::Sample,
             other => {
                 return Err(crate::error::AlgorithmError::param(
                     "stochastic_depth",
@@ -390,30 +402,30 @@ crate::spec::by_name! {image |p, _norm| {
         },
         drop_warmup: p.f64("drop_warmup", d.drop_warmup)?,
     };
-    // The same checks as the typed algorithm's, now rather than at INIT.
-    StochasticDepth::new(options)?;
-    crate::surgery::SurgeryByName::new(crate::surgery::NamedSurgery::StochasticDepth(options))
+    StochasticDepth::new(options)?
 }}
 
 #[cfg(test)]
 mod tests {
-    use flashover_core::surgery::{ResidualInfo, ResidualVariant};
+    use flashover_surgery::{Layers, ResidualBlock, ResidualVariant};
 
     use super::*;
 
     /// A model of `n` residual blocks, as surgery sees them.
     struct Blocks(Vec<ResidualVariant>);
 
-    impl ResidualSurgery for Blocks {
-        fn for_each_residual(&mut self, f: &mut dyn FnMut(&ResidualInfo, &mut ResidualVariant)) {
-            let count = self.0.len();
+    struct Block<'a>(&'a mut ResidualVariant);
+
+    impl ResidualBlock for Block<'_> {
+        fn variant(&mut self) -> &mut ResidualVariant {
+            self.0
+        }
+    }
+
+    impl Surgical for Blocks {
+        fn visit_layers(&mut self, layers: &mut Layers<'_>) {
             for (index, v) in self.0.iter_mut().enumerate() {
-                let info = ResidualInfo {
-                    path: format!("blocks.{index}"),
-                    index,
-                    count,
-                };
-                f(&info, v);
+                layers.residual(&format!("blocks.{index}"), &mut Block(v));
             }
         }
     }

@@ -14,16 +14,22 @@
 //! When it helps: paired with group or batch norm at small per-device batches; it costs one
 //! pass over each convolution's weights per step.
 //!
-//! Surgery at `INIT` through the model's [`ConvSurgery`]; no parameter is added or changed.
+//! Surgery at `INIT` on the convolutions the model shows ([`Surgical`]); no parameter is added or changed.
 
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
-use flashover_core::surgery::{ConvSurgery, SurgeryRecord};
+use flashover_surgery::{LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 
-use crate::surgery::{surgery_at_init, Applied};
+use crate::surgery::{surgery_at_init, Applied, Needs};
+
+const NEEDS: Needs = Needs {
+    algorithm: "weight_standardization",
+    kinds: &[LayerKind::Conv],
+    describe: "surgery-ready convolutions",
+};
 
 /// The settings in the `--algorithms` syntax.
 pub(crate) fn describe(n_last_layers_ignore: usize) -> String {
@@ -33,7 +39,7 @@ pub(crate) fn describe(n_last_layers_ignore: usize) -> String {
 /// Standardises the weights of every convolution of `model` but the last
 /// `n_last_layers_ignore` (the functional form; call it before building the optimizer) and
 /// returns what it changed.
-pub fn apply_weight_standardization<M: ConvSurgery + ?Sized>(
+pub fn apply_weight_standardization<M: Surgical + ?Sized>(
     model: &mut M,
     n_last_layers_ignore: usize,
 ) -> SurgeryRecord {
@@ -72,7 +78,7 @@ impl WeightStandardization {
 
 impl<S: Setup> Algorithm<S> for WeightStandardization
 where
-    S::Model: ConvSurgery,
+    S::Model: Surgical,
 {
     surgery_at_init!("weight_standardization", |this| describe(
         this.n_last_layers_ignore
@@ -84,7 +90,7 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        self.applied.run("weight_standardization", state, |model| {
+        self.applied.run(NEEDS, state, |model| {
             Ok(apply_weight_standardization(
                 model,
                 self.n_last_layers_ignore,
@@ -95,6 +101,6 @@ where
 
 // By name (`--algorithms`; see `crate::spec`).
 crate::spec::by_name! {name: "weight_standardization", params: ["n_last_layers_ignore"]}
-crate::spec::by_name! {image |p, _norm| crate::surgery::SurgeryByName::new(
-    crate::surgery::NamedSurgery::WeightStandardization(p.usize("n_last_layers_ignore", 0)?),
+crate::spec::by_name! {image |p, _norm| WeightStandardization::new(
+    p.usize("n_last_layers_ignore", 0)?,
 )}

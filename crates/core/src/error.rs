@@ -145,18 +145,6 @@ pub enum CoreError {
     #[error("cannot restore from checkpoint: {0}")]
     Restore(#[source] Box<dyn std::error::Error + Send + Sync>),
 
-    /// A checkpoint's model was shaped by other surgery than this run's model (see
-    /// [`crate::surgery`]).
-    #[error("the checkpoint's model was changed by {algorithm} as `{saved}`, this run's as `{applied}`: build the run with the checkpoint's algorithms and settings (or load its weights into a model with the same architecture)")]
-    SurgeryMismatch {
-        /// The surgery algorithm.
-        algorithm: String,
-        /// What the checkpoint records (settings and layers).
-        saved: String,
-        /// What this run applied.
-        applied: String,
-    },
-
     /// A checkpoint lacks the state of an algorithm that must find its own state there (a
     /// surgery algorithm: the checkpoint's model was built without its change).
     #[error("the checkpoint has no state for {component}, which changes the model's architecture: the checkpoint's model was built without it; resume with the checkpoint's algorithms, or load its weights only")]

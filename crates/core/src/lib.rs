@@ -27,7 +27,6 @@ pub mod rng;
 pub mod schedule;
 pub mod setup;
 pub mod state;
-pub mod surgery;
 pub mod time;
 #[doc(hidden)]
 pub mod toy;

@@ -42,7 +42,15 @@ use burn::tensor::{DType, FloatDType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{CoreError, Result};
-use crate::surgery::HalfType;
+
+/// A half-precision floating-point type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HalfType {
+    /// IEEE 754 binary16.
+    F16,
+    /// bfloat16 (float32's exponent, 8 bits of mantissa).
+    BF16,
+}
 
 /// The floating-point setup of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash, Serialize, Deserialize)]

@@ -22,14 +22,13 @@ use flashover_core::loss::classification_loss;
 use flashover_core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainModel};
 use flashover_core::params::init_model;
 use flashover_core::precision::{cast_like, cast_to, Autocast};
-use flashover_core::rng::{derive_seed, Rng};
-use flashover_core::surgery::{
-    AttentionInfo, AttentionSurgery, AttentionVariant, ConvInfo, FactorSurgery, GluActivation,
-    GluSettings, GluSurgery, LayerNormSurgery, LayerNormVariant, LinearInfo, MlpInfo, NormInfo,
-    SurgeryModel,
+use flashover_core::rng::Rng;
+use flashover_surgery::{
+    AttentionInfo, AttentionLayer, AttentionVariant, GluActivation, GluSettings, Layers, MlpInfo,
+    MlpLayer, PositionEmbeddings, Surgical,
 };
 
-use crate::layers::{factorize_layers, Linear};
+use crate::layers::Linear;
 use crate::norm::LayerNorm;
 use crate::{ChannelsLastBackend, ModelError, TrainBackend};
 
@@ -377,98 +376,92 @@ pub struct Gpt<B: Backend> {
     pub compute: Option<FloatDType>,
 }
 
-impl<B: Backend> Gpt<B> {
-    /// Each block's layers with their paths, for surgery.
-    fn block_paths(&self) -> impl Iterator<Item = (usize, String)> + '_ {
-        (0..self.blocks.len()).map(|i| (i, format!("blocks.{i}")))
-    }
-}
-
-/// ALiBi: the attention layers' biases and the position embeddings.
-impl<B: Backend> AttentionSurgery for Gpt<B> {
-    fn for_each_attention(&mut self, f: &mut dyn FnMut(&AttentionInfo, &mut AttentionVariant)) {
-        let paths: Vec<_> = self.block_paths().collect();
-        for (i, path) in paths {
-            let a = &mut self.blocks[i].attention;
-            let info = AttentionInfo {
-                path: format!("{path}.attention"),
-                heads: a.heads,
-            };
-            f(&info, &mut a.variant);
-        }
-    }
-
-    fn remove_position_embeddings(&mut self, max_sequence_length: usize) -> Option<String> {
-        self.context = max_sequence_length;
-        self.position_embedding
-            .take()
-            .map(|_| "position_embedding".to_string())
-    }
-}
-
-/// GatedLinearUnits: the blocks' MLPs.
-impl<B: Backend> GluSurgery for Gpt<B> {
-    fn gated_linear_units(
-        &mut self,
-        settings: &mut dyn FnMut(&MlpInfo) -> Option<GluSettings>,
-        seed: u64,
-    ) -> Vec<String> {
+/// Surgery (`flashover_surgery`) reaches, in each block, the layer norms, the attention
+/// layer (ALiBi) and its dense layers, and the MLP (GatedLinearUnits) and its dense layers;
+/// then the final norm, the position embeddings (which ALiBi removes) and the untied output
+/// layer (the tied output goes through the token embeddings, which stay whole).
+impl<B: Backend> Surgical for Gpt<B> {
+    fn visit_layers(&mut self, layers: &mut Layers<'_>) {
         let out_std = INIT_STD / ((2 * self.blocks.len()) as f64).sqrt();
-        let mut done = Vec::new();
-        let paths: Vec<_> = self.block_paths().collect();
-        for (i, path) in paths {
-            let mlp = &mut self.blocks[i].mlp;
-            if mlp.gate.is_some() {
-                continue;
-            }
-            let path = format!("{path}.mlp");
-            if let Some(s) = settings(&mlp.info(&path)) {
-                mlp.make_gated(&s, derive_seed(&[seed, i as u64]), out_std);
-                done.push(path);
-            }
-        }
-        done
-    }
-}
-
-/// LowPrecisionLayerNorm: every layer norm, the final one last.
-impl<B: Backend> LayerNormSurgery for Gpt<B> {
-    fn for_each_layer_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut LayerNormVariant)) {
-        let paths: Vec<_> = self.block_paths().collect();
-        for (i, path) in paths {
-            let block = &mut self.blocks[i];
-            for (name, norm) in [("norm1", &mut block.norm1), ("norm2", &mut block.norm2)] {
-                f(&norm.info(&format!("{path}.{name}")), &mut norm.variant);
-            }
-        }
-        let norm = &mut self.final_norm;
-        f(&norm.info("final_norm"), &mut norm.variant);
-    }
-}
-
-/// Factorize: the dense layers of attention and the MLPs, and the untied output layer (the
-/// GPT has no convolutions; the tied output goes through the embeddings, which stay whole).
-impl<B: Backend> FactorSurgery for Gpt<B> {
-    fn factorize(
-        &mut self,
-        conv_rank: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
-        linear_rank: &mut dyn FnMut(&LinearInfo) -> Option<usize>,
-    ) -> Vec<String> {
-        let mut linears = Vec::new();
         for (i, block) in self.blocks.iter_mut().enumerate() {
-            let p = format!("blocks.{i}");
-            linears.push((format!("{p}.attention.qkv"), &mut block.attention.qkv));
-            linears.push((format!("{p}.attention.proj"), &mut block.attention.proj));
-            linears.push((format!("{p}.mlp.fc"), &mut block.mlp.fc));
-            if let Some(gate) = block.mlp.gate.as_mut() {
-                linears.push((format!("{p}.mlp.gate"), gate));
+            let path = format!("blocks.{i}");
+            layers.layer_norm(&format!("{path}.norm1"), &mut block.norm1);
+            let attention = &mut block.attention;
+            layers.attention(&format!("{path}.attention"), &mut *attention);
+            layers.linear(&format!("{path}.attention.qkv"), &mut attention.qkv);
+            layers.linear(&format!("{path}.attention.proj"), &mut attention.proj);
+            layers.layer_norm(&format!("{path}.norm2"), &mut block.norm2);
+            let mlp = &mut block.mlp;
+            layers.mlp(
+                &format!("{path}.mlp"),
+                &mut GptMlp {
+                    mlp: &mut *mlp,
+                    out_std,
+                },
+            );
+            layers.linear(&format!("{path}.mlp.fc"), &mut mlp.fc);
+            if let Some(gate) = mlp.gate.as_mut() {
+                layers.linear(&format!("{path}.mlp.gate"), gate);
             }
-            linears.push((format!("{p}.mlp.proj"), &mut block.mlp.proj));
+            layers.linear(&format!("{path}.mlp.proj"), &mut mlp.proj);
         }
+        layers.layer_norm("final_norm", &mut self.final_norm);
+        let mut positions = Positions {
+            embedding: &mut self.position_embedding,
+            context: &mut self.context,
+        };
+        layers.position_embeddings("position_embedding", &mut positions);
         if let Some(head) = self.head.as_mut() {
-            linears.push(("head".to_string(), head));
+            layers.linear("head", head);
         }
-        factorize_layers(std::iter::empty(), linears, conv_rank, linear_rank)
+    }
+}
+
+impl<B: Backend> AttentionLayer for Attention<B> {
+    fn info(&self, path: &str) -> AttentionInfo {
+        AttentionInfo {
+            path: path.to_string(),
+            heads: self.heads,
+        }
+    }
+
+    fn variant(&mut self) -> &mut AttentionVariant {
+        &mut self.variant
+    }
+}
+
+/// A block's MLP with the standard deviation its rebuilt output layer is drawn with (GPT-2's
+/// `0.02 / sqrt(2 * blocks)`, which depends on the model).
+struct GptMlp<'a, B: Backend> {
+    mlp: &'a mut Mlp<B>,
+    out_std: f64,
+}
+
+impl<B: Backend> MlpLayer for GptMlp<'_, B> {
+    fn info(&self, path: &str) -> MlpInfo {
+        self.mlp.info(path)
+    }
+
+    fn is_gated(&self) -> bool {
+        self.mlp.gate.is_some()
+    }
+
+    fn make_gated(&mut self, settings: &GluSettings, seed: u64) {
+        self.mlp.make_gated(settings, seed, self.out_std);
+    }
+}
+
+/// The learned position embeddings with the context they set: ALiBi's model has none and
+/// takes inputs up to its `max_sequence_length`.
+struct Positions<'a, B: Backend> {
+    embedding: &'a mut Option<Param<Tensor<B, 2>>>,
+    context: &'a mut usize,
+}
+
+impl<B: Backend> PositionEmbeddings for Positions<'_, B> {
+    fn remove(&mut self, max_sequence_length: usize) -> bool {
+        *self.context = max_sequence_length;
+        self.embedding.take().is_some()
     }
 }
 
@@ -480,24 +473,6 @@ impl<B: Backend> Autocast for Gpt<B> {
     fn with_compute_dtype(mut self, dtype: Option<FloatDType>) -> Self {
         self.compute = dtype;
         self
-    }
-}
-
-impl<B: Backend> SurgeryModel for Gpt<B> {
-    fn attention_surgery(&mut self) -> Option<&mut dyn AttentionSurgery> {
-        Some(self)
-    }
-
-    fn glu_surgery(&mut self) -> Option<&mut dyn GluSurgery> {
-        Some(self)
-    }
-
-    fn layer_norm_surgery(&mut self) -> Option<&mut dyn LayerNormSurgery> {
-        Some(self)
-    }
-
-    fn factor_surgery(&mut self) -> Option<&mut dyn FactorSurgery> {
-        Some(self)
     }
 }
 
@@ -689,6 +664,7 @@ mod tests {
     use super::*;
     use burn::backend::{Autodiff, Flex};
     use burn::tensor::{Distribution, TensorData};
+    use flashover_surgery::SurgicalExt;
 
     type B = Flex;
 
@@ -1145,7 +1121,7 @@ mod tests {
         let mut norm = LayerNorm::<B>::new(16, &d);
         let x = Tensor::<B, 3>::random([2, 5, 16], Distribution::Normal(1.0, 2.0), &d);
         let exact = values(norm.forward(x.clone()).reshape([10, 16]));
-        norm.variant.low_precision = Some(flashover_core::surgery::HalfType::F16);
+        norm.variant.low_precision = Some(flashover_surgery::HalfType::F16);
         let half = norm.forward(x);
         assert_eq!(
             half.dtype(),

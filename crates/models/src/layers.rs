@@ -17,8 +17,8 @@ use burn::tensor::ops::{ConvOptions, PadMode, PaddedConvOptions};
 use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
 
 use flashover_core::precision::cast_like;
-use flashover_core::rng::{derive_seed, Rng};
-use flashover_core::surgery::{
+use flashover_core::rng::Rng;
+use flashover_surgery::{
     Blur, ConvInfo, ConvVariant, DropoutVariant, GyroMasks, LinearInfo, PoolInfo, PoolVariant,
 };
 
@@ -202,7 +202,7 @@ pub fn dense<B: ChannelsLastBackend>(
     Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
-/// Gyro dropout's masking (see `flashover_core::surgery::GyroMasks`) of `x: [n, features]`:
+/// Gyro dropout's masking (see `flashover_surgery::GyroMasks`) of `x: [n, features]`:
 /// sample `i` keeps the features row `i * rows / n` of the masks keeps, scaled by
 /// `1 / (1 - p)`; without masks (a forward pass outside the training step), `x` unchanged.
 pub fn gyro_dropout<B: Backend>(x: Tensor<B, 2>, masks: &GyroMasks) -> Tensor<B, 2> {
@@ -675,62 +675,6 @@ impl<B: ChannelsLastBackend> Conv2d<B> {
             }
         }
     }
-}
-
-/// [`ExciteSurgery`](flashover_core::surgery::ExciteSurgery) over a model's convolutions
-/// listed in module order with their paths: what Flashover's models forward the trait to.
-/// Block `index` (the convolution's position in the list) is drawn from
-/// `derive_seed(&[seed, index])`.
-pub fn add_squeeze_excite<'a, B: Backend>(
-    convs: impl IntoIterator<Item = (String, &'a mut Conv2d<B>)>,
-    latent: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
-    seed: u64,
-) -> Vec<String> {
-    let mut added = Vec::new();
-    for (index, (path, conv)) in convs.into_iter().enumerate() {
-        if conv.excite.is_some() {
-            continue;
-        }
-        let info = conv.info(&path);
-        if let Some(width) = latent(&info) {
-            let device = conv.weight.device();
-            let seed = derive_seed(&[seed, index as u64]);
-            conv.excite = Some(SqueezeExcite::new(info.out_channels, width, seed, &device));
-            added.push(path);
-        }
-    }
-    added
-}
-
-/// [`FactorSurgery`](flashover_core::surgery::FactorSurgery) over a model's convolutions and
-/// dense layers listed in module order with their paths: what Flashover's models forward
-/// the trait to. Layers already factored are skipped.
-pub fn factorize_layers<'a, B: Backend>(
-    convs: impl IntoIterator<Item = (String, &'a mut Conv2d<B>)>,
-    linears: impl IntoIterator<Item = (String, &'a mut Linear<B>)>,
-    conv_rank: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
-    linear_rank: &mut dyn FnMut(&LinearInfo) -> Option<usize>,
-) -> Vec<String> {
-    let mut factored = Vec::new();
-    for (path, conv) in convs {
-        if conv.factors.is_some() || conv.groups != 1 {
-            continue;
-        }
-        if let Some(rank) = conv_rank(&conv.info(&path)) {
-            conv.factorize(rank);
-            factored.push(path);
-        }
-    }
-    for (path, layer) in linears {
-        if layer.factors.is_some() {
-            continue;
-        }
-        if let Some(rank) = linear_rank(&layer.info(&path)) {
-            layer.factorize(rank);
-            factored.push(path);
-        }
-    }
-    factored
 }
 
 /// 2-D max pooling (Burn's `MaxPool2d`, without `ceil_mode`) in either layout.

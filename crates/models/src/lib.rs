@@ -102,6 +102,7 @@ mod mnist;
 pub mod norm;
 pub mod ops;
 mod resnet;
+mod surgical;
 
 pub use error::ModelError;
 pub use flashover_core::model::{HasMemoryFormat, MemoryFormat};

@@ -10,15 +10,10 @@ use burn::tensor::{FloatDType, Tensor};
 use flashover_core::model::MemoryFormat;
 use flashover_core::params::init_model;
 use flashover_core::precision::cast_to;
-use flashover_core::surgery::{
-    ConvInfo, ConvSurgery, ConvVariant, DropoutInfo, DropoutSurgery, DropoutVariant, ExciteSurgery,
-    FactorSurgery, LinearInfo, PoolInfo, PoolSurgery, PoolVariant, SurgeryModel,
-};
+use flashover_surgery::{Layers, Surgical};
 
 use crate::channels_last;
-use crate::layers::{
-    add_squeeze_excite, factorize_layers, nhwc_to_nchw, Conv2d, Linear, MaxPool2d,
-};
+use crate::layers::{nhwc_to_nchw, Conv2d, Linear, MaxPool2d};
 use crate::ops::ChannelsLastBackend;
 
 /// A small CNN for 28x28 digits: two 3x3 convolutions (16 and 32 channels, each followed by
@@ -118,92 +113,19 @@ impl<B: ChannelsLastBackend> MnistCnn<B> {
 
 image_classifier!(MnistCnn, |m| m.forward_flops());
 
-/// Surgery (`flashover_core::surgery`) reaches the two convolutions, the classifier's input
-/// and the max pool, which both stages share (one layer, so one variant for both). The CNN has no batch norm, so the
-/// norm surgeries do not compile for it.
-impl<B: Backend> MnistCnn<B> {
-    /// The two convolutions with their paths.
-    fn convs_mut(&mut self) -> [(String, &mut Conv2d<B>); 2] {
-        [
-            ("conv1".to_string(), &mut self.conv1),
-            ("conv2".to_string(), &mut self.conv2),
-        ]
-    }
-}
-
-impl<B: Backend> ConvSurgery for MnistCnn<B> {
-    fn for_each_conv(&mut self, f: &mut dyn FnMut(&ConvInfo, &mut ConvVariant)) {
-        for (path, conv) in self.convs_mut() {
-            f(&conv.info(&path), &mut conv.variant);
-        }
-    }
-}
-
-impl<B: Backend> ExciteSurgery for MnistCnn<B> {
-    fn add_squeeze_excite(
-        &mut self,
-        latent: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
-        seed: u64,
-    ) -> Vec<String> {
-        add_squeeze_excite(self.convs_mut(), latent, seed)
-    }
-}
-
-impl<B: Backend> FactorSurgery for MnistCnn<B> {
-    fn factorize(
-        &mut self,
-        conv_rank: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
-        linear_rank: &mut dyn FnMut(&LinearInfo) -> Option<usize>,
-    ) -> Vec<String> {
-        let convs = [
-            ("conv1".to_string(), &mut self.conv1),
-            ("conv2".to_string(), &mut self.conv2),
-        ];
-        let linears = [
-            ("fc1".to_string(), &mut self.fc1),
-            ("fc2".to_string(), &mut self.fc2),
-        ];
-        factorize_layers(convs, linears, conv_rank, linear_rank)
-    }
-}
-
-/// GyroDropout's site: the classifier's input, the hidden layer's 128 features (where
-/// VGG-style networks have their dropout).
-impl<B: Backend> DropoutSurgery for MnistCnn<B> {
-    fn for_each_dropout(&mut self, f: &mut dyn FnMut(&DropoutInfo, &mut DropoutVariant)) {
-        let [features, _] = self.fc2.dims();
-        let info = DropoutInfo {
-            path: "fc2".into(),
-            features,
-        };
-        f(&info, &mut self.fc2.input_dropout);
-    }
-}
-
-impl<B: Backend> PoolSurgery for MnistCnn<B> {
-    fn for_each_max_pool(&mut self, f: &mut dyn FnMut(&PoolInfo, &mut PoolVariant)) {
-        f(&self.pool.info("pool"), &mut self.pool.variant);
-    }
-}
-
-impl<B: Backend> SurgeryModel for MnistCnn<B> {
-    fn conv_surgery(&mut self) -> Option<&mut dyn ConvSurgery> {
-        Some(self)
-    }
-
-    fn pool_surgery(&mut self) -> Option<&mut dyn PoolSurgery> {
-        Some(self)
-    }
-
-    fn dropout_surgery(&mut self) -> Option<&mut dyn DropoutSurgery> {
-        Some(self)
-    }
-
-    fn excite_surgery(&mut self) -> Option<&mut dyn ExciteSurgery> {
-        Some(self)
-    }
-
-    fn factor_surgery(&mut self) -> Option<&mut dyn FactorSurgery> {
-        Some(self)
+/// Surgery (`flashover_surgery`) reaches the two convolutions, the max pool, which both
+/// stages share (one layer, so one variant for both), and the dense layers, the classifier's
+/// input being the dropout site. The CNN has no batch norm, so GhostBatchNorm fails at `INIT`
+/// naming what it needs.
+impl<B: Backend> Surgical for MnistCnn<B> {
+    fn visit_layers(&mut self, layers: &mut Layers<'_>) {
+        layers.conv("conv1", &mut self.conv1);
+        layers.max_pool("pool", &mut self.pool);
+        layers.conv("conv2", &mut self.conv2);
+        layers.linear("fc1", &mut self.fc1);
+        // GyroDropout's site: the hidden layer's 128 features (where VGG-style networks
+        // have their dropout).
+        layers.dropout_site("fc2", &mut self.fc2);
+        layers.linear("fc2", &mut self.fc2);
     }
 }

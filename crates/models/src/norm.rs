@@ -30,9 +30,7 @@ use burn::tensor::{FloatDType, Tensor};
 use flashover_core::precision::{cast_like, cast_to};
 
 use crate::ModelError;
-use flashover_core::surgery::{
-    GroupNormVariant, HalfType, LayerNormVariant, NormInfo, NormVariant,
-};
+use flashover_surgery::{GroupNormVariant, HalfType, LayerNormVariant, NormInfo, NormVariant};
 
 /// Batch normalisation over the channels of 4-D activations, NCHW or NHWC.
 #[derive(Module, Debug)]

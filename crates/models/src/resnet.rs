@@ -27,13 +27,9 @@ use burn::tensor::{FloatDType, Tensor, TensorData};
 use flashover_core::model::MemoryFormat;
 use flashover_core::params::init_model;
 use flashover_core::precision::cast_to;
-use flashover_core::surgery::{
-    ConvInfo, ConvSurgery, ConvVariant, DepthDrop, DropoutInfo, DropoutSurgery, DropoutVariant,
-    ExciteSurgery, FactorSurgery, Keep, LinearInfo, NormInfo, NormSurgery, NormVariant, PoolInfo,
-    PoolSurgery, PoolVariant, ResidualInfo, ResidualSurgery, ResidualVariant, SurgeryModel,
-};
+use flashover_surgery::{DepthDrop, Keep, Layers, ResidualBlock, ResidualVariant, Surgical};
 
-use crate::layers::{add_squeeze_excite, factorize_layers, Conv2d, Linear};
+use crate::layers::{Conv2d, Linear};
 use crate::norm::BatchNorm;
 use crate::ops::ChannelsLastBackend;
 use crate::{channels_last, ModelError};
@@ -372,135 +368,34 @@ impl<B: ChannelsLastBackend> ResNet<B> {
 // sample, whatever the batch's image size).
 image_classifier!(ResNet, |m| m.forward_flops(28, 28));
 
-/// Surgery (`flashover_core::surgery`) reaches every convolution (the stem, each block's two
-/// and each projection) and every batch norm, in module order, with their paths in the
-/// model's record (`blocks.3.conv1`), and the classifier's input as a dropout site. The ResNet has no max pool: BlurPool blurs its strided
-/// convolutions only.
-impl<B: Backend> ResNet<B> {
-    /// Every convolution with its path, in module order.
-    fn convs_mut(&mut self) -> Vec<(String, &mut Conv2d<B>)> {
-        Self::convs_of(&mut self.stem, &mut self.blocks)
-    }
-
-    /// The convolutions of a stem and blocks with their paths, in module order.
-    fn convs_of<'a>(
-        stem: &'a mut Conv2d<B>,
-        blocks: &'a mut [BasicBlock<B>],
-    ) -> Vec<(String, &'a mut Conv2d<B>)> {
-        let mut convs = vec![("stem".to_string(), stem)];
-        for (i, b) in blocks.iter_mut().enumerate() {
-            convs.push((format!("blocks.{i}.conv1"), &mut b.conv1));
-            convs.push((format!("blocks.{i}.conv2"), &mut b.conv2));
-            if let Some(p) = &mut b.shortcut {
-                convs.push((format!("blocks.{i}.shortcut.conv"), &mut p.conv));
+/// Surgery (`flashover_surgery`) reaches every convolution (the stem, each block's two and
+/// each projection) and every batch norm, in module order, with their paths in the model's
+/// record (`blocks.3.conv1`), each residual block, and the classifier, whose input is the
+/// dropout site. The ResNet has no max pool: BlurPool blurs its strided convolutions only.
+impl<B: Backend> Surgical for ResNet<B> {
+    fn visit_layers(&mut self, layers: &mut Layers<'_>) {
+        layers.conv("stem", &mut self.stem);
+        layers.batch_norm("stem_norm", &mut self.stem_norm);
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            let path = format!("blocks.{i}");
+            layers.residual(&path, &mut *block);
+            layers.conv(&format!("{path}.conv1"), &mut block.conv1);
+            layers.batch_norm(&format!("{path}.norm1"), &mut block.norm1);
+            layers.conv(&format!("{path}.conv2"), &mut block.conv2);
+            layers.batch_norm(&format!("{path}.norm2"), &mut block.norm2);
+            if let Some(p) = &mut block.shortcut {
+                layers.conv(&format!("{path}.shortcut.conv"), &mut p.conv);
+                layers.batch_norm(&format!("{path}.shortcut.norm"), &mut p.norm);
             }
         }
-        convs
+        layers.dropout_site("head", &mut self.head);
+        layers.linear("head", &mut self.head);
     }
 }
 
-impl<B: Backend> ConvSurgery for ResNet<B> {
-    fn for_each_conv(&mut self, f: &mut dyn FnMut(&ConvInfo, &mut ConvVariant)) {
-        for (path, conv) in self.convs_mut() {
-            f(&conv.info(&path), &mut conv.variant);
-        }
-    }
-}
-
-impl<B: Backend> ExciteSurgery for ResNet<B> {
-    fn add_squeeze_excite(
-        &mut self,
-        latent: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
-        seed: u64,
-    ) -> Vec<String> {
-        add_squeeze_excite(self.convs_mut(), latent, seed)
-    }
-}
-
-impl<B: Backend> FactorSurgery for ResNet<B> {
-    fn factorize(
-        &mut self,
-        conv_rank: &mut dyn FnMut(&ConvInfo) -> Option<usize>,
-        linear_rank: &mut dyn FnMut(&LinearInfo) -> Option<usize>,
-    ) -> Vec<String> {
-        let convs = Self::convs_of(&mut self.stem, &mut self.blocks);
-        let head = [("head".to_string(), &mut self.head)];
-        factorize_layers(convs, head, conv_rank, linear_rank)
-    }
-}
-
-/// GyroDropout's site: the classifier's input, the globally averaged features.
-impl<B: Backend> DropoutSurgery for ResNet<B> {
-    fn for_each_dropout(&mut self, f: &mut dyn FnMut(&DropoutInfo, &mut DropoutVariant)) {
-        let [features, _] = self.head.dims();
-        let info = DropoutInfo {
-            path: "head".into(),
-            features,
-        };
-        f(&info, &mut self.head.input_dropout);
-    }
-}
-
-impl<B: Backend> PoolSurgery for ResNet<B> {
-    /// None: these ResNets downsample with strided convolutions only.
-    fn for_each_max_pool(&mut self, _f: &mut dyn FnMut(&PoolInfo, &mut PoolVariant)) {}
-}
-
-impl<B: Backend> NormSurgery for ResNet<B> {
-    fn for_each_batch_norm(&mut self, f: &mut dyn FnMut(&NormInfo, &mut NormVariant)) {
-        let mut visit =
-            |norm: &mut BatchNorm<B>, path: String| f(&norm.info(&path), &mut norm.variant);
-        visit(&mut self.stem_norm, "stem_norm".into());
-        for (i, b) in self.blocks.iter_mut().enumerate() {
-            visit(&mut b.norm1, format!("blocks.{i}.norm1"));
-            visit(&mut b.norm2, format!("blocks.{i}.norm2"));
-            if let Some(p) = &mut b.shortcut {
-                visit(&mut p.norm, format!("blocks.{i}.shortcut.norm"));
-            }
-        }
-    }
-}
-
-impl<B: Backend> ResidualSurgery for ResNet<B> {
-    fn for_each_residual(&mut self, f: &mut dyn FnMut(&ResidualInfo, &mut ResidualVariant)) {
-        let count = self.blocks.len();
-        for (index, b) in self.blocks.iter_mut().enumerate() {
-            let info = ResidualInfo {
-                path: format!("blocks.{index}"),
-                index,
-                count,
-            };
-            f(&info, &mut b.variant);
-        }
-    }
-}
-
-impl<B: Backend> SurgeryModel for ResNet<B> {
-    fn conv_surgery(&mut self) -> Option<&mut dyn ConvSurgery> {
-        Some(self)
-    }
-
-    fn pool_surgery(&mut self) -> Option<&mut dyn PoolSurgery> {
-        Some(self)
-    }
-
-    fn norm_surgery(&mut self) -> Option<&mut dyn NormSurgery> {
-        Some(self)
-    }
-
-    fn residual_surgery(&mut self) -> Option<&mut dyn ResidualSurgery> {
-        Some(self)
-    }
-
-    fn dropout_surgery(&mut self) -> Option<&mut dyn DropoutSurgery> {
-        Some(self)
-    }
-
-    fn excite_surgery(&mut self) -> Option<&mut dyn ExciteSurgery> {
-        Some(self)
-    }
-
-    fn factor_surgery(&mut self) -> Option<&mut dyn FactorSurgery> {
-        Some(self)
+/// StochasticDepth drops the block's residual branch.
+impl<B: Backend> ResidualBlock for BasicBlock<B> {
+    fn variant(&mut self) -> &mut ResidualVariant {
+        &mut self.variant
     }
 }

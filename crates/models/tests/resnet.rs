@@ -385,8 +385,8 @@ fn blur_is_the_binomial_filter_in_both_layouts() {
 fn blurred_layers_compose_as_the_paper_says() {
     use burn::nn::conv::Conv2dConfig;
     use burn::nn::PaddingConfig2d;
-    use flashover_core::surgery::Blur;
     use flashover_models::layers::{blur2d, Conv2d, MaxPool2d};
+    use flashover_surgery::Blur;
     let device = Default::default();
     let x = random::<B, 4>([2, 4, 9, 9], 11);
     // Initialised now (Burn's parameters are lazy, and each clone would draw its own).
@@ -442,7 +442,7 @@ fn blurred_layers_compose_as_the_paper_says() {
 
 #[test]
 fn ghost_batch_norm_normalises_each_ghost_batch_and_averages_their_statistics() {
-    use flashover_core::surgery::NormVariant;
+    use flashover_surgery::NormVariant;
     let device = Default::default();
     // 5 samples in ghost batches of 2: torch.chunk cuts 3 pieces of 2, 2 and 1.
     let shape = [5, 2, 3, 1];
@@ -514,7 +514,7 @@ fn ghost_batch_norm_normalises_each_ghost_batch_and_averages_their_statistics() 
 
 #[test]
 fn stochastic_depth_skips_or_masks_the_branch_in_training_and_scales_it_in_evaluation() {
-    use flashover_core::surgery::{DepthDrop, DropMode, Keep, ResidualVariant};
+    use flashover_surgery::{DepthDrop, DropMode, Keep, ResidualVariant};
     let device = Default::default();
     // Block 1 of ResNet-8 halves the resolution: its shortcut is a projection.
     let model: ResNet<AB> = ResNetConfig::cifar(8, 4).unwrap().init(&device, 5);
@@ -766,7 +766,7 @@ fn squeeze_excite_scales_each_channel_by_the_papers_formula() {
 /// forward and backward pass through them.
 #[test]
 fn squeeze_excite_surgery_adds_blocks_after_the_wide_convolutions() {
-    use flashover_core::surgery::ExciteSurgery;
+    use flashover_surgery::SurgicalExt;
     let device = Default::default();
     let mut model: ResNet<AB> = ResNetConfig::cifar(8, 4).unwrap().init(&device, 5);
     let before = model.num_params();
@@ -829,8 +829,8 @@ fn squeeze_excite_surgery_adds_blocks_after_the_wide_convolutions() {
 /// alone.
 #[test]
 fn gyro_dropout_masks_parts_of_the_batch_and_scales_the_kept_features() {
-    use flashover_core::surgery::GyroMasks;
     use flashover_models::layers::gyro_dropout;
+    use flashover_surgery::GyroMasks;
     let x = random::<B, 2>([5, 3], 51);
     let xs = values(x.clone());
     // Two rows: samples 0-2 use row 0 (5 * 0 / 2 .. ), samples 3-4 row 1.
@@ -857,7 +857,7 @@ fn gyro_dropout_masks_parts_of_the_batch_and_scales_the_kept_features() {
     let none = GyroMasks { p: 0.2, keep: None };
     assert_eq!(values(gyro_dropout(x, &none)), xs);
     // Through the ResNet head: only training passes are masked.
-    use flashover_core::surgery::{DropoutSurgery, DropoutVariant};
+    use flashover_surgery::{DropoutVariant, SurgicalExt};
     let device = Default::default();
     let mut model: ResNet<AB> = ResNetConfig::cifar(8, 4).unwrap().init(&device, 5);
     let mut sites = Vec::new();
@@ -986,8 +986,8 @@ fn factored_layers_are_their_truncated_svd_and_train() {
 /// precision, comes back in float32, and gradients flow through the casts.
 #[test]
 fn group_norm_is_the_papers_formula_in_both_layouts_and_in_half_precision() {
-    use flashover_core::surgery::HalfType;
     use flashover_models::norm::GroupNorm;
+    use flashover_surgery::HalfType;
     let device = Default::default();
     let (n, c, h, w, g) = (2usize, 6usize, 3usize, 2usize, 3usize);
     let mut norm = GroupNorm::<AB>::new(g, c, &device).unwrap();
