@@ -101,7 +101,11 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
             SaveInterval::Every(Time::Epoch(1)),
         )?;
         let t = Instant::now();
-        Callback::<SetupOf<B, _, _>>::fit_end(&mut saver, trainer.state_mut(), &mut logger)?;
+        Callback::<SetupOf<B, _, _>>::fit_end(
+            &mut saver,
+            trainer.state(),
+            &mut Control::new(&mut logger),
+        )?;
         let save_s = t.elapsed().as_secs_f64();
         let ck = saver
             .saved()
@@ -120,7 +124,7 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
 
         let t = Instant::now();
         let restore = Box::new(CheckpointRestore::new(&ck, LoadOptions::default()));
-        Restore::<SetupOf<B, _, _>>::restore(restore, trainer.state_mut())?;
+        Restore::<SetupOf<B, _, _>>::restore(restore, &mut trainer.restoring())?;
         let load_s = t.elapsed().as_secs_f64();
 
         let t = Instant::now();

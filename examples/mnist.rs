@@ -376,10 +376,10 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         builder = builder.restore(restore);
     }
     let mut trainer = builder.build()?;
-    let wall_before = trainer.state().timestamp.run_wall_time;
+    let wall_before = trainer.state().timestamp().run_wall_time;
     let report = if trainer.is_finished() {
         // A run resumed from its final checkpoint: nothing left to train.
-        tracing::info!(at = %trainer.state().timestamp, "max_duration already reached; evaluating only");
+        tracing::info!(at = %trainer.state().timestamp(), "max_duration already reached; evaluating only");
         FitReport {
             steps: 0,
             batches: 0,
@@ -397,14 +397,14 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     // callbacks' end of run. (Read before the final evaluation, which moves the clock.)
     let stepping = trainer
         .state()
-        .timestamp
+        .timestamp()
         .run_wall_time
         .saturating_sub(wall_before);
     let fit_end_wait_seconds = (report.wall.as_secs_f64() - stepping.as_secs_f64()).max(0.0);
     // Evaluate the final weights unless the last evaluation already saw them.
     let state = trainer.state();
-    let metrics = if state.last_eval_batch == Some(state.timestamp.batch) {
-        state.eval_metrics.clone()
+    let metrics = if state.last_eval_batch() == Some(state.timestamp().batch) {
+        state.eval_metrics().clone()
     } else {
         trainer.eval()?
     };
@@ -418,7 +418,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         return Ok(());
     }
     let state = trainer.state();
-    let ts = &state.timestamp;
+    let ts = state.timestamp();
     let train_seconds = report.wall.as_secs_f64();
     let summary = json!({
         "test_accuracy": test.get("accuracy"),
@@ -440,16 +440,16 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         "epochs": ts.epoch,
         "batches": ts.batch,
         "samples": ts.sample,
-        "train_samples_per_epoch": state.samples_per_epoch,
-        "skipped_batches": state.skipped_batches,
-        "precision": state.precision.name(),
+        "train_samples_per_epoch": state.samples_per_epoch(),
+        "skipped_batches": state.skipped_batches(),
+        "precision": state.precision().name(),
         // Dynamic loss scaling (float16): the scale reached and the steps it skipped.
-        "loss_scale": state.loss_scaler.map(|s| s.scale),
-        "overflow_skipped_steps": state.loss_scaler.map(|s| s.skipped_steps),
+        "loss_scale": state.loss_scaler().map(|s| s.scale),
+        "overflow_skipped_steps": state.loss_scaler().map(|s| s.skipped_steps),
         "backend": args.run.backend,
         "model": args.model.name(),
         "seed": args.run.seed,
-        "max_duration": state.max_duration.to_string(),
+        "max_duration": state.max_duration().to_string(),
         "recipe": args.run.recipe,
         "algorithms": recipe.algorithms.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
         "scale_schedule_ratio": recipe.scale_schedule_ratio,

@@ -104,13 +104,16 @@ impl<S: Setup> Callback<S> for EpochLoss {
     fn name(&self) -> &str {
         "epoch_loss"
     }
-    fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<(), CoreError> {
-        self.sum += state.loss_value.unwrap_or(f64::NAN);
+    fn batch_end(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<(), CoreError> {
+        self.sum += state.loss_value().unwrap_or(f64::NAN);
         self.batches += 1;
         Ok(())
     }
-    fn epoch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<(), CoreError> {
-        let (epoch, mean) = (state.timestamp.epoch, self.sum / self.batches.max(1) as f64);
+    fn epoch_end(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<(), CoreError> {
+        let (epoch, mean) = (
+            state.timestamp().epoch,
+            self.sum / self.batches.max(1) as f64,
+        );
         eprintln!("epoch {epoch}: mean training loss {mean:.4}");
         (self.sum, self.batches) = (0.0, 0);
         Ok(())
@@ -176,7 +179,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     save_weights(trainer.model(), &weights)?;
     let summary = serde_json::json!({
         "test_accuracy": accuracy,
-        "batches": trainer.state().timestamp.batch,
+        "batches": trainer.state().timestamp().batch,
         "params_sha256": params_sha256::<B, _>(trainer.model()),
     });
     println!("{summary}");

@@ -544,9 +544,9 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         builder = builder.restore(restore);
     }
     let mut trainer = builder.build()?;
-    let tokens_before = trainer.state().timestamp.token;
+    let tokens_before = trainer.state().timestamp().token;
     let report = if trainer.is_finished() {
-        tracing::info!(at = %trainer.state().timestamp, "max_duration already reached; evaluating only");
+        tracing::info!(at = %trainer.state().timestamp(), "max_duration already reached; evaluating only");
         None
     } else {
         Some(trainer.fit()?)
@@ -554,8 +554,8 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     let state = trainer.state();
     // A run that only evaluates (resumed at its end) evaluates afresh: its evaluation
     // settings (--eval-seq-len, --eval-text) may differ from the ones saved with the metrics.
-    let metrics = if report.is_some() && state.last_eval_batch == Some(state.timestamp.batch) {
-        state.eval_metrics.clone()
+    let metrics = if report.is_some() && state.last_eval_batch() == Some(state.timestamp().batch) {
+        state.eval_metrics().clone()
     } else {
         trainer.eval()?
     };
@@ -578,7 +578,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     };
     let text_loss = metrics.get("text").and_then(|m| m.get("loss")).copied();
     let state = trainer.state();
-    let ts = &state.timestamp;
+    let ts = state.timestamp();
     let train_seconds = report.as_ref().map_or(0.0, |r| r.wall.as_secs_f64());
     // Tokens trained on in this call (a resumed run counts from where it resumed).
     // (Counted by the trainer: the tokens actually trained on, whatever ALiBi or
@@ -605,7 +605,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         "trained_batches": report.as_ref().map_or(0, |r| r.batches),
         "samples": ts.sample,
         "tokens": ts.token,
-        "skipped_batches": state.skipped_batches,
+        "skipped_batches": state.skipped_batches(),
         "vocab": p.split.tokenizer.vocab_size(),
         // The count-based bigram model's validation loss, the reference of the README.
         "bigram_val_loss": bigram_loss(
@@ -626,7 +626,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         "backend": args.run.backend,
         "seed": args.run.seed,
         "optimizer": args.run.optimizer.name(),
-        "max_duration": state.max_duration.to_string(),
+        "max_duration": state.max_duration().to_string(),
         "recipe": args.run.recipe,
         "algorithms": p.algorithms.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
         "scale_schedule_ratio": p.scale_schedule_ratio,

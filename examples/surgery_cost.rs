@@ -15,7 +15,7 @@ use clap::Parser;
 use flashover::algorithms::spec::parse_list;
 use flashover::backend::COMPILED;
 use flashover::core::callback::Callback;
-use flashover::core::logger::Logger;
+use flashover::core::callback::Control;
 use flashover::core::setup::Setup;
 use flashover::core::state::State;
 use flashover::core::time::Time;
@@ -82,10 +82,10 @@ impl<S: Setup> Callback<S> for Clock {
 
     fn batch_start(
         &mut self,
-        state: &mut State<S>,
-        _logger: &mut Logger,
+        state: &State<S>,
+        _ctl: &mut Control<'_>,
     ) -> flashover::core::Result<()> {
-        if state.timestamp.batch == 2 {
+        if state.timestamp().batch == 2 {
             *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
         }
         Ok(())

@@ -197,7 +197,7 @@ fn train<B: TrainBackend, M: MnistModel<B>>(
         .build()?;
     t.fit()?;
     // The final weights are evaluated unless the last interval already did.
-    if t.state().last_eval_batch != Some(t.state().timestamp.batch) {
+    if t.state().last_eval_batch() != Some(t.state().timestamp().batch) {
         t.eval()?;
     }
     Ok(curve.points())

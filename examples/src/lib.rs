@@ -38,11 +38,11 @@ use flashover::algorithms::augment::Normalization;
 use flashover::algorithms::recipes::recipe;
 use flashover::algorithms::spec::{build_image_classification, AlgorithmSpec};
 use flashover::core::callback::Callback;
+use flashover::core::callback::Control;
 use flashover::core::data::{
     DataLoader, Dataset, MnistBatcher, MnistDataset, MnistItem, MnistSplit, Sampler, MNIST_MEAN,
     MNIST_STD,
 };
-use flashover::core::logger::Logger;
 use flashover::core::metric::{Accuracy, LossMetric, TopKAccuracy};
 use flashover::core::model::{
     ClassificationBatch, ClassificationOutput, EvalModel, HasMemoryFormat, MemoryFormat, TrainModel,
@@ -654,15 +654,15 @@ impl<S: Setup> Callback<S> for MetricCurve {
         "metric_curve"
     }
 
-    fn eval_after_all(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn eval_after_all(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         if let Some(value) = state
-            .eval_metrics
+            .eval_metrics()
             .get(self.evaluator)
             .and_then(|m| m.get(self.metric))
         {
             let p = CurvePoint {
-                train_seconds: state.timestamp.total_wall_time.as_secs_f64(),
-                batch: state.timestamp.batch,
+                train_seconds: state.timestamp().total_wall_time.as_secs_f64(),
+                batch: state.timestamp().batch,
                 value: *value,
             };
             if let Ok(mut v) = self.points.lock() {

@@ -7,6 +7,6 @@ use flashover_tests::*;
 #[test]
 fn default_recipe_reaches_97_percent_on_bundled_mnist() {
     let t = trained(&MnistRun::default());
-    let acc = t.state().eval_metrics["test"]["accuracy"];
+    let acc = t.state().eval_metrics()["test"]["accuracy"];
     assert!(acc >= 0.97, "test accuracy {acc} with the default recipe");
 }

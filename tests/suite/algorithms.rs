@@ -69,11 +69,11 @@ fn outcome_of(run: &MnistRun) -> (String, f64, u64) {
     let mut t = trained(run);
     let metrics = t.eval().unwrap();
     let state = t.state();
-    assert!(state.loss_value.unwrap().is_finite());
+    assert!(state.loss_value().unwrap().is_finite());
     (
         params_sha256::<TB, _>(t.model()),
         metrics["test"]["loss"],
-        state.timestamp.sample,
+        state.timestamp().sample,
     )
 }
 
@@ -153,8 +153,8 @@ fn every_recipe_trains() {
         assert_eq!(run.scale_schedule_ratio, r.scale_schedule_ratio);
         let t = trained(&run);
         let expected = Time::Epoch(4).scaled(r.scale_schedule_ratio);
-        assert_eq!(t.state().max_duration, expected, "{}", r.name);
-        assert!(t.state().loss_value.unwrap().is_finite());
+        assert_eq!(t.state().max_duration(), expected, "{}", r.name);
+        assert!(t.state().loss_value().unwrap().is_finite());
     }
 }
 
@@ -173,10 +173,10 @@ fn target_rewriters_compose_in_the_order_added() {
         let mut t = run
             .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
             .unwrap()
-            .callback(At {
+            .callback(Watch {
                 event: Event::BeforeLoss,
-                f: move |s: &mut MnistState| {
-                    let b = s.batch.as_ref().unwrap();
+                f: move |s: &MnistState, _: &mut Control<'_>| {
+                    let b = s.batch().unwrap();
                     let got = b.soft_targets().expect("soft targets are set").clone();
                     let mut rng = s.rng("mixup/0");
                     let lambda = mixing_coefficient(&mut rng, 0.2);
@@ -187,7 +187,7 @@ fn target_rewriters_compose_in_the_order_added() {
                             perm.iter().map(|&i| i as i64).collect::<Vec<_>>(),
                             [perm.len()],
                         ),
-                        &s.device,
+                        s.device(),
                     );
                     let one_hot = b.classes().clone().one_hot::<2>(10).float();
                     let want = smooth_labels(mix(one_hot, p, lambda), 0.2);
@@ -431,12 +431,13 @@ mod sequence {
         let mut t = Trainer::builder(model, opt, loader, Time::Batch(40), dev)
             .lr(1e-2)
             .algorithm(SeqLengthWarmup::new(0.5, 8, 64, 8, truncate).unwrap())
-            .callback(At {
+            .callback(Watch {
                 event: Event::BatchEnd,
-                f: move |s: &mut flashover::core::state::State<
+                f: move |s: &flashover::core::state::State<
                     flashover::core::setup::SetupOf<TB, Lm, _>,
-                >| {
-                    sink.lock().unwrap().push(s.loss_value.unwrap());
+                >,
+                         _: &mut Control<'_>| {
+                    sink.lock().unwrap().push(s.loss_value().unwrap());
                     Ok(())
                 },
             })
@@ -444,7 +445,7 @@ mod sequence {
             .unwrap();
         t.fit().unwrap();
         let v = losses.lock().unwrap().clone();
-        (t.state().timestamp.token, v)
+        (t.state().timestamp().token, v)
     }
 
     #[test]
@@ -494,10 +495,10 @@ mod schedules {
         fn name(&self) -> &str {
             "samples"
         }
-        fn batch_end(&mut self, state: &mut State<S>, _l: &mut Logger) -> Result<()> {
+        fn batch_end(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
             let mut v = self.0.lock().unwrap();
             let before: u64 = v.iter().sum();
-            v.push(state.timestamp.sample - before);
+            v.push(state.timestamp().sample - before);
             Ok(())
         }
     }
@@ -536,7 +537,7 @@ mod schedules {
             matches!(event, Event::AfterBackward | Event::AfterTrainBatch)
         }
         fn apply(&mut self, event: Event, state: &mut State<S>, _l: &mut Logger) -> Result<()> {
-            let Some(grads) = state.grads.as_ref() else {
+            let Some(grads) = state.grads() else {
                 return Ok(());
             };
             let flat = flat_grads::<S::Backend, S::Model>(state.model(), grads);
@@ -547,7 +548,7 @@ mod schedules {
                 self.log
                     .lock()
                     .unwrap()
-                    .push((state.timestamp.batch + 1, changed));
+                    .push((state.timestamp().batch + 1, changed));
             }
             Ok(())
         }
@@ -585,10 +586,10 @@ mod schedules {
         let mut t = run
             .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
             .unwrap()
-            .callback(At {
+            .algorithm(At {
                 event: Event::AfterDataloader,
                 f: |s: &mut MnistState| {
-                    if let Some(b) = s.batch.as_mut() {
+                    if let Some(b) = s.batch_mut()? {
                         let mut v: Vec<i64> = b.targets.clone().into_data().iter::<i64>().collect();
                         v[0] = -1;
                         let n = v.len();

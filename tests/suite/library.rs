@@ -86,8 +86,8 @@ fn ema_ends_fit_with_the_average_and_a_continued_fit_trains_on_from_the_training
         "after fit the model holds the average, not the training weights"
     );
     assert_eq!(
-        ema_t.state().loss_value,
-        plain_t.state().loss_value,
+        ema_t.state().loss_value(),
+        plain_t.state().loss_value(),
         "EMA does not change training"
     );
     // Evaluating after fit scores the model as it is (the average), and leaves it so.
@@ -169,7 +169,7 @@ fn a_loss_that_ignores_soft_targets_stops_the_run_naming_the_algorithm() {
             "{name}: {err}"
         );
         assert_eq!(
-            t.state().timestamp.batch,
+            t.state().timestamp().batch,
             0,
             "{name}: stopped in the first batch"
         );

@@ -15,15 +15,13 @@ fn first_step_grads(microbatch: Option<usize>) -> Vec<f32> {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .callback(Watch {
             event: Event::AfterTrainBatch,
-            f: move |s: &mut flashover::core::state::State<
+            f: move |s: &flashover::core::state::State<
                 flashover::core::setup::SetupOf<TB, _, _>,
-            >| {
-                let grads = s
-                    .grads
-                    .as_ref()
-                    .expect("gradients are set at AFTER_TRAIN_BATCH");
+            >,
+                     _: &mut Control<'_>| {
+                let grads = s.grads().expect("gradients are set at AFTER_TRAIN_BATCH");
                 *sink.lock().unwrap() = flat_grads::<TB, _>(s.model(), grads);
                 Ok(())
             },
@@ -93,7 +91,7 @@ fn auto_microbatching_changes_nothing_while_memory_suffices() {
         let mut run = short_run(96, 32, 10, "3ba");
         run.auto_microbatching = auto;
         let t = trained(&run);
-        assert_eq!(t.state().auto_microbatch_size, None);
+        assert_eq!(t.state().auto_microbatch_size(), None);
         params_sha256::<TB, _>(t.model())
     };
     assert_eq!(sha(true), sha(false));
@@ -225,7 +223,7 @@ mod out_of_memory {
         let report = t.fit().unwrap();
         assert_eq!(report.batches, 3);
         let sha = params_sha256::<TB, _>(t.model());
-        (sha, t.state().auto_microbatch_size, lines(&log))
+        (sha, t.state().auto_microbatch_size(), lines(&log))
     }
 
     #[test]
@@ -326,11 +324,11 @@ mod out_of_memory {
         let first_log = new_log();
         let mut first = trainer(false, first_log.clone());
         first.fit().unwrap();
-        assert_eq!(first.state().auto_microbatch_size, Some(32));
+        assert_eq!(first.state().auto_microbatch_size(), Some(32));
         drop(first);
         let log = new_log();
         let mut resumed = trainer(true, log.clone());
-        assert_eq!(resumed.state().auto_microbatch_size, Some(32));
+        assert_eq!(resumed.state().auto_microbatch_size(), Some(32));
         resumed.fit().unwrap();
         let lines = lines(&log);
         assert!(

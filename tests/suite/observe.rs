@@ -99,16 +99,16 @@ fn speed_and_runtime_monitors_match_a_fake_clock() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .callback(Watch {
             event: Event::BatchStart,
-            f: move |_: &mut MnistState| {
+            f: move |_: &MnistState, _: &mut Control<'_>| {
                 tick.advance(Duration::from_millis(250));
                 Ok(())
             },
         })
-        .callback(At {
+        .callback(Watch {
             event: Event::EvalStart,
-            f: move |_: &mut MnistState| {
+            f: move |_: &MnistState, _: &mut Control<'_>| {
                 eval.advance(Duration::from_secs(10));
                 Ok(())
             },
@@ -166,11 +166,11 @@ fn memory_monitor_reports_the_process_and_a_device_reader() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .callback(Watch {
             // Before batch 5 the process takes 256 MiB more, touched so that it is resident.
             event: Event::BatchStart,
-            f: move |s: &mut MnistState| {
-                if s.timestamp.batch == 4 {
+            f: move |s: &MnistState, _: &mut Control<'_>| {
+                if s.timestamp().batch == 4 {
                     *grow.lock().unwrap() = vec![1u8; 256 << 20];
                 }
                 Ok(())
@@ -233,24 +233,24 @@ fn norm_monitor_matches_host_side_sums() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .callback(Watch {
             event: Event::AfterTrainBatch,
-            f: move |s: &mut MnistState| {
-                let grads = s.grads.as_ref().expect("gradients before the step");
+            f: move |s: &MnistState, _: &mut Control<'_>| {
+                let grads = s.grads().expect("gradients before the step");
                 let parts: Vec<(String, Vec<f32>)> = grads_of(s.model(), grads)
                     .into_iter()
                     .map(|v| (v.path, data(v.grad)))
                     .collect();
                 g.lock()
                     .unwrap()
-                    .insert((s.timestamp.batch + 1, "grad"), host_norms(&parts));
+                    .insert((s.timestamp().batch + 1, "grad"), host_norms(&parts));
                 Ok(())
             },
         })
         .callback(NormMonitor::new(Time::Batch(3)).unwrap())
-        .callback(At {
+        .callback(Watch {
             event: Event::BatchEnd,
-            f: move |s: &mut MnistState| {
+            f: move |s: &MnistState, _: &mut Control<'_>| {
                 let parts: Vec<(String, Vec<f32>)> =
                     flashover::algorithms::params::ParamSet::of_autodiff(s.model())
                         .entries
@@ -259,7 +259,7 @@ fn norm_monitor_matches_host_side_sums() {
                         .collect();
                 p.lock()
                     .unwrap()
-                    .insert((s.timestamp.batch, "param"), host_norms(&parts));
+                    .insert((s.timestamp().batch, "param"), host_norms(&parts));
                 Ok(())
             },
         })
@@ -298,12 +298,12 @@ fn nan_monitor_names_the_batch_of_a_bad_loss_or_gradient() {
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
         .microbatch_size(16)
-        .callback(At {
+        .algorithm(At {
             event: Event::AfterLoss,
             f: |s: &mut MnistState| {
-                if s.timestamp.batch == 2 {
-                    let loss = s.loss.take().unwrap();
-                    s.loss = Some(loss.mul_scalar(f32::NAN));
+                if s.timestamp().batch == 2 {
+                    let loss = s.loss_mut()?.unwrap();
+                    *loss = loss.clone().mul_scalar(f32::NAN);
                 }
                 Ok(())
             },
@@ -316,19 +316,19 @@ fn nan_monitor_names_the_batch_of_a_bad_loss_or_gradient() {
         e.contains("non-finite loss (NaN)") && e.contains("batch 2") && e.contains("microbatch 0"),
         "{e}"
     );
-    assert_eq!(t.state().timestamp.batch, 2);
+    assert_eq!(t.state().timestamp().batch, 2);
 
     // An infinite gradient in fc1.weight at batch 5: the step is not taken.
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .algorithm(At {
             event: Event::AfterBackward,
             f: |s: &mut MnistState| {
-                if s.timestamp.batch == 5 {
-                    let model = s.model().clone();
-                    let grads = s.grads.as_mut().unwrap();
-                    let views = grads_of(&model, grads);
+                if s.timestamp().batch == 5 {
+                    let (model, grads) = s.model_and_grads_mut()?;
+                    let grads = grads.unwrap();
+                    let views = grads_of(model, grads);
                     let v = views.iter().find(|v| v.path == "fc1.weight").unwrap();
                     set_grad(grads, v, v.grad.clone().add_scalar(f32::INFINITY));
                 }
@@ -348,7 +348,7 @@ fn nan_monitor_names_the_batch_of_a_bad_loss_or_gradient() {
             && e.contains("fc1.weight (0 NaN, 200704 inf)"),
         "{e}"
     );
-    assert_eq!(t.state().timestamp.batch, 5);
+    assert_eq!(t.state().timestamp().batch, 5);
     assert_ne!(
         before,
         flashover::core::params::params_sha256::<TB, _>(t.model())
@@ -694,11 +694,12 @@ fn token_throughput_and_time_left_in_tokens_on_a_character_model() {
     let log = Logged::default();
     // The run's length in tokens: 20 batches' worth; each batch takes 0.5 s.
     let mut t = Trainer::builder(model, opt, loader, Time::Token(20 * per_batch), dev)
-        .callback(At {
+        .callback(Watch {
             event: Event::BatchStart,
-            f: move |_: &mut flashover::core::state::State<
+            f: move |_: &flashover::core::state::State<
                 flashover::core::setup::SetupOf<TB, Lm, _>,
-            >| {
+            >,
+                     _: &mut Control<'_>| {
                 tick.advance(Duration::from_millis(500));
                 Ok(())
             },

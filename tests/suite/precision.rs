@@ -141,15 +141,16 @@ fn an_overflow_skips_the_step_lowers_the_scale_and_leaves_the_weights() {
     assert_eq!(report.steps, 0, "every step overflowed");
     assert_eq!(report.batches, 3);
     let state = t.state();
-    let scaler = state.loss_scaler.unwrap();
+    let scaler = state.loss_scaler().unwrap();
     assert_eq!(scaler.skipped_steps, 3);
     assert_eq!(scaler.scale, 2f64.powi(97));
     assert_eq!(
-        state.skipped_batches, 0,
+        state.skipped_batches(),
+        0,
         "a finite loss is not a skipped batch"
     );
     assert!(
-        state.loss_value.unwrap().is_finite(),
+        state.loss_value().unwrap().is_finite(),
         "the loss is reported unscaled"
     );
     let untrained = flashover_examples::MnistCnn::<TB>::new(&device(), run.seed);
@@ -169,7 +170,7 @@ fn an_overflow_skips_the_step_lowers_the_scale_and_leaves_the_weights() {
         .build()
         .unwrap();
     let report = t.fit().unwrap();
-    let scaler = t.state().loss_scaler.unwrap();
+    let scaler = t.state().loss_scaler().unwrap();
     assert!(scaler.skipped_steps >= 1, "2^24 overflows float16 at first");
     assert!(report.steps >= 1, "the scale came down to one that fits");
     assert_eq!(report.steps + scaler.skipped_steps, 12);
@@ -200,7 +201,7 @@ fn the_scale_doubles_after_each_interval_of_clean_steps() {
             .unwrap();
         let report = t.fit().unwrap();
         assert_eq!(report.steps, 12, "{p}");
-        let scaler = t.state().loss_scaler.unwrap();
+        let scaler = t.state().loss_scaler().unwrap();
         assert_eq!((scaler.scale, scaler.skipped_steps), (8.0, 0), "{p}");
     }
 }
@@ -331,10 +332,10 @@ fn sams_second_pass_gradients_are_unscaled_under_loss_scaling() {
         }
         let mut t = b
             // Callbacks run after the algorithms at an event: with SAM, its gradients.
-            .callback(At {
+            .callback(Watch {
                 event: flashover::core::event::Event::AfterTrainBatch,
-                f: move |s: &mut MnistState| {
-                    let g = s.grads.as_ref().expect("the step's gradients");
+                f: move |s: &MnistState, _: &mut Control<'_>| {
+                    let g = s.grads().expect("the step's gradients");
                     *sink.lock().unwrap() = flat_grads::<TB, _>(s.model(), g);
                     Ok(())
                 },
@@ -392,13 +393,17 @@ fn an_overflow_in_sams_second_pass_skips_the_step_and_lowers_the_scale() {
         .unwrap();
     let report = t.fit().unwrap();
     let state = t.state();
-    let scaler = state.loss_scaler.unwrap();
+    let scaler = state.loss_scaler().unwrap();
     assert_eq!(
         (report.steps, scaler.skipped_steps, scaler.scale),
         (0, 3, 0.125),
         "every second pass overflowed: three skips, three halvings"
     );
-    assert_eq!(state.skipped_batches, 0, "the batches' losses were finite");
+    assert_eq!(
+        state.skipped_batches(),
+        0,
+        "the batches' losses were finite"
+    );
     let untrained = flashover_examples::MnistCnn::<TB>::new(&device(), run.seed);
     assert_eq!(
         params_sha256::<TB, _>(t.model()),

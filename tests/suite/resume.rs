@@ -110,8 +110,8 @@ mod components {
     use flashover::callbacks::StopAt;
     use flashover::checkpoint::{autoresume, SaveInterval, Saver, SaverConfig};
     use flashover::core::callback::Callback;
+    use flashover::core::callback::Control;
     use flashover::core::error::{CoreError, Result};
-    use flashover::core::logger::Logger;
     use flashover::core::setup::Setup;
     use flashover::core::state::State;
     use flashover::core::time::Time;
@@ -125,7 +125,7 @@ mod components {
         fn name(&self) -> &str {
             "counter"
         }
-        fn batch_end(&mut self, _s: &mut State<S>, _l: &mut Logger) -> Result<()> {
+        fn batch_end(&mut self, _s: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
             *self.0.lock().unwrap() += 1;
             Ok(())
         }
@@ -194,6 +194,41 @@ mod components {
             .err()
             .expect("missing component");
         assert!(err.to_string().contains("callback/counter"), "{err}");
+    }
+
+    #[test]
+    fn a_callback_asks_for_a_checkpoint_off_the_savers_interval_and_gets_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = short_run(256, 32, 50, "1ep");
+        let mut t = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(Watch {
+                event: flashover::core::event::Event::BatchEnd,
+                f: |s: &MnistState, ctl: &mut Control<'_>| {
+                    if s.timestamp().batch == 3 {
+                        ctl.request_checkpoint();
+                    }
+                    Ok(())
+                },
+            })
+            .callback(
+                Saver::new(
+                    SaverConfig::new(dir.path()),
+                    SaveInterval::Every(Time::Epoch(1)),
+                )
+                .unwrap(),
+            )
+            .build()
+            .unwrap();
+        t.fit().unwrap();
+        let mut batches: Vec<u64> = flashover::checkpoint::list_checkpoints(dir.path())
+            .into_iter()
+            .map(|(_, b)| b)
+            .collect();
+        batches.sort();
+        // Batch 3 on request; the epoch's end (8 batches) on the interval.
+        assert_eq!(batches, [3, 8]);
     }
 }
 

@@ -253,11 +253,11 @@ impl<S: Setup> Callback<S> for Losses {
     fn name(&self) -> &str {
         "losses"
     }
-    fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         self.0
             .lock()
             .unwrap()
-            .push(state.loss_value.unwrap_or(f64::NAN));
+            .push(state.loss_value().unwrap_or(f64::NAN));
         Ok(())
     }
 }
@@ -353,7 +353,7 @@ fn two_devices_of_one_process_train_like_one_process_on_the_whole_batch() {
             .build()
             .unwrap();
         t.fit().unwrap();
-        (weights(t.model()), t.state().eval_metrics.clone())
+        (weights(t.model()), t.state().eval_metrics().clone())
     });
     assert_eq!(
         r0.0, r1.0,
@@ -444,7 +444,7 @@ fn one_rank_asking_to_stop_stops_both_at_the_same_batch() {
         }
         let mut t = b.build().unwrap();
         let report = t.fit().unwrap();
-        (t.state().timestamp.batch, report.stopped)
+        (t.state().timestamp().batch, report.stopped)
     });
     assert_eq!(a.0, 3);
     assert_eq!(b.0, 3);
@@ -462,10 +462,12 @@ impl<S: Setup> Algorithm<S> for PoisonLoss {
         "poison_loss"
     }
     fn matches(&self, event: Event, state: &State<S>) -> bool {
-        event == Event::AfterLoss && state.timestamp.batch == self.at
+        event == Event::AfterLoss && state.timestamp().batch == self.at
     }
     fn apply(&mut self, _event: Event, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
-        state.loss = state.loss.take().map(|l| l.mul_scalar(f64::NAN));
+        if let Some(loss) = state.loss_mut()? {
+            *loss = loss.clone().mul_scalar(f64::NAN);
+        }
         Ok(())
     }
 }
@@ -481,7 +483,11 @@ fn a_non_finite_loss_on_one_rank_skips_the_step_on_both() {
         }
         let mut t = b.build().unwrap();
         let report = t.fit().unwrap();
-        (report.steps, t.state().skipped_batches, weights(t.model()))
+        (
+            report.steps,
+            t.state().skipped_batches(),
+            weights(t.model()),
+        )
     });
     assert_eq!((a.0, a.1), (3, 1));
     assert_eq!(
@@ -519,7 +525,7 @@ fn a_float16_overflow_on_one_rank_skips_the_step_on_both() {
             .build()
             .unwrap();
         let report = t.fit().unwrap();
-        let scaler = t.state().loss_scaler.unwrap();
+        let scaler = t.state().loss_scaler().unwrap();
         (
             report.steps,
             scaler.skipped_steps,
@@ -547,7 +553,7 @@ impl<S: Setup> Callback<S> for Writer {
     fn name(&self) -> &str {
         "writer"
     }
-    fn fit_start(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn fit_start(&mut self, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         self.0.lock().unwrap().push("FIT_START".into());
         Ok(())
     }
@@ -609,7 +615,7 @@ impl<S: Setup> Callback<S> for Slow {
     fn name(&self) -> &str {
         "slow"
     }
-    fn batch_end(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         std::thread::sleep(Duration::from_millis(self.0));
         Ok(())
     }
@@ -626,12 +632,12 @@ fn ranks_agree_on_samples_and_on_the_slowest_clock() {
         }
         let mut t = b.build().unwrap();
         let report = t.fit().unwrap();
-        let ts = t.state().timestamp.clone();
+        let ts = t.state().timestamp().clone();
         (
             report.batches,
             ts.sample,
             ts.run_wall_time,
-            t.state().samples_per_epoch,
+            t.state().samples_per_epoch(),
         )
     });
     assert_eq!(a, b);
@@ -668,8 +674,8 @@ impl<S: Setup> Callback<S> for StopAtStart {
     fn name(&self) -> &str {
         "stop_at_start"
     }
-    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
-        state.request_stop("not today");
+    fn fit_start(&mut self, _state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        ctl.request_stop("not today");
         Ok(())
     }
 }

@@ -24,7 +24,7 @@ fn fit_in_two_calls_equals_one_call() {
     assert_eq!(first.batches, 8);
     let second = twice.fit_for(Time::Batch(8)).unwrap();
     assert_eq!(second.batches, 8);
-    assert_eq!(twice.state().timestamp.epoch, 2);
+    assert_eq!(twice.state().timestamp().epoch, 2);
     assert_eq!(
         params_sha256::<TB, _>(twice.model()),
         params_sha256::<TB, _>(once.model())
@@ -42,13 +42,12 @@ fn a_stop_request_ends_the_fit_after_the_batch_and_fit_resumes_after_it() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .callback(Watch {
             event: Event::BatchEnd,
-            f: |s: &mut flashover::core::state::State<
-                flashover::core::setup::SetupOf<TB, _, _>,
-            >| {
-                if s.timestamp.batch == 3 {
-                    s.request_stop("enough");
+            f: |s: &flashover::core::state::State<flashover::core::setup::SetupOf<TB, _, _>>,
+                ctl: &mut Control<'_>| {
+                if s.timestamp().batch == 3 {
+                    ctl.request_stop("enough");
                 }
                 Ok(())
             },
@@ -61,7 +60,7 @@ fn a_stop_request_ends_the_fit_after_the_batch_and_fit_resumes_after_it() {
         .unwrap();
     let report = t.fit().unwrap();
     assert_eq!(report.stopped.as_deref(), Some("enough"));
-    assert_eq!(t.state().timestamp.batch, 3);
+    assert_eq!(t.state().timestamp().batch, 3);
     let events = lines(&log);
     assert_eq!(events.last().map(String::as_str), Some("FIT_END"));
     assert_eq!(
@@ -72,7 +71,7 @@ fn a_stop_request_ends_the_fit_after_the_batch_and_fit_resumes_after_it() {
     // A second fit continues mid-epoch (no second EPOCH_START) to max_duration.
     let report = t.fit().unwrap();
     assert_eq!(report.batches, 5);
-    assert_eq!(t.state().timestamp.epoch, 1);
+    assert_eq!(t.state().timestamp().epoch, 1);
     assert_eq!(
         lines(&log).iter().filter(|e| *e == "EPOCH_START").count(),
         1
@@ -81,9 +80,9 @@ fn a_stop_request_ends_the_fit_after_the_batch_and_fit_resumes_after_it() {
 
 fn poison_loss_at(batch: u64) -> impl FnMut(&mut MnistState) -> flashover::core::Result<()> + Send {
     move |s| {
-        if s.timestamp.batch == batch {
-            let loss = s.loss.take().expect("loss is set at AFTER_LOSS");
-            s.loss = Some(loss.mul_scalar(f32::NAN));
+        if s.timestamp().batch == batch {
+            let loss = s.loss_mut()?.expect("loss is set at AFTER_LOSS");
+            *loss = loss.clone().mul_scalar(f32::NAN);
         }
         Ok(())
     }
@@ -95,7 +94,7 @@ fn a_nan_loss_is_an_error_naming_the_batch() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .algorithm(At {
             event: Event::AfterLoss,
             f: poison_loss_at(2),
         })
@@ -116,7 +115,7 @@ fn a_nan_loss_is_an_error_naming_the_batch() {
     }
     assert!(err.to_string().contains("batch 2"), "{err}");
     assert_eq!(
-        t.state().timestamp.batch,
+        t.state().timestamp().batch,
         2,
         "no step is taken on the poisoned batch"
     );
@@ -129,7 +128,7 @@ fn non_finite_batches_can_be_skipped_and_counted() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .algorithm(At {
             event: Event::AfterLoss,
             f: poison_loss_at(1),
         })
@@ -138,7 +137,7 @@ fn non_finite_batches_can_be_skipped_and_counted() {
     let report = t.fit().unwrap();
     assert_eq!(report.batches, 4);
     assert_eq!(report.steps, 3);
-    assert_eq!(t.state().skipped_batches, 1);
+    assert_eq!(t.state().skipped_batches(), 1);
 }
 
 /// Makes the loss of microbatch `micro` (counted from 0 within the batch) of batch `batch`
@@ -149,12 +148,12 @@ fn poison_microbatch(
 ) -> impl FnMut(&mut MnistState) -> flashover::core::Result<()> + Send {
     let mut seen = (u64::MAX, 0);
     move |s| {
-        if seen.0 != s.timestamp.batch {
-            seen = (s.timestamp.batch, 0);
+        if seen.0 != s.timestamp().batch {
+            seen = (s.timestamp().batch, 0);
         }
-        if s.timestamp.batch == batch && seen.1 == micro {
-            let loss = s.loss.take().expect("loss is set at AFTER_LOSS");
-            s.loss = Some(loss.mul_scalar(f32::INFINITY));
+        if s.timestamp().batch == batch && seen.1 == micro {
+            let loss = s.loss_mut()?.expect("loss is set at AFTER_LOSS");
+            *loss = loss.clone().mul_scalar(f32::INFINITY);
         }
         seen.1 += 1;
         Ok(())
@@ -173,7 +172,7 @@ fn a_non_finite_loss_in_a_later_microbatch_skips_the_whole_batch() {
         let mut t = run
             .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
             .unwrap()
-            .callback(At {
+            .algorithm(At {
                 event: Event::AfterLoss,
                 f: poison_microbatch(1, micro),
             })
@@ -181,7 +180,7 @@ fn a_non_finite_loss_in_a_later_microbatch_skips_the_whole_batch() {
             .unwrap();
         let report = t.fit().unwrap();
         assert_eq!((report.batches, report.steps), (4, 3), "microbatch {micro}");
-        assert_eq!(t.state().skipped_batches, 1);
+        assert_eq!(t.state().skipped_batches(), 1);
         params_sha256::<TB, _>(t.model())
     };
     assert_eq!(
@@ -194,7 +193,7 @@ fn a_non_finite_loss_in_a_later_microbatch_skips_the_whole_batch() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .algorithm(At {
             event: Event::AfterLoss,
             f: poison_microbatch(1, 3),
         })
@@ -208,7 +207,7 @@ fn a_non_finite_loss_in_a_later_microbatch_skips_the_whole_batch() {
         other => panic!("expected NonFiniteLoss, got {other}"),
     }
     assert_eq!(
-        t.state().timestamp.batch,
+        t.state().timestamp().batch,
         1,
         "no step on the poisoned batch"
     );
@@ -289,12 +288,13 @@ fn the_learning_rate_follows_the_schedule_formula() {
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()
-        .callback(At {
+        .callback(Watch {
             event: Event::BatchStart,
-            f: move |s: &mut flashover::core::state::State<
+            f: move |s: &flashover::core::state::State<
                 flashover::core::setup::SetupOf<TB, _, _>,
-            >| {
-                sink.lock().unwrap().push((s.timestamp.batch, s.lr));
+            >,
+                     _: &mut Control<'_>| {
+                sink.lock().unwrap().push((s.timestamp().batch, s.lr()));
                 Ok(())
             },
         })
@@ -339,7 +339,7 @@ fn sgd_with_momentum_adam_and_adamw_all_train_through_the_trainer() {
                 .build()
                 .unwrap();
             t.fit().unwrap();
-            accuracies.push(t.state().eval_metrics["test"]["accuracy"]);
+            accuracies.push(t.state().eval_metrics()["test"]["accuracy"]);
             digests.push(params_sha256::<TB, _>(t.model()));
         }};
     }
@@ -362,8 +362,8 @@ mod wall_clock {
     use flashover::callbacks::StopAt;
     use flashover::checkpoint::{autoresume, SaveInterval, Saver, SaverConfig};
     use flashover::core::callback::Callback;
+    use flashover::core::callback::Control;
     use flashover::core::error::Result;
-    use flashover::core::logger::Logger;
     use flashover::core::setup::Setup;
     use flashover::core::state::State;
     use flashover::core::time::Time;
@@ -377,8 +377,8 @@ mod wall_clock {
         fn name(&self) -> &str {
             "slow"
         }
-        fn batch_end(&mut self, state: &mut State<S>, _l: &mut Logger) -> Result<()> {
-            self.0.lock().unwrap().push(state.timestamp.run_wall_time);
+        fn batch_end(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
+            self.0.lock().unwrap().push(state.timestamp().run_wall_time);
             std::thread::sleep(Duration::from_millis(40));
             Ok(())
         }
@@ -451,7 +451,7 @@ mod wall_clock {
             "{err}"
         );
         assert_eq!(
-            t.state().max_duration,
+            t.state().max_duration(),
             Time::Epoch(1),
             "the run's length is unchanged"
         );
@@ -480,7 +480,7 @@ mod wall_clock {
             .build()
             .unwrap();
         first.fit().unwrap();
-        let spent = first.state().timestamp.run_wall_time;
+        let spent = first.state().timestamp().run_wall_time;
         assert!(spent >= Duration::from_millis(80), "{spent:?}");
         // Second run, resumed, limited to 0.1 s more than the first spent: it stops after a
         // few batches, not after 0.1 s of its own plus everything the first run spent.
@@ -497,7 +497,7 @@ mod wall_clock {
             .build()
             .unwrap();
         assert_eq!(
-            t.state().timestamp.run_wall_time,
+            t.state().timestamp().run_wall_time,
             spent,
             "restored with the checkpoint"
         );

@@ -12,6 +12,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
+pub use flashover::core::callback::Control;
 use flashover::core::callback::{Algorithm, Callback};
 use flashover::core::error::Result;
 use flashover::core::event::Event;
@@ -71,12 +72,7 @@ impl<S: Setup> Callback<S> for Recorder {
     fn name(&self) -> &str {
         "recorder"
     }
-    fn run_event(
-        &mut self,
-        event: Event,
-        _state: &mut State<S>,
-        _logger: &mut Logger,
-    ) -> Result<()> {
+    fn run_event(&mut self, event: Event, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         self.log
             .lock()
             .unwrap()
@@ -126,13 +122,14 @@ impl LoggerDestination for RecordingLogger {
     }
 }
 
-/// Runs a closure at one event (for tests that need to poke the state).
+/// An algorithm that runs a closure at one event (for tests that need to poke the state,
+/// through the mutators an algorithm has).
 pub struct At<F> {
     pub event: Event,
     pub f: F,
 }
 
-impl<S, F> Callback<S> for At<F>
+impl<S, F> Algorithm<S> for At<F>
 where
     S: Setup,
     F: FnMut(&mut State<S>) -> Result<()> + Send,
@@ -140,14 +137,32 @@ where
     fn name(&self) -> &str {
         "at"
     }
-    fn run_event(
-        &mut self,
-        event: Event,
-        state: &mut State<S>,
-        _logger: &mut Logger,
-    ) -> Result<()> {
+    fn matches(&self, event: Event, _state: &State<S>) -> bool {
+        event == self.event
+    }
+    fn apply(&mut self, _event: Event, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        (self.f)(state)
+    }
+}
+
+/// A callback that runs a closure at one event (for tests that watch the state, or stop the
+/// run through the callback's control).
+pub struct Watch<F> {
+    pub event: Event,
+    pub f: F,
+}
+
+impl<S, F> Callback<S> for Watch<F>
+where
+    S: Setup,
+    F: FnMut(&State<S>, &mut Control<'_>) -> Result<()> + Send,
+{
+    fn name(&self) -> &str {
+        "watch"
+    }
+    fn run_event(&mut self, event: Event, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
         if event == self.event {
-            (self.f)(state)
+            (self.f)(state, ctl)
         } else {
             Ok(())
         }

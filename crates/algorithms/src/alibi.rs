@@ -202,17 +202,11 @@ where
                 .applied
                 .run(NEEDS, state, |model| Ok(apply_alibi(model, &options)));
         }
-        if let Some(batch) = state.batch.take() {
-            let len = batch.seq_len();
-            match self.options.train_length(len) {
-                Ok(short) => state.batch = Some(shorten::<S::Backend, _>(batch, short, false)),
-                Err(e) => {
-                    state.batch = Some(batch);
-                    return Err(e.into());
-                }
-            }
-        }
-        Ok(())
+        let Some(len) = state.batch().map(|b| b.seq_len()) else {
+            return Ok(());
+        };
+        let short = self.options.train_length(len)?;
+        state.map_batch(|batch| Ok(shorten::<S::Backend, _>(batch, short, false)))
     }
 
     fn state_dict(&self) -> serde_json::Value {

@@ -95,7 +95,7 @@ impl<B: AutodiffBackend> Ema<B> {
     fn elapsed<S: Setup>(&self, state: &State<S>) -> f64 {
         state
             .progress()
-            .elapsed(&state.timestamp, self.half_life.unit())
+            .elapsed(state.timestamp(), self.half_life.unit())
     }
 
     fn decode_pending(&mut self, device: &B::Device) -> Result<()> {
@@ -167,7 +167,7 @@ impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        self.decode_pending(&state.device)?;
+        self.decode_pending(state.device())?;
         if event == Event::FitStart {
             state.check_countable("ema half_life", self.half_life)?;
         }
@@ -192,7 +192,7 @@ impl<S: Setup> Algorithm<S> for Ema<S::Backend> {
                     Some(avg) => avg.zip_update(&current, "ema", |a, w| ema_update(a, w, decay))?,
                     None => self.averaged = Some(current),
                 }
-                if state.progress().is_done(&state.timestamp) {
+                if state.progress().is_done(state.timestamp()) {
                     self.replace_with_average(state)?;
                 }
             }

@@ -154,7 +154,7 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let (options, seed) = (self.options, state.seed);
+        let (options, seed) = (self.options, state.seed());
         self.applied.run(NEEDS, state, |model| {
             Ok(apply_gated_linear_units(model, &options, seed))
         })

@@ -206,7 +206,7 @@ impl<S: Setup> Algorithm<S> for GradientClipping {
     }
 
     fn matches(&self, event: Event, state: &State<S>) -> bool {
-        event == Event::AfterTrainBatch && state.grads.is_some()
+        event == Event::AfterTrainBatch && state.grads().is_some()
     }
 
     fn apply(
@@ -215,9 +215,8 @@ impl<S: Setup> Algorithm<S> for GradientClipping {
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        if let Some(mut grads) = state.grads.take() {
-            clip_gradients(state.model(), &mut grads, self.kind, self.threshold);
-            state.grads = Some(grads);
+        if let (model, Some(grads)) = state.model_and_grads_mut()? {
+            clip_gradients(model, grads, self.kind, self.threshold);
         }
         Ok(())
     }

@@ -222,12 +222,12 @@ impl Gyro {
 /// Training batches in the run, or an error where its length is not in batches, samples or
 /// epochs.
 fn run_batches<S: Setup>(state: &State<S>) -> Result<u64> {
-    let batches = state.progress().to_batches(state.max_duration);
+    let batches = state.progress().to_batches(state.max_duration());
     batches.map(|b| b.ceil() as u64).ok_or_else(|| {
         AlgorithmError::param(
             "gyro_dropout",
             "max_duration",
-            state.max_duration,
+            state.max_duration(),
             "a run length in epochs, batches or samples (its schedule counts batches)",
         )
     })
@@ -289,7 +289,7 @@ where
     ) -> flashover_core::Result<()> {
         match event {
             Event::Init => {
-                let (options, batches, seed) = (self.options, run_batches(state)?, state.seed);
+                let (options, batches, seed) = (self.options, run_batches(state)?, state.seed());
                 let mut out = None;
                 state.map_model(|mut model| {
                     out = Some(
@@ -306,7 +306,7 @@ where
             }
             Event::BeforeForward => {
                 if let Some(g) = self.gyro.as_ref() {
-                    let (batch, rank) = (state.timestamp.batch, state.world.rank);
+                    let (batch, rank) = (state.timestamp().batch, state.world().rank);
                     state.map_model(|mut model| {
                         g.before_forward(&mut model, batch, rank);
                         model

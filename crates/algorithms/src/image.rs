@@ -68,7 +68,7 @@ where
     ) -> flashover_core::Result<()> {
         let f = fraction(state);
         let mut rng = state.rng(T::NAME);
-        if let Some(batch) = state.batch.as_mut() {
+        if let Some(batch) = state.batch_mut()? {
             let x = inner_images(batch);
             set_inner_images(batch, self.0.transform(x, &mut rng, f));
         }

@@ -106,7 +106,7 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let (Some(batch), Some(out)) = (state.batch.as_mut(), state.outputs.as_ref()) else {
+        let (Some(batch), Some(out)) = state.batch_and_outputs_mut()? else {
             return Ok(());
         };
         if event == Event::BeforeLoss {

@@ -78,7 +78,7 @@ impl<S: Setup> Algorithm<S> for LayerFreezing {
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         // The fraction at the start of the current epoch, also when resuming mid-epoch.
-        let mut ts = state.timestamp.clone();
+        let mut ts = state.timestamp().clone();
         ts.batch -= ts.batch_in_epoch;
         ts.sample -= ts.sample_in_epoch;
         ts.token -= ts.token_in_epoch;

@@ -112,8 +112,8 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let half = norm_half::<S::Backend>(state.precision, &state.device)
-            .ok_or_else(|| unsupported::<K>(S::Backend::name(&state.device)))?;
+        let half = norm_half::<S::Backend>(state.precision(), state.device())
+            .ok_or_else(|| unsupported::<K>(S::Backend::name(state.device())))?;
         self.half = Some(half);
         let needs = Needs {
             algorithm: K::NAME,

@@ -147,15 +147,15 @@ impl<B: AutodiffBackend> PartnerTargets<B> {
     {
         match event {
             Event::BeforeForward => {
-                let ts = &state.timestamp;
+                let ts = state.timestamp();
                 let stream = self.calls.next(
                     self.algorithm,
                     ts.epoch,
                     ts.batch_in_epoch,
-                    state.batch_attempt,
+                    state.batch_attempt(),
                 );
                 let mut rng = state.rng(&stream);
-                let Some(batch) = state.batch.as_mut() else {
+                let Some(batch) = state.batch_mut()? else {
                     return Ok(());
                 };
                 let (mixed, weight, perm) = mix_images(&mut rng, inner_images(batch))?;
@@ -163,11 +163,10 @@ impl<B: AutodiffBackend> PartnerTargets<B> {
                 self.current = Some((weight, perm));
             }
             Event::BeforeLoss if !self.interpolate_loss => {
-                let (Some((w, perm)), Some(batch), Some(out)) = (
-                    self.current.as_ref(),
-                    state.batch.as_mut(),
-                    state.outputs.as_ref(),
-                ) else {
+                let (Some(batch), Some(out)) = state.batch_and_outputs_mut()? else {
+                    return Ok(());
+                };
+                let Some((w, perm)) = self.current.as_ref() else {
                     return Ok(());
                 };
                 let dist = target_distribution(batch, out)?;
@@ -178,9 +177,9 @@ impl<B: AutodiffBackend> PartnerTargets<B> {
                 if self.interpolate_loss {
                     let (Some((w, perm)), Some(batch), Some(out), Some(loss)) = (
                         self.current.as_ref(),
-                        state.batch.as_ref(),
-                        state.outputs.as_ref(),
-                        state.loss.take(),
+                        state.batch(),
+                        state.outputs(),
+                        state.loss().cloned(),
                     ) else {
                         return Ok(());
                     };
@@ -195,8 +194,11 @@ impl<B: AutodiffBackend> PartnerTargets<B> {
                         }
                         .into());
                     }
-                    state.loss = Some(loss.mul_scalar(1.0 - w) + other.mul_scalar(*w));
-                } else if let Some(batch) = state.batch.as_mut() {
+                    let mixed = loss.mul_scalar(1.0 - w) + other.mul_scalar(*w);
+                    if let Some(loss) = state.loss_mut()? {
+                        *loss = mixed;
+                    }
+                } else if let Some(batch) = state.batch_mut()? {
                     self.saved.restore(batch, self.algorithm)?;
                 }
                 self.current = None;

@@ -139,9 +139,9 @@ impl<S: Setup> Algorithm<S> for Sam {
 
     fn matches(&self, event: Event, state: &State<S>) -> bool {
         event == Event::AfterTrainBatch
-            && state.grads.is_some()
+            && state.grads().is_some()
             // `timestamp.batch` counts the batches before this one.
-            && is_sam_batch(state.timestamp.batch + 1, self.interval)
+            && is_sam_batch(state.timestamp().batch + 1, self.interval)
     }
 
     fn apply(
@@ -150,7 +150,7 @@ impl<S: Setup> Algorithm<S> for Sam {
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let (Some(grads), Some(batch)) = (state.grads.as_ref(), state.batch.as_ref()) else {
+        let (Some(grads), Some(batch)) = (state.grads(), state.batch()) else {
             return Ok(());
         };
         let scale = state.loss_scale();

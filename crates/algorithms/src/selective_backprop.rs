@@ -155,7 +155,7 @@ where
         event == Event::AfterDataloader
             && should_select(
                 fraction(state),
-                state.timestamp.batch_in_epoch,
+                state.timestamp().batch_in_epoch,
                 self.start,
                 self.end,
                 self.interrupt,
@@ -169,30 +169,23 @@ where
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let mut rng = state.rng("selective_backprop");
-        let Some(batch) = state.batch.take() else {
+        let Some(batch) = state.batch() else {
             return Ok(());
         };
         // Score with the model's own forward; the graph it records is dropped unused.
-        let out = state.model().forward(&batch);
+        let out = state.model().forward(batch);
         let logits = out.logits().clone().detach();
         drop(out);
-        let losses = per_sample_classification_loss(logits, &batch);
+        let losses = per_sample_classification_loss(logits, batch);
         let losses: Vec<f32> = losses
             .into_data()
             .iter::<f32>()
             .map(|v| v.elem::<f32>())
             .collect();
-        let losses = match sample_losses(&losses, batch.len()) {
-            Ok(l) => l,
-            Err(e) => {
-                state.batch = Some(batch);
-                return Err(e.into());
-            }
-        };
+        let losses = sample_losses(&losses, batch.len())?;
         let keep = select_by_loss(&losses, self.keep, &mut rng);
-        let idx = index_tensor::<S::Backend>(&keep, &state.device);
-        state.batch = Some(batch.select(idx));
-        Ok(())
+        let idx = index_tensor::<S::Backend>(&keep, state.device());
+        state.map_batch(|batch| Ok(batch.select(idx)))
     }
 }
 

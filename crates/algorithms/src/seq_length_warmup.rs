@@ -118,10 +118,8 @@ where
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
         let len = self.length(fraction(state));
-        if let Some(batch) = state.batch.take() {
-            state.batch = Some(shorten(batch, len, self.truncate));
-        }
-        Ok(())
+        let truncate = self.truncate;
+        state.map_batch(|batch| Ok(shorten(batch, len, truncate)))
     }
 }
 

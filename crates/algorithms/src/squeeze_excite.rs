@@ -140,7 +140,7 @@ where
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let seed = state.seed;
+        let seed = state.seed();
         self.applied.run(NEEDS, state, |model| {
             Ok(apply_squeeze_excite(model, &self.options, seed))
         })

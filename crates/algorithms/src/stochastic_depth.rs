@@ -201,15 +201,15 @@ pub(crate) struct DrawInputs {
 
 impl DrawInputs {
     pub(crate) fn of<S: Setup>(state: &State<S>) -> Self {
-        let ts = &state.timestamp;
+        let ts = state.timestamp();
         Self {
             epoch: ts.epoch,
             batch_in_epoch: ts.batch_in_epoch,
-            seed: state.seed,
+            seed: state.seed(),
             rank_seed: state.rng("stochastic_depth").next_u64(),
-            samples: state.batch.as_ref().map_or(0, Batch::len),
+            samples: state.batch().map_or(0, Batch::len),
             fraction: crate::util::fraction(state),
-            attempt: state.batch_attempt,
+            attempt: state.batch_attempt(),
         }
     }
 }

@@ -142,10 +142,10 @@ impl<B: AutodiffBackend> Swa<B> {
     }
 
     fn due<S: Setup>(&self, state: &State<S>) -> bool {
-        let ts = &state.timestamp;
+        let ts = state.timestamp();
         match self.cfg.update_interval {
             Time::Epoch(n) => {
-                ts.batch_in_epoch == state.batches_per_epoch && (ts.epoch + 1).is_multiple_of(n)
+                ts.batch_in_epoch == state.batches_per_epoch() && (ts.epoch + 1).is_multiple_of(n)
             }
             Time::Batch(n) => ts.batch.is_multiple_of(n),
             _ => false,
@@ -183,7 +183,7 @@ impl<S: Setup> Algorithm<S> for Swa<S::Backend> {
                 .ok_or_else(|| bad("no applied flag"))?;
             self.averaged = match &v["averaged"] {
                 Value::Null => None,
-                a => Some(ParamSet::from_json(a, &state.device, "swa")?),
+                a => Some(ParamSet::from_json(a, state.device(), "swa")?),
             };
         }
         let progress = state.progress();
@@ -195,19 +195,18 @@ impl<S: Setup> Algorithm<S> for Swa<S::Backend> {
             let ctx = ScheduleContext {
                 batch: start,
                 progress,
-                scale_schedule_ratio: state.scale_schedule_ratio,
+                scale_schedule_ratio: state.scale_schedule_ratio(),
             };
-            let from = state.base_lr * state.scheduler.factor(&ctx);
+            let from = state.base_lr() * state.scheduler().factor(&ctx);
             let to = self.cfg.swa_lr.unwrap_or(from);
-            let steps = state.timestamp.batch as f64 - start;
-            state.lr = swa_lr_at(
+            let steps = state.timestamp().batch as f64 - start;
+            return state.set_lr(swa_lr_at(
                 steps,
                 self.cfg.anneal_batches as f64,
                 from,
                 to,
                 self.cfg.anneal,
-            );
-            return Ok(());
+            ));
         }
         if fraction(state) >= self.cfg.swa_start && self.due(state) {
             let current = ParamSet::of_autodiff(state.model());

@@ -59,7 +59,7 @@ pub(crate) fn check_latent(
 
 /// Fraction of the run done at the current batch.
 pub(crate) fn fraction<S: Setup>(state: &State<S>) -> f64 {
-    state.progress().fraction(&state.timestamp)
+    state.progress().fraction(state.timestamp())
 }
 
 /// Counts an algorithm's calls within one batch, so that each microbatch draws from its own

@@ -8,10 +8,9 @@ use std::sync::{Arc, Mutex};
 
 use derive_new::new;
 
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::collective::Ranks;
 use flashover_core::error::Result;
-use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
@@ -197,28 +196,28 @@ impl<S: Setup> Callback<S> for TrainingPlot {
     }
 
     /// The folder is created and checked before the first batch.
-    fn init(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn init(&mut self, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
             check_writable_dir(dir).map_err(|e| CallbackError::io("training_plot", dir, e))?;
         }
         Ok(())
     }
 
-    fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
-        let x = state.timestamp.batch as f64;
+    fn batch_end(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
+        let x = state.timestamp().batch as f64;
         let mut p = self.points();
-        if let Some(l) = state.loss_value {
+        if let Some(l) = state.loss_value() {
             p.loss.push((x, l));
         }
-        p.lr.push((x, state.lr));
+        p.lr.push((x, state.lr()));
         Ok(())
     }
 
-    fn eval_after_all(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
-        let x = state.timestamp.batch as f64;
+    fn eval_after_all(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
+        let x = state.timestamp().batch as f64;
         let mut p = self.points();
-        for label in &state.evaluated {
-            if let Some(metrics) = state.eval_metrics.get(label) {
+        for label in state.evaluated() {
+            if let Some(metrics) = state.eval_metrics().get(label) {
                 for (name, v) in metrics {
                     p.eval
                         .entry(format!("{label}/{name}"))
@@ -231,7 +230,7 @@ impl<S: Setup> Callback<S> for TrainingPlot {
     }
 
     /// Draws (unless the caller draws), warning instead of failing when it cannot.
-    fn fit_end(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn fit_end(&mut self, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         if !self.deferred {
             self.draw_or_warn();
         }

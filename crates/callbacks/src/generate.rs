@@ -10,7 +10,7 @@
 //! the same weights, so the samples of a resumed run equal those of an uninterrupted one.
 //! Only the main process generates; nothing in training changes.
 
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::collective::Ranks;
 use flashover_core::error::{CoreError, Result};
 use flashover_core::logger::Logger;
@@ -84,24 +84,24 @@ impl<S: Setup> Callback<S> for Generate<S::Model> {
         Ranks::Main
     }
 
-    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
-        let ts = state.timestamp.clone();
+    fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        let ts = state.timestamp().clone();
         if due(
             self.every,
             ts.batch,
             ts.epoch,
             ts.batch_in_epoch,
-            state.batches_per_epoch,
+            state.batches_per_epoch(),
         ) {
-            self.run(state.model(), ts.batch, logger, &ts)?;
+            self.run(state.model(), ts.batch, ctl.logger(), &ts)?;
         }
         Ok(())
     }
 
-    fn fit_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
-        let ts = state.timestamp.clone();
+    fn fit_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        let ts = state.timestamp().clone();
         if self.last != Some(ts.batch) && ts.batch > 0 {
-            self.run(state.model(), ts.batch, logger, &ts)?;
+            self.run(state.model(), ts.batch, ctl.logger(), &ts)?;
         }
         Ok(())
     }

@@ -17,11 +17,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::collective::Ranks;
 use flashover_core::error::Result;
 use flashover_core::event::Event;
-use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use serde_json::{json, Value};
@@ -298,12 +297,7 @@ impl<S: Setup> Callback<S> for Profiler {
         "profiler"
     }
 
-    fn run_event(
-        &mut self,
-        event: Event,
-        state: &mut State<S>,
-        _logger: &mut Logger,
-    ) -> Result<()> {
+    fn run_event(&mut self, event: Event, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         if event == Event::FitEnd {
             self.write()?;
             return Ok(());
@@ -311,7 +305,7 @@ impl<S: Setup> Callback<S> for Profiler {
         if event.is_predict() {
             return Ok(());
         }
-        self.on_event(event, state.timestamp.batch)?;
+        self.on_event(event, state.timestamp().batch)?;
         Ok(())
     }
 }

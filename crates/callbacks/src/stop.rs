@@ -4,9 +4,8 @@
 //! them a run's metric. [`StopAt`] stops at a fixed time.
 
 use derive_new::new;
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::error::Result;
-use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::{Time, TimeUnit};
@@ -349,17 +348,17 @@ impl MetricStopper {
         &self.metric
     }
 
-    fn observe<S: Setup>(&mut self, value: f64, state: &mut State<S>) {
+    fn observe<S: Setup>(&mut self, value: f64, state: &State<S>, ctl: &mut Control<'_>) {
         let decision = match &mut self.policy {
             Policy::Early(p) => {
-                let now = state.progress().elapsed(&state.timestamp, p.unit());
+                let now = state.progress().elapsed(state.timestamp(), p.unit());
                 p.observe(value, now)
             }
             Policy::Threshold(p) => p.observe(value),
         };
         if let Decision::Stop(reason) = decision {
-            if state.stop_requested().is_none() {
-                state.request_stop(format!("{}: {reason}", self.metric));
+            if state.stop_requested().is_none() && ctl.stop_requested().is_none() {
+                ctl.request_stop(format!("{}: {reason}", self.metric));
             }
         }
     }
@@ -390,44 +389,44 @@ impl<S: Setup> Callback<S> for MetricStopper {
         self.name_str()
     }
 
-    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn fit_start(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         if let Policy::Early(p) = &self.policy {
             state.check_countable("early_stopping patience", p.patience)?;
         }
         Ok(())
     }
 
-    fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
         if self.metric == "train/loss" {
-            if let Some(loss) = state.loss_value {
-                self.observe(loss, state);
+            if let Some(loss) = state.loss_value() {
+                self.observe(loss, state, ctl);
             }
         }
         Ok(())
     }
 
-    fn eval_after_all(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn eval_after_all(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
         let Some((label, metric)) = self.metric.split_once('/') else {
             return Ok(());
         };
-        if label == "train" || !state.evaluated.iter().any(|l| l == label) {
+        if label == "train" || !state.evaluated().iter().any(|l| l == label) {
             return Ok(());
         }
         let value = state
-            .eval_metrics
+            .eval_metrics()
             .get(label)
             .and_then(|m| m.get(metric))
             .copied();
         match value {
             Some(v) => {
-                self.observe(v, state);
+                self.observe(v, state, ctl);
                 Ok(())
             }
             None => {
                 let available: Vec<String> = std::iter::once("train/loss".to_string())
                     .chain(
                         state
-                            .eval_metrics
+                            .eval_metrics()
                             .iter()
                             .flat_map(|(l, m)| m.keys().map(move |k| format!("{l}/{k}"))),
                     )
@@ -481,19 +480,19 @@ impl StopAt {
         self.at
     }
 
-    fn check<S: Setup>(&self, state: &mut State<S>) {
+    fn check<S: Setup>(&self, state: &State<S>, ctl: &mut Control<'_>) {
         let reached = match self.at {
-            Time::Wall(at) => state.timestamp.run_wall_time >= at,
+            Time::Wall(at) => state.timestamp().run_wall_time >= at,
             _ if self.at.unit() == TimeUnit::Duration => {
-                state.progress().fraction(&state.timestamp) >= self.at.value()
+                state.progress().fraction(state.timestamp()) >= self.at.value()
             }
             _ => state
-                .timestamp
+                .timestamp()
                 .count(self.at.unit())
                 .is_some_and(|c| c as f64 >= self.at.value()),
         };
-        if reached && state.stop_requested().is_none() {
-            state.request_stop(format!("reached {}", self.at));
+        if reached && state.stop_requested().is_none() && ctl.stop_requested().is_none() {
+            ctl.request_stop(format!("reached {}", self.at));
         }
     }
 }
@@ -503,17 +502,17 @@ impl<S: Setup> Callback<S> for StopAt {
         "stop_at"
     }
 
-    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn fit_start(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         state.check_countable("stop_at", self.at)
     }
 
-    fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
-        self.check(state);
+    fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        self.check(state, ctl);
         Ok(())
     }
 
-    fn epoch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
-        self.check(state);
+    fn epoch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        self.check(state, ctl);
         Ok(())
     }
 }

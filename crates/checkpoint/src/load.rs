@@ -10,9 +10,8 @@ use burn::optim::Optimizer;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use derive_new::new;
 use flashover_core::error::Result as CoreResult;
-use flashover_core::restore::Restore;
+use flashover_core::restore::{Restore, Restoring};
 use flashover_core::setup::Setup;
-use flashover_core::state::State;
 use serde_json::Value;
 
 use crate::error::CheckpointError;
@@ -53,7 +52,7 @@ impl CheckpointRestore {
 
     fn restore_into<S: Setup>(
         &self,
-        state: &mut State<S>,
+        state: &mut Restoring<'_, S>,
     ) -> Result<Option<BTreeMap<String, Value>>, CheckpointError> {
         // `ck/latest` (the pointer) and `ck` (the save folder) mean the checkpoint it names.
         let dir = &crate::format::resolve_checkpoint(&self.dir);
@@ -114,10 +113,10 @@ impl CheckpointRestore {
         // A resumed run keeps its seed: the data order (the loaders' samplers, built before
         // the restore from the configured seed) and every algorithm's draws follow it, so
         // another seed cannot be honoured half-way; refusing is the only exact answer.
-        if saved.seed != state.seed {
+        if saved.seed != state.seed() {
             return Err(CheckpointError::Config {
                 name: "seed",
-                value: state.seed.to_string(),
+                value: state.seed().to_string(),
                 expected: format!(
                     "the seed {} that {} was trained with (a resumed run keeps its seed: data order, augmentations and dropout follow it); to train on from these weights with another seed, load them as weights only (`--load <checkpoint> --weights-only`) and start a new run",
                     saved.seed,
@@ -130,15 +129,15 @@ impl CheckpointRestore {
         // samples. At an epoch boundary nothing of the epoch is lost, so it may change there.
         let k = saved.timestamp.batch_in_epoch;
         if let (Some(was), Some(was_batches)) = (saved.global_batch_size, saved.batches_per_epoch) {
-            let now = state.global_batch_size;
-            let now_batches = state.batches_per_epoch;
+            let now = state.global_batch_size();
+            let now_batches = state.batches_per_epoch();
             if k > 0 && (was != now || was_batches != now_batches) {
                 return Err(CheckpointError::Config {
                     name: "batch_size",
                     value: format!(
                         "{now} (global; {now_batches} batches an epoch, {} per process x {} processes)",
-                        now / (state.world.size.max(1) as u64),
-                        state.world.size
+                        now / (state.world().size.max(1) as u64),
+                        state.world().size
                     ),
                     expected: format!(
                         "the global batch size {was} ({was_batches} batches an epoch) of {}, which was saved {k} batches into an epoch: resuming inside an epoch at another batch size or on other data would replay or skip samples. Resume with --batch-size {was} (with several processes, a number of them that divides {was}) on the same data, or start a new run from its weights (`--load <checkpoint> --weights-only`)",
@@ -147,7 +146,7 @@ impl CheckpointRestore {
                 });
             }
         }
-        if saved.world_size != state.world.size {
+        if saved.world_size != state.world().size {
             // Elastic resumption: the timestamp counts the whole data-parallel batch, and a
             // run that keeps its global batch (each rank reading global / world) reads the
             // same samples at batch k of an epoch at any world size, so the run continues
@@ -155,7 +154,7 @@ impl CheckpointRestore {
             tracing::info!(
                 checkpoint = %dir.display(),
                 saved_world_size = saved.world_size,
-                world_size = state.world.size,
+                world_size = state.world().size,
                 "resuming on another number of ranks: the global batch size must be the same as when the checkpoint was saved"
             );
         }
@@ -177,40 +176,42 @@ impl CheckpointRestore {
         let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
         let record = Recorder::<S::Backend>::load::<
             <S::Optimizer as Optimizer<S::Model, S::Backend>>::Record,
-        >(&recorder, bytes, &state.device)
+        >(&recorder, bytes, state.device())
         .map_err(|e| CheckpointError::Format {
             path: optimizer_path,
             message: e.to_string(),
         })?;
-        state.optimizer = state.optimizer.clone().load_record(record);
+        let optimizer = state.optimizer().clone().load_record(record);
+        state.set_optimizer(optimizer);
 
-        let scheduler = state.scheduler.describe();
+        let scheduler = state.scheduler().describe();
         if saved.scheduler != scheduler {
             tracing::warn!(saved = %saved.scheduler, configured = %scheduler, "the learning-rate schedule differs from the saved run's");
         }
-        state.seed = saved.seed;
-        state.timestamp = saved.timestamp.clone();
-        state.skipped_batches = saved.skipped_batches;
-        // Used only by a run with automatic microbatching.
-        state.auto_microbatch_size = saved.auto_microbatch_size;
+        // The microbatch size is used only by a run with automatic microbatching.
+        state.set_position(
+            saved.seed,
+            saved.timestamp.clone(),
+            saved.skipped_batches,
+            saved.auto_microbatch_size,
+        );
         // Another precision: the builder converts the weights to this run's type after the
         // restore; a loss scaler carries over between the float16 precisions and starts
         // afresh otherwise.
-        if saved.precision != state.precision {
+        if saved.precision != state.precision() {
             tracing::info!(
                 saved = %saved.precision,
-                configured = %state.precision,
+                configured = %state.precision(),
                 "resuming in another precision: the weights are converted (the run is no longer bit-exact against an uninterrupted one)"
             );
         }
-        if let (Some(scaler), Some(saved)) = (state.loss_scaler.as_mut(), saved.loss_scaler) {
+        if let (Some(scaler), Some(saved)) = (state.loss_scaler_mut(), saved.loss_scaler) {
             // The run's settings, the saved progress.
             scaler.scale = saved.scale;
             scaler.clean_steps = saved.clean_steps;
             scaler.skipped_steps = saved.skipped_steps;
         }
-        state.last_eval_batch = saved.last_eval_batch;
-        state.eval_metrics = saved
+        let eval_metrics = saved
             .eval_metrics
             .iter()
             .map(|(k, m)| {
@@ -222,7 +223,8 @@ impl CheckpointRestore {
                 )
             })
             .collect();
-        tracing::info!(checkpoint = %dir.display(), at = %state.timestamp, "resumed");
+        state.set_eval_history(saved.last_eval_batch, eval_metrics);
+        tracing::info!(checkpoint = %dir.display(), at = %state.timestamp(), "resumed");
         Ok(Some(saved.components))
     }
 }
@@ -230,7 +232,7 @@ impl CheckpointRestore {
 impl<S: Setup> Restore<S> for CheckpointRestore {
     fn restore(
         self: Box<Self>,
-        state: &mut State<S>,
+        state: &mut Restoring<'_, S>,
     ) -> CoreResult<Option<BTreeMap<String, Value>>> {
         self.restore_into(state)
             .map_err(CheckpointError::in_restore)

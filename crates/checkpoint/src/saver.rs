@@ -14,11 +14,10 @@ use std::thread::JoinHandle;
 
 use burn::optim::Optimizer;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::collective::Ranks;
 use flashover_core::error::Result as CoreResult;
 use flashover_core::event::Event;
-use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::{Time, TimeUnit, Timestamp};
@@ -406,10 +405,10 @@ impl Saver {
 
     fn due<S: Setup>(&mut self, event: Event, state: &State<S>) -> bool {
         match &mut self.interval {
-            SaveInterval::Custom(f) => f(&state.timestamp, event),
+            SaveInterval::Custom(f) => f(state.timestamp(), event),
             SaveInterval::Every(t) => match (t.unit(), event) {
                 (TimeUnit::Epoch, Event::EpochCheckpoint) => {
-                    state.timestamp.epoch.is_multiple_of(t.value() as u64)
+                    state.timestamp().epoch.is_multiple_of(t.value() as u64)
                 }
                 (TimeUnit::Epoch, _) | (_, Event::EpochCheckpoint) => false,
                 (unit, _) => {
@@ -419,15 +418,15 @@ impl Saver {
                     let p = state.progress();
                     let crossings =
                         |ts: &Timestamp| (p.elapsed(ts, unit) / t.value() + 1e-9).floor();
-                    crossings(&state.timestamp) > crossings(before)
+                    crossings(state.timestamp()) > crossings(before)
                 }
             },
         }
     }
 
     fn save<S: Setup>(&mut self, state: &State<S>) -> Result<(), CheckpointError> {
-        let ts = &state.timestamp;
-        let name = render_name(&self.config.name_template, ts, state.world.rank)?;
+        let ts = state.timestamp();
+        let name = render_name(&self.config.name_template, ts, state.world().rank)?;
         let mut files: Vec<(&'static str, Vec<u8>)> = vec![(
             MODEL,
             weights_to_bytes::<S::Backend, S::Model>(state.model())?,
@@ -435,7 +434,7 @@ impl Saver {
         if !self.config.weights_only {
             let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
             let optimizer =
-                Recorder::<S::Backend>::record(&recorder, state.optimizer.to_record(), ())
+                Recorder::<S::Backend>::record(&recorder, state.optimizer().to_record(), ())
                     .map_err(|e| CheckpointError::Format {
                         path: self.config.folder.join(&name).join(OPTIMIZER),
                         message: e.to_string(),
@@ -503,7 +502,7 @@ impl<S: Setup> Callback<S> for Saver {
     /// Before anything trains: the interval must be reachable, and the folder is created and
     /// locked for this process (one writer per folder; a folder that cannot be written fails
     /// here, not at the first save).
-    fn init(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
+    fn init(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
         if let SaveInterval::Every(t) = &self.interval {
             state.check_countable("save_interval", *t)?;
         }
@@ -516,11 +515,11 @@ impl<S: Setup> Callback<S> for Saver {
     /// Before the first batch, once a checkpoint (if any) is restored: the folder may hold
     /// only checkpoints this run continues (see [`conflicting_checkpoints`]), unless
     /// overwriting is on.
-    fn after_load(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
+    fn after_load(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
         if self.config.overwrite {
             return Ok(());
         }
-        let start = state.timestamp.batch;
+        let start = state.timestamp().batch;
         let found = conflicting_checkpoints(&list_checkpoints(&self.config.folder), start);
         if found.is_empty() {
             return Ok(());
@@ -536,21 +535,22 @@ impl<S: Setup> Callback<S> for Saver {
         .in_saver())
     }
 
-    fn batch_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
-        self.before = Some(state.timestamp.clone());
+    fn batch_start(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
+        self.before = Some(state.timestamp().clone());
         Ok(())
     }
 
-    fn batch_checkpoint(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
-        if self.due(Event::BatchCheckpoint, state) {
+    fn batch_checkpoint(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
+        // A callback may ask for a checkpoint at this batch (`Control::request_checkpoint`).
+        if self.due(Event::BatchCheckpoint, state) || state.checkpoint_requested() {
             self.save(state).map_err(CheckpointError::in_saver)?;
         }
         Ok(())
     }
 
-    fn epoch_checkpoint(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
-        if self.due(Event::EpochCheckpoint, state)
-            && self.last_saved_batch != Some(state.timestamp.batch)
+    fn epoch_checkpoint(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
+        if (self.due(Event::EpochCheckpoint, state) || state.checkpoint_requested())
+            && self.last_saved_batch != Some(state.timestamp().batch)
         {
             self.save(state).map_err(CheckpointError::in_saver)?;
         }
@@ -559,8 +559,8 @@ impl<S: Setup> Callback<S> for Saver {
 
     /// The state at the end of every fit is saved (unless it already was), so a run that was
     /// stopped early resumes from where it stopped; then background writes are awaited.
-    fn fit_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> CoreResult<()> {
-        if self.last_saved_batch != Some(state.timestamp.batch) {
+    fn fit_end(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
+        if self.last_saved_batch != Some(state.timestamp().batch) {
             self.save(state).map_err(CheckpointError::in_saver)?;
         }
         if let Some(w) = &mut self.writer {

@@ -98,29 +98,29 @@ impl TrainerStateFile {
 
     /// Takes everything but weights and optimizer moments from a live state.
     pub fn from_state<S: Setup>(state: &State<S>) -> Self {
-        let ts = state.timestamp.clone();
+        let ts = state.timestamp().clone();
         TrainerStateFile {
             sampler: SamplerPosition {
                 epoch: ts.epoch,
                 batch_in_epoch: ts.batch_in_epoch,
             },
             timestamp: ts,
-            seed: state.seed,
-            rank: state.world.rank,
-            world_size: state.world.size,
-            base_lr: state.base_lr,
-            lr: state.lr,
-            max_duration: state.max_duration.to_string(),
-            scheduler: state.scheduler.describe(),
-            skipped_batches: state.skipped_batches,
-            precision: state.precision,
-            loss_scaler: state.loss_scaler,
-            auto_microbatch_size: state.auto_microbatch_size,
-            global_batch_size: Some(state.global_batch_size),
-            batches_per_epoch: Some(state.batches_per_epoch),
-            last_eval_batch: state.last_eval_batch,
+            seed: state.seed(),
+            rank: state.world().rank,
+            world_size: state.world().size,
+            base_lr: state.base_lr(),
+            lr: state.lr(),
+            max_duration: state.max_duration().to_string(),
+            scheduler: state.scheduler().describe(),
+            skipped_batches: state.skipped_batches(),
+            precision: state.precision(),
+            loss_scaler: state.loss_scaler().copied(),
+            auto_microbatch_size: state.auto_microbatch_size(),
+            global_batch_size: Some(state.global_batch_size()),
+            batches_per_epoch: Some(state.batches_per_epoch()),
+            last_eval_batch: state.last_eval_batch(),
             eval_metrics: state
-                .eval_metrics
+                .eval_metrics()
                 .iter()
                 .map(|(k, m)| {
                     (
@@ -132,7 +132,7 @@ impl TrainerStateFile {
                 })
                 .collect(),
             param_ids: crate::weights::param_ids::<S::Backend, S::Model>(state.model()),
-            components: state.component_states.clone(),
+            components: state.component_states().clone(),
         }
     }
 }

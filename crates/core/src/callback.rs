@@ -1,8 +1,10 @@
 //! The [`Callback`] and [`Algorithm`] traits: the two ways user code hooks into training.
 //!
-//! An algorithm changes training (the batch, the loss, the gradients, the model); a callback
-//! watches it and may ask it to stop. Both are run by the [`Engine`](crate::engine::Engine) in
-//! the order the design fixes. This module holds the contracts only.
+//! An algorithm changes training (the batch, the loss, the gradients, the model, each in the
+//! window of events [`State`]'s mutators allow); a callback watches it: it reads the state
+//! and acts only through its [`Control`] (log, ask the run to stop, ask for a checkpoint).
+//! Both are run by the [`Engine`](crate::engine::Engine) in the order the design fixes. This
+//! module holds the contracts only.
 
 use serde_json::Value;
 
@@ -27,8 +29,11 @@ macro_rules! define_callback {
         /// # Errors and stopping
         /// An `Err` from any method stops training at once and is returned from `fit` (or
         /// `eval`, `predict`); later callbacks do not see that event. To stop *cleanly*, call
-        /// [`State::request_stop`]: the trainer finishes the current batch (running its
+        /// [`Control::request_stop`]: the trainer finishes the current batch (running its
         /// `BATCH_END` and `BATCH_CHECKPOINT`), then runs `FIT_END`.
+        ///
+        /// A callback sees the state read-only: what it may do to the run is what its
+        /// [`Control`] offers.
         ///
         /// ```
         /// use flashover_core::prelude::*;
@@ -39,9 +44,9 @@ macro_rules! define_callback {
         ///
         /// impl<S: Setup> Callback<S> for StopAfter {
         ///     fn name(&self) -> &str { "stop_after" }
-        ///     fn batch_end(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<(), CoreError> {
-        ///         if state.timestamp.batch >= self.0 {
-        ///             state.request_stop(format!("{} batches done", self.0));
+        ///     fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<(), CoreError> {
+        ///         if state.timestamp().batch >= self.0 {
+        ///             ctl.request_stop(format!("{} batches done", self.0));
         ///         }
         ///         Ok(())
         ///     }
@@ -63,16 +68,16 @@ macro_rules! define_callback {
 
             $(
                 #[doc = concat!("Called at `", $name, "`.")]
-                fn $method(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
-                    let _ = (state, logger);
+                fn $method(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+                    let _ = (state, ctl);
                     Ok(())
                 }
             )*
 
             /// Dispatches `event` to its method.
-            fn run_event(&mut self, event: Event, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
+            fn run_event(&mut self, event: Event, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
                 match event {
-                    $(Event::$variant => self.$method(state, logger),)*
+                    $(Event::$variant => self.$method(state, ctl),)*
                 }
             }
 
@@ -108,6 +113,67 @@ macro_rules! define_callback {
 
 crate::for_each_event!(define_callback);
 
+/// What a callback may do to the run it watches, beside reading its [`State`]: log, ask the
+/// run to stop after the current batch, and ask for a checkpoint at it. The engine applies
+/// the requests after the callback returns, so the callbacks after it see them.
+///
+/// Nothing else: a callback that tries to change the run does not compile.
+///
+/// ```compile_fail
+/// use flashover_core::prelude::*;
+///
+/// struct Meddle;
+///
+/// impl<S: Setup> Callback<S> for Meddle {
+///     fn name(&self) -> &str { "meddle" }
+///     fn batch_start(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<(), CoreError> {
+///         state.set_lr(0.0) // the state is read-only here: an algorithm's job
+///     }
+/// }
+/// ```
+pub struct Control<'a> {
+    logger: &'a mut Logger,
+    pub(crate) stop: Option<String>,
+    pub(crate) checkpoint: bool,
+}
+
+impl<'a> Control<'a> {
+    /// A control that logs to `logger` (the engine makes one per callback and event; a test
+    /// may make one to call a callback directly).
+    pub fn new(logger: &'a mut Logger) -> Self {
+        Self {
+            logger,
+            stop: None,
+            checkpoint: false,
+        }
+    }
+
+    /// The run's loggers.
+    pub fn logger(&mut self) -> &mut Logger {
+        self.logger
+    }
+
+    /// Asks the trainer to stop after the current batch; `reason` is logged and returned in
+    /// the fit report. The first request of a batch wins.
+    pub fn request_stop(&mut self, reason: impl Into<String>) {
+        if self.stop.is_none() {
+            self.stop = Some(reason.into());
+        }
+    }
+
+    /// Asks for a checkpoint at the end of the current batch: a checkpoint saver saves at
+    /// this batch's `BATCH_CHECKPOINT` whatever its interval says
+    /// ([`State::checkpoint_requested`]).
+    pub fn request_checkpoint(&mut self) {
+        self.checkpoint = true;
+    }
+
+    /// The stop this control asked for, if any.
+    pub fn stop_requested(&self) -> Option<&str> {
+        self.stop.as_deref()
+    }
+}
+
 /// A speed-up method that changes training at chosen events.
 ///
 /// The engine asks `matches` at each event and calls `apply` when it is true. At `AFTER_*`
@@ -126,11 +192,10 @@ crate::for_each_event!(define_callback);
 /// impl<S: Setup> Algorithm<S> for SkipOdd {
 ///     fn name(&self) -> &str { "skip_odd" }
 ///     fn matches(&self, event: Event, state: &State<S>) -> bool {
-///         event == Event::BatchStart && state.timestamp.batch % 2 == 1
+///         event == Event::BatchStart && state.timestamp().batch % 2 == 1
 ///     }
 ///     fn apply(&mut self, _event: Event, state: &mut State<S>, _logger: &mut Logger) -> Result<(), CoreError> {
-///         state.lr = 0.0;
-///         Ok(())
+///         state.set_lr(0.0)
 ///     }
 /// }
 ///

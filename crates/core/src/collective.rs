@@ -45,10 +45,10 @@ use std::time::Duration;
 use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
-use crate::callback::Callback;
+use crate::callback::{Callback, Control};
 use crate::error::{CoreError, Result};
 use crate::event::Event;
-use crate::logger::{Logger, LoggerDestination};
+use crate::logger::LoggerDestination;
 use crate::params::{flatten_grads, flatten_params, grad_ids, load_flat_params, unflatten_grads};
 use crate::setup::{InnerBackendOf, Setup};
 use crate::state::{State, World};
@@ -299,8 +299,8 @@ impl<S: Setup, T: Callback<S>> Callback<S> for OnEveryRank<T> {
     fn name(&self) -> &str {
         self.0.name()
     }
-    fn run_event(&mut self, event: Event, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
-        self.0.run_event(event, state, logger)
+    fn run_event(&mut self, event: Event, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        self.0.run_event(event, state, ctl)
     }
     fn needs_component_states(&self) -> bool {
         self.0.needs_component_states()

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde_json::Value;
 
-use crate::callback::{Algorithm, Callback};
+use crate::callback::{Algorithm, Callback, Control};
 use crate::error::{CoreError, Result};
 use crate::event::Event;
 use crate::logger::Logger;
@@ -131,6 +131,13 @@ impl<S: Setup> Engine<S> {
     }
 
     fn run_all(&mut self, event: Event, state: &mut State<S>) -> Result<()> {
+        state.event = Some(event);
+        let result = self.run_components(event, state);
+        state.event = None;
+        result
+    }
+
+    fn run_components(&mut self, event: Event, state: &mut State<S>) -> Result<()> {
         if event == Event::Init {
             self.logger
                 .run_event(event, &state.timestamp, &state.progress())?;
@@ -164,7 +171,9 @@ impl<S: Setup> Engine<S> {
             .zip(&self.active)
             .filter(|(_, &on)| on)
         {
-            c.run_event(event, state, &mut self.logger)?;
+            let mut control = Control::new(&mut self.logger);
+            c.run_event(event, state, &mut control)?;
+            state.take_requests(&mut control);
         }
         if event != Event::Init {
             self.logger

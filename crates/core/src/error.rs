@@ -153,6 +153,17 @@ pub enum CoreError {
         component: String,
     },
 
+    /// An algorithm changed a part of the state outside the events at which it may change.
+    #[error("{what} may be changed {window}, not at {event}")]
+    OutsideWindow {
+        /// What was to be changed (`the batch`).
+        what: &'static str,
+        /// The event being run (`no event` outside one).
+        event: &'static str,
+        /// The events at which it may, in words.
+        window: &'static str,
+    },
+
     /// A restored position does not fit the training data.
     #[error("restored position {at} does not fit this run: {reason}")]
     RestoredPosition {

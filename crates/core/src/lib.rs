@@ -36,7 +36,7 @@ pub use error::{CoreError, Result};
 
 /// The names most programs need.
 pub mod prelude {
-    pub use crate::callback::{Algorithm, Callback};
+    pub use crate::callback::{Algorithm, Callback, Control};
     pub use crate::collective::{Collective, OnEveryRank, Ranks};
     pub use crate::data::{BatchSource, DataLoader, Dataset, InMemoryDataset, Sampler};
     pub use crate::error::CoreError;

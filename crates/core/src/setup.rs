@@ -15,7 +15,7 @@
 //!
 //! impl<S: Setup> Callback<S> for CountSteps {
 //!     fn name(&self) -> &str { "count_steps" }
-//!     fn batch_end(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<(), CoreError> {
+//!     fn batch_end(&mut self, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<(), CoreError> {
 //!         self.0 += 1;
 //!         Ok(())
 //!     }
@@ -42,7 +42,7 @@
 //!         event == Event::AfterDataloader
 //!     }
 //!     fn apply(&mut self, _event: Event, state: &mut State<S>, _logger: &mut Logger) -> Result<(), CoreError> {
-//!         if let Some(batch) = state.batch.as_mut() {
+//!         if let Some(batch) = state.batch_mut()? {
 //!             let inverted = batch.images().clone().neg();
 //!             batch.set_images(inverted);
 //!         }

@@ -8,11 +8,12 @@ use std::collections::BTreeMap;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
+use crate::callback::Control;
 use crate::collective::{Collective, GlobalStep, LocalStep};
 use crate::error::{CoreError, Result};
+use crate::event::Event;
 use crate::model::Batch;
 use crate::precision::{LossScaler, Precision};
-
 use crate::rng::{derive_seed, Rng};
 use crate::schedule::LrSchedule;
 use crate::setup::{BatchOf, DeviceOf, OutputOf, Setup};
@@ -62,78 +63,88 @@ pub fn check_countable(name: &'static str, t: Time, counts_tokens: bool) -> Resu
 }
 
 /// Everything a training run knows at a given event.
+///
+/// Everything can be read, through the methods of the same names. What may be changed, and
+/// when, is said by the mutators: an algorithm changes the batch from `AFTER_DATALOADER`
+/// to `AFTER_LOSS` ([`State::batch_mut`]), the loss at `AFTER_LOSS` and `BEFORE_BACKWARD`
+/// ([`State::loss_mut`]), the gradients at `AFTER_BACKWARD` and `AFTER_TRAIN_BATCH`
+/// ([`State::grads_mut`]), the learning rate from `BATCH_START` to `AFTER_TRAIN_BATCH`
+/// ([`State::set_lr`]) and the model at any event ([`State::map_model`]); a call outside its
+/// window is an error naming the window. Callbacks see the state read-only and act through
+/// their [`Control`] (stop, log, ask for a checkpoint); a [`Restore`](crate::restore::Restore)
+/// puts a checkpoint's position in through [`Restoring`](crate::restore::Restoring).
 pub struct State<S: Setup> {
     pub(crate) model: Option<S::Model>,
     /// The optimizer (its moments are part of the state a checkpoint saves).
-    pub optimizer: S::Optimizer,
+    pub(crate) optimizer: S::Optimizer,
     /// The learning-rate schedule: a pure function of time, multiplied into `base_lr`.
-    pub scheduler: Box<dyn LrSchedule>,
+    pub(crate) scheduler: Box<dyn LrSchedule>,
     /// Learning rate at scale factor 1.
-    pub base_lr: f64,
+    pub(crate) base_lr: f64,
     /// Learning rate for the current batch (set at `BATCH_START`).
-    pub lr: f64,
+    pub(crate) lr: f64,
     /// Where the run stands.
-    pub timestamp: Timestamp,
+    pub(crate) timestamp: Timestamp,
     /// The run's length (after the scale-schedule ratio).
-    pub max_duration: Time,
+    pub(crate) max_duration: Time,
     /// Multiplier applied to `max_duration` and to schedule milestones.
-    pub scale_schedule_ratio: f64,
+    pub(crate) scale_schedule_ratio: f64,
     /// Batches in one training epoch.
-    pub batches_per_epoch: u64,
+    pub(crate) batches_per_epoch: u64,
     /// Samples in one training epoch (for this rank).
-    pub samples_per_epoch: u64,
+    pub(crate) samples_per_epoch: u64,
     /// Samples in a full training batch over the ranks whose batches the timestamp counts
     /// (the loader's batch size times the world size of a data-parallel run): a checkpoint
     /// taken inside an epoch resumes only at the same global batch.
-    pub global_batch_size: u64,
+    pub(crate) global_batch_size: u64,
     /// The current batch: the full batch from `AFTER_DATALOADER` to `BATCH_END`, except between
     /// `BEFORE_FORWARD` and `AFTER_BACKWARD`, where it is the current microbatch.
-    pub batch: Option<BatchOf<S>>,
+    pub(crate) batch: Option<BatchOf<S>>,
     /// Output of the model on the current microbatch (`AFTER_FORWARD` to `AFTER_BACKWARD`).
-    pub outputs: Option<OutputOf<S>>,
+    pub(crate) outputs: Option<OutputOf<S>>,
     /// Loss of the current microbatch (`AFTER_LOSS` to `BEFORE_BACKWARD`), unscaled.
-    pub loss: Option<Tensor<S::Backend, 1>>,
+    pub(crate) loss: Option<Tensor<S::Backend, 1>>,
     /// Loss of the last full batch, read back to the host (set before `AFTER_TRAIN_BATCH`);
     /// in a data-parallel run, the mean over every rank's batch.
-    pub loss_value: Option<f64>,
+    pub(crate) loss_value: Option<f64>,
     /// Gradients: of the current microbatch at `AFTER_BACKWARD`, of the whole batch at
     /// `AFTER_TRAIN_BATCH` (where clipping may rewrite them); consumed by the optimizer step.
     /// In a data-parallel run they are already averaged over every rank at
     /// `AFTER_TRAIN_BATCH` (see [`Collective`](crate::collective::Collective)).
-    pub grads: Option<GradientsParams>,
+    pub(crate) grads: Option<GradientsParams>,
     /// Latest evaluation results: evaluator label, then metric name, then value.
-    pub eval_metrics: BTreeMap<String, BTreeMap<String, f64>>,
+    pub(crate) eval_metrics: BTreeMap<String, BTreeMap<String, f64>>,
     /// Value of `timestamp.batch` at the last evaluation, if any ran.
-    pub last_eval_batch: Option<u64>,
+    pub(crate) last_eval_batch: Option<u64>,
     /// Labels of the evaluators that ran in the current (or last) round of `EVAL_*` events,
     /// in order: their entries in `eval_metrics` are fresh, the others' are older.
-    pub evaluated: Vec<String>,
+    pub(crate) evaluated: Vec<String>,
     /// Saved states of every algorithm and callback, keyed `algorithm/<name>` and
     /// `callback/<name>`; filled by the engine just before `BATCH_CHECKPOINT`,
     /// `EPOCH_CHECKPOINT` and `FIT_END` when a callback asks for them
     /// (`Callback::needs_component_states`), so that a checkpoint saver can store them.
-    pub component_states: BTreeMap<String, serde_json::Value>,
+    pub(crate) component_states: BTreeMap<String, serde_json::Value>,
     /// Batches whose loss was not finite and were skipped (when skipping is enabled).
-    pub skipped_batches: u64,
+    pub(crate) skipped_batches: u64,
     /// The run's floating-point setup (see [`crate::precision`]); saved in checkpoints.
-    pub precision: Precision,
+    pub(crate) precision: Precision,
     /// Dynamic loss scaling (runs in float16 only); its state is saved in checkpoints.
-    pub loss_scaler: Option<LossScaler>,
+    pub(crate) loss_scaler: Option<LossScaler>,
     /// The microbatch size automatic microbatching has settled on after running out of
     /// memory (`None`: not automatic, or not needed yet: the configured size); saved in
     /// checkpoints, so that a resumed run continues at it.
-    pub auto_microbatch_size: Option<usize>,
+    pub(crate) auto_microbatch_size: Option<usize>,
     /// Which attempt at the current batch this is: 0, or more when automatic microbatching
     /// retried the batch in smaller microbatches. Algorithms that count their random draws
     /// within a batch start counting again with each attempt, so that a retried batch draws
     /// what a run started at the smaller size draws.
-    pub batch_attempt: u32,
+    pub(crate) batch_attempt: u32,
     /// Rank and world size.
-    pub world: World,
+    pub(crate) world: World,
     /// The run's seed; all randomness derives from it (see [`State::rng`]).
-    pub seed: u64,
+    pub(crate) seed: u64,
     /// The device the model trains on.
-    pub device: DeviceOf<S>,
+    pub(crate) device: DeviceOf<S>,
     pub(crate) stop_reason: Option<String>,
     /// Gradients an algorithm computed itself at `AFTER_TRAIN_BATCH` overflowed under loss
     /// scaling on some rank (see [`State::replace_gradients`]): the trainer skips the step and
@@ -141,6 +152,12 @@ pub struct State<S: Setup> {
     pub(crate) algorithm_overflow: bool,
     /// How this rank meets the others of a data-parallel run (`None`: a single process).
     pub(crate) collective: Option<Box<dyn Collective<S>>>,
+    /// The event the engine is running (`None` between events): what the mutators below
+    /// check their windows against.
+    pub(crate) event: Option<Event>,
+    /// A callback asked for a checkpoint at this batch (see [`Control::request_checkpoint`]);
+    /// cleared by the trainer at each batch's start.
+    pub(crate) checkpoint_requested: bool,
 }
 
 impl<S: Setup> State<S> {
@@ -327,5 +344,418 @@ impl<S: Setup> State<S> {
             self.timestamp.batch_in_epoch,
             crate::rng::hash_str(stream),
         ]))
+    }
+}
+
+/// The batch to change and the outputs to read ([`State::batch_and_outputs_mut`]).
+pub type BatchAndOutputs<'a, S> = (Option<&'a mut BatchOf<S>>, Option<&'a OutputOf<S>>);
+
+/// Where each part of the state may be changed: the events of its window, in words.
+const BATCH_WINDOW: (&[Event], &str) = (
+    &[
+        Event::AfterDataloader,
+        Event::BatchStart,
+        Event::BeforeTrainBatch,
+        Event::BeforeForward,
+        Event::AfterForward,
+        Event::BeforeLoss,
+        Event::AfterLoss,
+    ],
+    "from AFTER_DATALOADER to AFTER_LOSS (the microbatch from BEFORE_FORWARD)",
+);
+const LOSS_WINDOW: (&[Event], &str) = (
+    &[Event::AfterLoss, Event::BeforeBackward],
+    "at AFTER_LOSS and BEFORE_BACKWARD",
+);
+const GRADS_WINDOW: (&[Event], &str) = (
+    &[Event::AfterBackward, Event::AfterTrainBatch],
+    "at AFTER_BACKWARD (the microbatch's) and AFTER_TRAIN_BATCH (the batch's, before the step)",
+);
+const LR_WINDOW: (&[Event], &str) = (
+    &[
+        Event::BatchStart,
+        Event::BeforeTrainBatch,
+        Event::BeforeForward,
+        Event::AfterForward,
+        Event::BeforeLoss,
+        Event::AfterLoss,
+        Event::BeforeBackward,
+        Event::AfterBackward,
+        Event::AfterTrainBatch,
+    ],
+    "from BATCH_START to AFTER_TRAIN_BATCH (the step that follows uses it)",
+);
+
+/// What may be read of a run, at any event.
+impl<S: Setup> State<S> {
+    /// The optimizer (its moments are part of the state a checkpoint saves).
+    pub fn optimizer(&self) -> &S::Optimizer {
+        &self.optimizer
+    }
+
+    /// The learning-rate schedule: a pure function of time, multiplied into `base_lr`.
+    pub fn scheduler(&self) -> &dyn LrSchedule {
+        self.scheduler.as_ref()
+    }
+
+    /// Learning rate at scale factor 1.
+    pub fn base_lr(&self) -> f64 {
+        self.base_lr
+    }
+
+    /// Learning rate for the current batch (set at `BATCH_START`; see [`State::set_lr`]).
+    pub fn lr(&self) -> f64 {
+        self.lr
+    }
+
+    /// Where the run stands.
+    pub fn timestamp(&self) -> &Timestamp {
+        &self.timestamp
+    }
+
+    /// The run's length (after the scale-schedule ratio).
+    pub fn max_duration(&self) -> Time {
+        self.max_duration
+    }
+
+    /// Multiplier applied to `max_duration` and to schedule milestones.
+    pub fn scale_schedule_ratio(&self) -> f64 {
+        self.scale_schedule_ratio
+    }
+
+    /// Batches in one training epoch.
+    pub fn batches_per_epoch(&self) -> u64 {
+        self.batches_per_epoch
+    }
+
+    /// Samples in one training epoch (for this rank).
+    pub fn samples_per_epoch(&self) -> u64 {
+        self.samples_per_epoch
+    }
+
+    /// Samples in a full training batch over the ranks whose batches the timestamp counts.
+    pub fn global_batch_size(&self) -> u64 {
+        self.global_batch_size
+    }
+
+    /// The current batch: the full batch from `AFTER_DATALOADER` to `BATCH_END`, except
+    /// between `BEFORE_FORWARD` and `AFTER_BACKWARD`, where it is the current microbatch.
+    pub fn batch(&self) -> Option<&BatchOf<S>> {
+        self.batch.as_ref()
+    }
+
+    /// Output of the model on the current microbatch (`AFTER_FORWARD` to `AFTER_BACKWARD`).
+    pub fn outputs(&self) -> Option<&OutputOf<S>> {
+        self.outputs.as_ref()
+    }
+
+    /// Loss of the current microbatch (`AFTER_LOSS` to `BEFORE_BACKWARD`), unscaled.
+    pub fn loss(&self) -> Option<&Tensor<S::Backend, 1>> {
+        self.loss.as_ref()
+    }
+
+    /// Loss of the last full batch, read back to the host (set before `AFTER_TRAIN_BATCH`);
+    /// in a data-parallel run, the mean over every rank's batch.
+    pub fn loss_value(&self) -> Option<f64> {
+        self.loss_value
+    }
+
+    /// Gradients: of the current microbatch at `AFTER_BACKWARD`, of the whole batch at
+    /// `AFTER_TRAIN_BATCH` (averaged over the ranks of a data-parallel run).
+    pub fn grads(&self) -> Option<&GradientsParams> {
+        self.grads.as_ref()
+    }
+
+    /// Latest evaluation results: evaluator label, then metric name, then value.
+    pub fn eval_metrics(&self) -> &BTreeMap<String, BTreeMap<String, f64>> {
+        &self.eval_metrics
+    }
+
+    /// Value of `timestamp.batch` at the last evaluation, if any ran.
+    pub fn last_eval_batch(&self) -> Option<u64> {
+        self.last_eval_batch
+    }
+
+    /// Labels of the evaluators that ran in the current (or last) round of `EVAL_*` events,
+    /// in order: their entries in `eval_metrics` are fresh, the others' are older.
+    pub fn evaluated(&self) -> &[String] {
+        &self.evaluated
+    }
+
+    /// Saved states of every algorithm and callback, keyed `algorithm/<name>` and
+    /// `callback/<name>`; filled just before `BATCH_CHECKPOINT`, `EPOCH_CHECKPOINT` and
+    /// `FIT_END` when a callback asks for them (`Callback::needs_component_states`).
+    pub fn component_states(&self) -> &BTreeMap<String, serde_json::Value> {
+        &self.component_states
+    }
+
+    /// Batches whose loss was not finite and were skipped (when skipping is enabled).
+    pub fn skipped_batches(&self) -> u64 {
+        self.skipped_batches
+    }
+
+    /// The run's floating-point setup (see [`crate::precision`]).
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// Dynamic loss scaling (float16 runs only).
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.loss_scaler.as_ref()
+    }
+
+    /// The microbatch size automatic microbatching has settled on, if it had to.
+    pub fn auto_microbatch_size(&self) -> Option<usize> {
+        self.auto_microbatch_size
+    }
+
+    /// Which attempt at the current batch this is: 0, or more when automatic microbatching
+    /// retried the batch in smaller microbatches.
+    pub fn batch_attempt(&self) -> u32 {
+        self.batch_attempt
+    }
+
+    /// Rank and world size.
+    pub fn world(&self) -> World {
+        self.world
+    }
+
+    /// The run's seed; all randomness derives from it (see [`State::rng`]).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The device the model trains on.
+    pub fn device(&self) -> &DeviceOf<S> {
+        &self.device
+    }
+
+    /// The event being run, if any.
+    pub fn event(&self) -> Option<Event> {
+        self.event
+    }
+
+    /// Whether a callback asked for a checkpoint at this batch ([`Control::request_checkpoint`]).
+    pub fn checkpoint_requested(&self) -> bool {
+        self.checkpoint_requested
+    }
+}
+
+/// What an algorithm may change, each in its window of events (see [`State`]).
+impl<S: Setup> State<S> {
+    /// An error unless the event being run is in `window`.
+    fn check_window(&self, what: &'static str, window: (&[Event], &'static str)) -> Result<()> {
+        match self.event {
+            Some(e) if window.0.contains(&e) => Ok(()),
+            event => Err(CoreError::OutsideWindow {
+                what,
+                event: event.map_or("no event", Event::name),
+                window: window.1,
+            }),
+        }
+    }
+
+    /// The current batch (the microbatch from `BEFORE_FORWARD`), to change: from
+    /// `AFTER_DATALOADER` to `AFTER_LOSS`. `None` where there is none at this event.
+    pub fn batch_mut(&mut self) -> Result<Option<&mut BatchOf<S>>> {
+        self.check_window("the batch", BATCH_WINDOW)?;
+        Ok(self.batch.as_mut())
+    }
+
+    /// Replaces the current batch by a function of it (selective backprop's subset,
+    /// sequence-length warmup's truncation), in the same window as [`State::batch_mut`].
+    /// Nothing happens where there is no batch.
+    pub fn map_batch(&mut self, f: impl FnOnce(BatchOf<S>) -> Result<BatchOf<S>>) -> Result<()> {
+        self.check_window("the batch", BATCH_WINDOW)?;
+        if let Some(batch) = self.batch.take() {
+            self.batch = Some(f(batch)?);
+        }
+        Ok(())
+    }
+
+    /// The current microbatch's loss, to change: at `AFTER_LOSS` and `BEFORE_BACKWARD`
+    /// (MixUp's interpolated loss). `None` where there is none.
+    pub fn loss_mut(&mut self) -> Result<Option<&mut Tensor<S::Backend, 1>>> {
+        self.check_window("the loss", LOSS_WINDOW)?;
+        Ok(self.loss.as_mut())
+    }
+
+    /// The gradients, to change: at `AFTER_BACKWARD` (the microbatch's) and
+    /// `AFTER_TRAIN_BATCH` (the batch's, before the optimizer step: gradient clipping).
+    /// `None` where there are none (a skipped step).
+    pub fn grads_mut(&mut self) -> Result<Option<&mut GradientsParams>> {
+        self.check_window("the gradients", GRADS_WINDOW)?;
+        Ok(self.grads.as_mut())
+    }
+
+    /// Sets the learning rate of the current batch's step: from `BATCH_START` (where the
+    /// trainer sets the schedule's) to `AFTER_TRAIN_BATCH`.
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.check_window("the learning rate", LR_WINDOW)?;
+        self.lr = lr;
+        Ok(())
+    }
+
+    /// The batch to change and the model's outputs on it to read, in the batch's window (the
+    /// target rewriters build their distributions from both at `BEFORE_LOSS`).
+    pub fn batch_and_outputs_mut(&mut self) -> Result<BatchAndOutputs<'_, S>> {
+        self.check_window("the batch", BATCH_WINDOW)?;
+        Ok((self.batch.as_mut(), self.outputs.as_ref()))
+    }
+
+    /// The model and the gradients together, the model read-only and the gradients to
+    /// change, in the gradients' window (gradient clipping reads the parameters' norms).
+    pub fn model_and_grads_mut(&mut self) -> Result<(&S::Model, Option<&mut GradientsParams>)> {
+        self.check_window("the gradients", GRADS_WINDOW)?;
+        // Invariant: as in `model`, no event runs while the model is out.
+        let model = self
+            .model
+            .as_ref()
+            .expect("model is present outside the optimizer step");
+        Ok((model, self.grads.as_mut()))
+    }
+
+    /// The model and the batch together, the model read-only and the batch to change, in
+    /// the batch's window (selective backprop scores the batch with the model).
+    pub fn model_and_batch_mut(&mut self) -> Result<(&S::Model, Option<&mut BatchOf<S>>)> {
+        self.check_window("the batch", BATCH_WINDOW)?;
+        // Invariant: as in `model`, no event runs while the model is out.
+        let model = self
+            .model
+            .as_ref()
+            .expect("model is present outside the optimizer step");
+        Ok((model, self.batch.as_mut()))
+    }
+
+    /// Applies what a callback asked of the run through its [`Control`].
+    pub(crate) fn take_requests(&mut self, control: &mut Control<'_>) {
+        if let Some(reason) = control.stop.take() {
+            if self.stop_reason.is_none() {
+                self.stop_reason = Some(reason);
+            }
+        }
+        if std::mem::take(&mut control.checkpoint) {
+            self.checkpoint_requested = true;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::callback::{Algorithm, Callback};
+    use crate::logger::Logger;
+    use crate::toy;
+
+    type B = burn::backend::Autodiff<burn::backend::Flex>;
+
+    /// Changes the learning rate (and reads the batch to change) at one event.
+    struct Poke(Event);
+
+    impl<S: Setup> Algorithm<S> for Poke {
+        fn name(&self) -> &str {
+            "poke"
+        }
+        fn matches(&self, event: Event, _state: &State<S>) -> bool {
+            event == self.0
+        }
+        fn apply(
+            &mut self,
+            _event: Event,
+            state: &mut State<S>,
+            _logger: &mut Logger,
+        ) -> Result<()> {
+            state.set_lr(0.0)?;
+            state.batch_mut()?;
+            Ok(())
+        }
+    }
+
+    fn fit_with(poke: Poke) -> Result<u64> {
+        let mut t = toy::trainer::<B>(toy::points(8, 4), Time::Batch(2))
+            .algorithm(poke)
+            .build()?;
+        Ok(t.fit()?.steps)
+    }
+
+    #[test]
+    fn the_mutators_work_in_their_windows_and_name_them_outside() {
+        // BATCH_START is in both windows.
+        assert_eq!(fit_with(Poke(Event::BatchStart)).unwrap(), 2);
+        // The learning rate of a step is set before it, not after.
+        let e = fit_with(Poke(Event::BatchEnd)).unwrap_err().to_string();
+        assert!(
+            e.contains("the learning rate may be changed from BATCH_START to AFTER_TRAIN_BATCH")
+                && e.contains("not at BATCH_END"),
+            "{e}"
+        );
+        // The batch after the loss was computed: too late to change what trained.
+        let e = fit_with(Poke(Event::AfterTrainBatch))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("the batch may be changed from AFTER_DATALOADER to AFTER_LOSS")
+                && e.contains("AFTER_TRAIN_BATCH"),
+            "{e}"
+        );
+    }
+
+    /// Asks for a stop and a checkpoint at the end of the second batch.
+    struct Ask;
+
+    impl<S: Setup> Callback<S> for Ask {
+        fn name(&self) -> &str {
+            "ask"
+        }
+        fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+            // At BATCH_END the timestamp counts the batch just trained.
+            if state.timestamp().batch == 2 {
+                ctl.request_checkpoint();
+                ctl.request_stop("asked");
+                ctl.request_stop("asked again");
+            }
+            Ok(())
+        }
+    }
+
+    /// What the state said at one BATCH_CHECKPOINT: batch, checkpoint asked, stop asked.
+    type Said = (u64, bool, Option<String>);
+
+    /// Records what the state says at BATCH_CHECKPOINT.
+    struct Seen(std::sync::Arc<std::sync::Mutex<Vec<Said>>>);
+
+    impl<S: Setup> Callback<S> for Seen {
+        fn name(&self) -> &str {
+            "seen"
+        }
+        fn batch_checkpoint(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
+            self.0.lock().unwrap().push((
+                state.timestamp().batch,
+                state.checkpoint_requested(),
+                state.stop_requested().map(String::from),
+            ));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_callbacks_requests_reach_the_state_for_the_callbacks_after_it() {
+        let seen = std::sync::Arc::default();
+        let mut t = toy::trainer::<B>(toy::points(16, 4), Time::Batch(4))
+            .callback(Ask)
+            .callback(Seen(std::sync::Arc::clone(&seen)))
+            .build()
+            .unwrap();
+        let report = t.fit().unwrap();
+        assert_eq!(
+            report.stopped.as_deref(),
+            Some("asked"),
+            "the first request wins"
+        );
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [(1, false, None), (2, true, Some("asked".to_string()))],
+            "the request is seen at its batch's checkpoint event, and the run stops after it"
+        );
     }
 }

@@ -1,9 +1,8 @@
 //! The learning-rate monitor.
 
 use derive_new::new;
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::error::Result;
-use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
@@ -26,9 +25,10 @@ impl<S: Setup> Callback<S> for LrMonitor {
         "lr_monitor"
     }
 
-    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
-        // `state.lr` is the rate the optimizer step of this batch used (set at BATCH_START,
+    fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        // `state.lr()` is the rate the optimizer step of this batch used (set at BATCH_START,
         // possibly changed by an algorithm before the step, untouched after it).
-        logger.log_metrics(&state.timestamp, &[("lr/group0", state.lr)])
+        ctl.logger()
+            .log_metrics(state.timestamp(), &[("lr/group0", state.lr())])
     }
 }

@@ -1,8 +1,7 @@
 //! The memory monitor.
 
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::error::Result;
-use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 use flashover_core::time::Time;
@@ -82,14 +81,14 @@ impl<S: Setup> Callback<S> for MemoryMonitor {
         "memory_monitor"
     }
 
-    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
-        let ts = &state.timestamp;
+    fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        let ts = state.timestamp();
         if !due(
             self.every,
             ts.batch,
             ts.epoch,
             ts.batch_in_epoch,
-            state.batches_per_epoch,
+            state.batches_per_epoch(),
         ) {
             return Ok(());
         }
@@ -105,6 +104,6 @@ impl<S: Setup> Callback<S> for MemoryMonitor {
         if values.is_empty() {
             return Ok(());
         }
-        logger.log_metrics(ts, &values)
+        ctl.logger().log_metrics(ts, &values)
     }
 }

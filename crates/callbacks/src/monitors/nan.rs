@@ -1,9 +1,8 @@
 //! The NaN/Inf watch.
 
 use burn::tensor::ElementConversion;
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::error::Result;
-use flashover_core::logger::Logger;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
 
@@ -65,22 +64,22 @@ impl<S: Setup> Callback<S> for NanMonitor {
         "nan_monitor"
     }
 
-    fn batch_start(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn batch_start(&mut self, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         self.microbatch = 0;
         Ok(())
     }
 
-    fn after_loss(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn after_loss(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         let micro = self.microbatch;
         self.microbatch += 1;
-        let Some(loss) = &state.loss else {
+        let Some(loss) = state.loss() else {
             return Ok(());
         };
         let value: f64 = loss.clone().into_scalar().elem();
         if value.is_finite() {
             return Ok(());
         }
-        let ts = &state.timestamp;
+        let ts = state.timestamp();
         Err(CallbackError::NonFinite {
             what: "loss",
             value,
@@ -92,11 +91,11 @@ impl<S: Setup> Callback<S> for NanMonitor {
         .into())
     }
 
-    fn after_train_batch(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
-        if !(state.timestamp.batch + 1).is_multiple_of(self.grad_every) {
+    fn after_train_batch(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
+        if !(state.timestamp().batch + 1).is_multiple_of(self.grad_every) {
             return Ok(());
         }
-        let Some(grads) = &state.grads else {
+        let Some(grads) = state.grads() else {
             return Ok(());
         };
         let counts = ParamStats::<S::Backend>::of(state.model(), Some(grads), Stat::NonFinite);
@@ -118,7 +117,7 @@ impl<S: Setup> Callback<S> for NanMonitor {
         } else {
             String::new()
         };
-        let ts = &state.timestamp;
+        let ts = state.timestamp();
         Err(CallbackError::NonFinite {
             what: "gradient",
             value: if any_nan { f64::NAN } else { f64::INFINITY },

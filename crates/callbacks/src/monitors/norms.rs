@@ -6,9 +6,8 @@ use burn::module::{ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{FloatDType, Tensor};
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::error::Result;
-use flashover_core::logger::Logger;
 use flashover_core::params::layer_of;
 use flashover_core::precision::cast_to;
 use flashover_core::setup::Setup;
@@ -212,13 +211,13 @@ impl NormMonitor {
 
     fn due_next<S: Setup>(&self, state: &State<S>) -> bool {
         // At AFTER_TRAIN_BATCH the batch has not been counted yet.
-        let ts = &state.timestamp;
+        let ts = state.timestamp();
         due(
             self.every,
             ts.batch + 1,
             ts.epoch,
             ts.batch_in_epoch + 1,
-            state.batches_per_epoch,
+            state.batches_per_epoch(),
         )
     }
 }
@@ -238,24 +237,24 @@ impl<S: Setup> Callback<S> for NormMonitor {
         "norm_monitor"
     }
 
-    fn after_train_batch(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn after_train_batch(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         self.grads = None;
         if self.due_next(state) {
-            if let Some(grads) = &state.grads {
+            if let Some(grads) = state.grads() {
                 self.grads = Some(ParamStats::<S::Backend>::sums(state.model(), Some(grads)));
             }
         }
         Ok(())
     }
 
-    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
-        let ts = &state.timestamp;
+    fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        let ts = state.timestamp();
         if !due(
             self.every,
             ts.batch,
             ts.epoch,
             ts.batch_in_epoch,
-            state.batches_per_epoch,
+            state.batches_per_epoch(),
         ) {
             return Ok(());
         }
@@ -266,6 +265,6 @@ impl<S: Setup> Callback<S> for NormMonitor {
         let params = ParamStats::<S::Backend>::sums(state.model(), None);
         push_norms(&mut values, "param", &params, self.per_layer);
         let refs: Vec<(&str, f64)> = values.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        logger.log_metrics(&state.timestamp, &refs)
+        ctl.logger().log_metrics(state.timestamp(), &refs)
     }
 }

@@ -4,9 +4,8 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use flashover_core::callback::Callback;
+use flashover_core::callback::{Callback, Control};
 use flashover_core::error::Result;
-use flashover_core::logger::Logger;
 use flashover_core::model::TrainModel;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
@@ -50,7 +49,7 @@ impl TrainClock {
     }
 
     fn mark<S: Setup>(&mut self, state: &State<S>) {
-        let ts = &state.timestamp;
+        let ts = state.timestamp();
         let mark = Mark {
             t: self.now(),
             batch: ts.batch,
@@ -91,12 +90,12 @@ impl TrainClock {
 /// The `Callback` methods that take evaluation time out of a monitor's `clock`.
 macro_rules! leave_out_evaluation {
     () => {
-        fn eval_before_all(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        fn eval_before_all(&mut self, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
             self.clock.eval_before();
             Ok(())
         }
 
-        fn eval_after_all(&mut self, _state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+        fn eval_after_all(&mut self, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
             self.clock.eval_after();
             Ok(())
         }
@@ -172,13 +171,13 @@ impl<S: Setup> Callback<S> for SpeedMonitor {
         "speed_monitor"
     }
 
-    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn fit_start(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         self.clock.marks.clear();
         self.clock.mark(state);
         Ok(())
     }
 
-    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
         self.clock.mark(state);
         let mut values: Vec<(&str, f64)> = Vec::with_capacity(6);
         if let Some(d) = self.clock.last_interval() {
@@ -208,7 +207,7 @@ impl<S: Setup> Callback<S> for SpeedMonitor {
         if values.is_empty() {
             return Ok(());
         }
-        logger.log_metrics(&state.timestamp, &values)
+        ctl.logger().log_metrics(state.timestamp(), &values)
     }
 
     leave_out_evaluation!();
@@ -253,14 +252,14 @@ impl<S: Setup> Callback<S> for RuntimeEstimator {
         "runtime_estimator"
     }
 
-    fn fit_start(&mut self, state: &mut State<S>, _logger: &mut Logger) -> Result<()> {
+    fn fit_start(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
         self.clock.marks.clear();
         self.clock.mark(state);
         self.start = self.clock.now();
         Ok(())
     }
 
-    fn batch_end(&mut self, state: &mut State<S>, logger: &mut Logger) -> Result<()> {
+    fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
         self.clock.mark(state);
         let elapsed = (self.clock.now() - self.start).as_secs_f64();
         let mut values = vec![("time/elapsed_seconds", elapsed)];
@@ -273,7 +272,7 @@ impl<S: Setup> Callback<S> for RuntimeEstimator {
                 ));
             }
         }
-        logger.log_metrics(&state.timestamp, &values)
+        ctl.logger().log_metrics(state.timestamp(), &values)
     }
 
     leave_out_evaluation!();

@@ -439,6 +439,8 @@ impl<S: Setup> TrainerBuilder<S> {
             stop_reason: None,
             algorithm_overflow: false,
             collective: self.collective,
+            event: None,
+            checkpoint_requested: false,
         };
         let engine = Engine::new(
             self.algorithms,
@@ -464,7 +466,8 @@ impl<S: Setup> TrainerBuilder<S> {
         trainer.engine.run(Event::Init, &mut trainer.state)?;
         trainer.engine.run(Event::BeforeLoad, &mut trainer.state)?;
         if let Some(restore) = self.restore {
-            let components = restore.restore(&mut trainer.state)?;
+            let components =
+                restore.restore(&mut crate::restore::Restoring::new(&mut trainer.state))?;
             trainer.check_restored_position()?;
             if let Some(components) = components {
                 trainer.engine.restore_component_states(components)?;

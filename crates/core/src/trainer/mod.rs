@@ -44,7 +44,7 @@ pub use report::FitReport;
 /// let report = trainer.fit()?;              // to max_duration
 /// assert_eq!((report.steps, report.samples), (8, 32));
 /// trainer.fit_for(Time::Epoch(1))?;         // and one more epoch
-/// assert_eq!(trainer.state().timestamp.epoch, 3);
+/// assert_eq!(trainer.state().timestamp().epoch, 3);
 /// // The regression y = 2x is being learned: the weight moved from 0 towards 2.
 /// let w = toy::weight(trainer.model());
 /// assert!(w > 0.5 && w < 2.5, "{w}");
@@ -202,9 +202,11 @@ impl<S: Setup> Trainer<S> {
         &self.state
     }
 
-    /// The state, mutably (to restore a checkpoint, for example).
-    pub fn state_mut(&mut self) -> &mut State<S> {
-        &mut self.state
+    /// The state as a [`Restore`](crate::restore::Restore) sees it: to load a checkpoint into
+    /// a trainer already built (the checkpoint benchmark does; a run resumes through
+    /// `TrainerBuilder::restore`, which also hands the components their states).
+    pub fn restoring(&mut self) -> crate::restore::Restoring<'_, S> {
+        crate::restore::Restoring::new(&mut self.state)
     }
 
     /// The model.
@@ -354,6 +356,7 @@ impl<S: Setup> Trainer<S> {
                 self.agree_progress(0, 0)?;
             }
             self.engine.run(Event::EpochCheckpoint, &mut self.state)?;
+            self.state.checkpoint_requested = false;
             self.agree_on_stop()?;
         }
         self.agree_progress(0, 0)?;

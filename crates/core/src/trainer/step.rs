@@ -563,6 +563,8 @@ impl<S: Setup> Trainer<S> {
             self.agree_progress(0, 0)?;
         }
         self.engine.run(Event::BatchCheckpoint, &mut self.state)?;
+        // A checkpoint asked for at this batch was taken (or the run has no saver).
+        self.state.checkpoint_requested = false;
         self.state.batch = None;
         self.agree_on_stop()
     }
