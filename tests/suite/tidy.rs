@@ -2,9 +2,11 @@
 //! the model): the crate arrows (read from `cargo metadata`), a `//!` opening every `.rs` file,
 //! an invariant comment above every `unwrap()`/`expect(` in library code, no system library in
 //! the main job's build, ARCHITECTURE.md's code map naming every source file and nothing that
-//! does not exist, and `unsafe` code only where the map says. Each rule is a pure function over
+//! does not exist, `unsafe` code only where the map says, and no import circle between a
+//! crate's files. Each rule is a pure function over
 //! text, tested on inputs that break it, then run over the repository.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -746,5 +748,257 @@ fn unsafe_code_is_where_the_architecture_says() {
     assert_eq!(
         found, want,
         "unsafe code moved: update UNSAFE_SITES and ARCHITECTURE.md's invariant together"
+    );
+}
+
+/// A source file's module path in its crate (`trainer::step` for `trainer/step.rs` or
+/// `trainer/step/mod.rs`); the crate root (`lib.rs`, `main.rs`) is `""`.
+fn module_of(relative: &Path) -> String {
+    let parts: Vec<String> = relative
+        .with_extension("")
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    let parts: Vec<&str> = match parts.last().map(String::as_str) {
+        Some("mod") => parts[..parts.len() - 1]
+            .iter()
+            .map(String::as_str)
+            .collect(),
+        Some("lib") | Some("main") if parts.len() == 1 => Vec::new(),
+        _ => parts.iter().map(String::as_str).collect(),
+    };
+    parts.join("::")
+}
+
+/// The paths named after `crate::` (or `$crate::`) in `code`, braces expanded
+/// (`crate::{a::X, b}` names `a::X` and `b`).
+fn crate_paths(code: &str) -> Vec<String> {
+    fn ident_path(s: &str) -> (String, &str) {
+        let end = s
+            .find(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+            .unwrap_or(s.len());
+        (s[..end].trim_end_matches(':').to_string(), &s[end..])
+    }
+    fn group(s: &str, prefix: &str, out: &mut Vec<String>) {
+        // `s` starts after `{`; split at top-level commas up to the matching `}`.
+        let mut depth = 0;
+        let mut start = 0;
+        for (i, c) in s.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    item(&s[start..i], prefix, out);
+                    return;
+                }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    item(&s[start..i], prefix, out);
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+    }
+    fn item(s: &str, prefix: &str, out: &mut Vec<String>) {
+        let s = s.trim();
+        let (path, rest) = ident_path(s);
+        let full = if prefix.is_empty() {
+            path.clone()
+        } else if path.is_empty() {
+            prefix.to_string()
+        } else {
+            format!("{prefix}::{path}")
+        };
+        match rest.trim_start().strip_prefix('{') {
+            Some(inner) if s.contains("::{") => group(inner, &full, out),
+            _ if !full.is_empty() && full != "self" => out.push(full),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(at) = rest.find("crate::") {
+        let after = &rest[at + "crate::".len()..];
+        // `krate::` or `some_crate::` is not the crate.
+        let before = rest[..at].chars().last();
+        if !before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            if let Some(inner) = after.strip_prefix('{') {
+                group(inner, "", &mut out);
+            } else {
+                let (path, _) = ident_path(after);
+                if !path.is_empty() {
+                    out.push(path);
+                }
+            }
+        }
+        rest = after;
+    }
+    out
+}
+
+/// The modules a file's non-test code refers to by `crate::` paths: for each path, the longest
+/// prefix that is one of `modules`, the root (`""`, a facade of re-exports) aside.
+fn module_references(code: &str, me: &str, modules: &BTreeSet<String>) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    for path in crate_paths(code) {
+        let parts: Vec<&str> = path.split("::").collect();
+        let target = (1..=parts.len())
+            .rev()
+            .map(|k| parts[..k].join("::"))
+            .find(|m| modules.contains(m));
+        if let Some(t) = target {
+            if t != me && !me.starts_with(&format!("{t}::")) && !t.starts_with(&format!("{me}::")) {
+                out.insert(t);
+            }
+        }
+    }
+    out
+}
+
+/// The import circles among `files` (module path, text): each strongly connected group of
+/// two or more modules, sorted. A module and its own submodules (`trainer` and
+/// `trainer::step`) do not count as a circle: a folder module owns its files.
+fn import_cycles(files: &[(String, String)]) -> Vec<Vec<String>> {
+    let modules: BTreeSet<String> = files.iter().map(|(m, _)| m.clone()).collect();
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (m, text) in files {
+        let text = text.split("#[cfg(test)]").next().unwrap_or_default();
+        let code: String = text.lines().map(code_of).collect::<Vec<_>>().join("\n");
+        edges.insert(m.clone(), module_references(&code, m, &modules));
+    }
+    // Tarjan's strongly connected components.
+    struct Walk<'a> {
+        edges: &'a BTreeMap<String, BTreeSet<String>>,
+        index: BTreeMap<String, usize>,
+        low: BTreeMap<String, usize>,
+        stack: Vec<String>,
+        on: BTreeSet<String>,
+        out: Vec<Vec<String>>,
+    }
+    fn visit(w: &mut Walk<'_>, v: &str) {
+        let i = w.index.len();
+        w.index.insert(v.to_string(), i);
+        w.low.insert(v.to_string(), i);
+        w.stack.push(v.to_string());
+        w.on.insert(v.to_string());
+        let next: Vec<String> = w.edges[v].iter().cloned().collect();
+        for n in next {
+            if !w.edges.contains_key(&n) || n.is_empty() {
+                continue;
+            }
+            if !w.index.contains_key(&n) {
+                visit(w, &n);
+                let l = w.low[&n].min(w.low[v]);
+                w.low.insert(v.to_string(), l);
+            } else if w.on.contains(&n) {
+                let l = w.index[&n].min(w.low[v]);
+                w.low.insert(v.to_string(), l);
+            }
+        }
+        if w.low[v] == w.index[v] {
+            let mut group = Vec::new();
+            while let Some(x) = w.stack.pop() {
+                w.on.remove(&x);
+                let done = x == v;
+                group.push(x);
+                if done {
+                    break;
+                }
+            }
+            if group.len() > 1 {
+                group.sort();
+                w.out.push(group);
+            }
+        }
+    }
+    let mut w = Walk {
+        edges: &edges,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on: BTreeSet::new(),
+        out: Vec::new(),
+    };
+    for m in edges.keys() {
+        if !m.is_empty() && !w.index.contains_key(m) {
+            visit(&mut w, m);
+        }
+    }
+    w.out
+}
+
+#[test]
+fn the_import_circle_rule_catches_a_circle_and_nothing_else() {
+    let files = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+        list.iter()
+            .map(|(m, t)| (m.to_string(), t.to_string()))
+            .collect()
+    };
+    // a -> b -> c -> a through a braced use, a path in code and a re-export at the root.
+    let circle = files(&[
+        ("", "pub use a::X;\nmod a; mod b; mod c; mod d;"),
+        ("a", "use crate::{b::{Y, Z}, Result};"),
+        ("b", "fn f() { crate::c::g(); }"),
+        ("c", "use crate::a::X; // crate::d::not_code"),
+        (
+            "d",
+            "use crate::a::X;\n#[cfg(test)]\nmod tests { use crate::d::*; use crate::b::Y; }",
+        ),
+    ]);
+    assert_eq!(import_cycles(&circle), [vec!["a", "b", "c"]]);
+    // A folder module and its files, a `krate::` path and a comment are no circle.
+    let none = files(&[
+        ("trainer", "use crate::trainer::step::go;"),
+        (
+            "trainer::step",
+            "use crate::trainer::Trainer; use crate::state::S;",
+        ),
+        (
+            "state",
+            "use my_krate::trainer::X; // use crate::trainer::Y",
+        ),
+    ]);
+    assert!(
+        import_cycles(&none).is_empty(),
+        "{:?}",
+        import_cycles(&none)
+    );
+    assert_eq!(module_of(Path::new("trainer/mod.rs")), "trainer");
+    assert_eq!(module_of(Path::new("data/loader.rs")), "data::loader");
+    assert_eq!(module_of(Path::new("lib.rs")), "");
+}
+
+#[test]
+fn source_files_import_one_another_without_circles() {
+    let root = workspace_root();
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(root.join("crates"))
+        .expect("the crates folder")
+        .flatten()
+        .map(|e| e.path().join("src"))
+        .collect();
+    sources.extend([root.join("examples/src"), root.join("xtask/src")]);
+    sources.sort();
+    let mut problems = Vec::new();
+    for src in sources.iter().filter(|s| s.is_dir()) {
+        let files: Vec<(String, String)> = rust_files(src)
+            .into_iter()
+            .map(|p| {
+                let rel = p.strip_prefix(src).expect("under its folder").to_path_buf();
+                let text = std::fs::read_to_string(&p).expect("a readable source file");
+                (module_of(&rel), text)
+            })
+            .collect();
+        for group in import_cycles(&files) {
+            problems.push(format!(
+                "{}: {} import one another",
+                src.strip_prefix(&root).unwrap_or(src).display(),
+                group.join(", ")
+            ));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "import circles (move what both sides use into a module of its own):\n{}",
+        problems.join("\n")
     );
 }

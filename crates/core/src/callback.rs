@@ -8,12 +8,12 @@
 
 use serde_json::Value;
 
-use crate::collective::Ranks;
 use crate::error::Result;
 use crate::event::Event;
 use crate::logger::Logger;
 use crate::setup::Setup;
 use crate::state::State;
+use crate::world::{OnEveryRank, Ranks};
 
 macro_rules! define_callback {
     ($($variant:ident => $method:ident, $name:literal;)*) => {
@@ -91,7 +91,7 @@ macro_rules! define_callback {
             /// The ranks of a data-parallel run on which this callback sees events. Default:
             /// every rank. A callback that writes (a checkpoint saver, a plot, a trace) answers
             /// [`Ranks::Main`], so only rank 0 writes; wrap it in
-            /// [`OnEveryRank`](crate::collective::OnEveryRank) to make it act everywhere. Its
+            /// [`OnEveryRank`] to make it act everywhere. Its
             /// state is saved and restored on every rank either way.
             fn ranks(&self) -> Ranks {
                 Ranks::Every
@@ -171,6 +171,27 @@ impl<'a> Control<'a> {
     /// The stop this control asked for, if any.
     pub fn stop_requested(&self) -> Option<&str> {
         self.stop.as_deref()
+    }
+}
+
+impl<S: Setup, T: Callback<S>> Callback<S> for OnEveryRank<T> {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn run_event(&mut self, event: Event, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        self.0.run_event(event, state, ctl)
+    }
+    fn needs_component_states(&self) -> bool {
+        self.0.needs_component_states()
+    }
+    fn state_dict(&self) -> Value {
+        self.0.state_dict()
+    }
+    fn load_state_dict(&mut self, state: Value) -> Result<()> {
+        self.0.load_state_dict(state)
+    }
+    fn ranks(&self) -> Ranks {
+        Ranks::Every
     }
 }
 

@@ -45,23 +45,12 @@ use std::time::Duration;
 use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
-use crate::callback::{Callback, Control};
 use crate::error::{CoreError, Result};
-use crate::event::Event;
-use crate::logger::LoggerDestination;
 use crate::params::{flatten_grads, flatten_params, grad_ids, load_flat_params, unflatten_grads};
 use crate::setup::{InnerBackendOf, Setup};
-use crate::state::{State, World};
-use crate::time::{Progress, Timestamp};
 
-/// Which ranks of a data-parallel run a component acts on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ranks {
-    /// Rank 0 only: components that write files or the terminal.
-    Main,
-    /// Every rank.
-    Every,
-}
+use crate::world::World;
+pub use crate::world::{OnEveryRank, Ranks};
 
 /// One rank's share of an optimizer step, as the trainer hands it to
 /// [`Collective::sync_gradients`].
@@ -248,71 +237,6 @@ pub trait Collective<S: Setup>: Send {
         }
         self.all_reduce_sum_host(&mut flags)?;
         Ok(flags.iter().position(|&f| f > 0.0))
-    }
-}
-
-/// Makes a component that would act on rank 0 only (a logger, a writing callback) act on
-/// every rank of a data-parallel run; everything else passes through unchanged. Give each
-/// rank its own files then.
-///
-/// ```
-/// use flashover_core::collective::{OnEveryRank, Ranks};
-/// use flashover_core::logger::LoggerDestination;
-///
-/// struct Lines;
-/// impl LoggerDestination for Lines {
-///     fn name(&self) -> &str { "lines" }
-/// }
-/// assert_eq!(Lines.ranks(), Ranks::Main);
-/// assert_eq!(OnEveryRank(Lines).ranks(), Ranks::Every);
-/// assert_eq!(OnEveryRank(Lines).name(), "lines");
-/// ```
-pub struct OnEveryRank<T>(pub T);
-
-impl<T: LoggerDestination> LoggerDestination for OnEveryRank<T> {
-    fn name(&self) -> &str {
-        self.0.name()
-    }
-    fn log_hyperparameters(
-        &mut self,
-        params: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<()> {
-        self.0.log_hyperparameters(params)
-    }
-    fn log_metrics(&mut self, timestamp: &Timestamp, metrics: &[(&str, f64)]) -> Result<()> {
-        self.0.log_metrics(timestamp, metrics)
-    }
-    fn run_event(
-        &mut self,
-        event: Event,
-        timestamp: &Timestamp,
-        progress: &Progress,
-    ) -> Result<()> {
-        self.0.run_event(event, timestamp, progress)
-    }
-    fn ranks(&self) -> Ranks {
-        Ranks::Every
-    }
-}
-
-impl<S: Setup, T: Callback<S>> Callback<S> for OnEveryRank<T> {
-    fn name(&self) -> &str {
-        self.0.name()
-    }
-    fn run_event(&mut self, event: Event, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
-        self.0.run_event(event, state, ctl)
-    }
-    fn needs_component_states(&self) -> bool {
-        self.0.needs_component_states()
-    }
-    fn state_dict(&self) -> serde_json::Value {
-        self.0.state_dict()
-    }
-    fn load_state_dict(&mut self, state: serde_json::Value) -> Result<()> {
-        self.0.load_state_dict(state)
-    }
-    fn ranks(&self) -> Ranks {
-        Ranks::Every
     }
 }
 

@@ -173,7 +173,12 @@ impl<S: Setup> Engine<S> {
         {
             let mut control = Control::new(&mut self.logger);
             c.run_event(event, state, &mut control)?;
-            state.take_requests(&mut control);
+            // The requests reach the state for the callbacks after this one; the first stop
+            // asked for wins.
+            if let Some(reason) = control.stop.take() {
+                state.stop_reason.get_or_insert(reason);
+            }
+            state.checkpoint_requested |= control.checkpoint;
         }
         if event != Event::Init {
             self.logger

@@ -31,6 +31,7 @@ pub mod time;
 #[doc(hidden)]
 pub mod toy;
 pub mod trainer;
+pub mod world;
 
 pub use error::{CoreError, Result};
 

@@ -5,10 +5,10 @@
 use derive_new::new;
 use serde_json::Value;
 
-use crate::collective::Ranks;
 use crate::error::Result;
 use crate::event::Event;
 use crate::time::{Progress, Timestamp};
+use crate::world::{OnEveryRank, Ranks, World};
 
 /// Where logged values go: a console, a file, a dashboard.
 ///
@@ -52,7 +52,7 @@ pub trait LoggerDestination: Send {
 
     /// The ranks of a data-parallel run on which this destination receives anything.
     /// Default: rank 0 only, since a logger writes; wrap it in
-    /// [`OnEveryRank`](crate::collective::OnEveryRank) to log on every rank.
+    /// [`OnEveryRank`] to log on every rank.
     fn ranks(&self) -> Ranks {
         Ranks::Main
     }
@@ -67,7 +67,7 @@ pub struct Logger {
 impl Logger {
     /// Keeps only the destinations that act on this rank of `world` (see
     /// [`LoggerDestination::ranks`]); the others never see a value.
-    pub fn for_rank(mut self, world: crate::state::World) -> Self {
+    pub fn for_rank(mut self, world: World) -> Self {
         self.destinations.retain(|d| world.runs(d.ranks()));
         self
     }
@@ -111,5 +111,31 @@ impl Logger {
             d.run_event(event, timestamp, progress)?;
         }
         Ok(())
+    }
+}
+
+impl<T: LoggerDestination> LoggerDestination for OnEveryRank<T> {
+    fn name(&self) -> &str {
+        self.0.name()
+    }
+    fn log_hyperparameters(
+        &mut self,
+        params: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<()> {
+        self.0.log_hyperparameters(params)
+    }
+    fn log_metrics(&mut self, timestamp: &Timestamp, metrics: &[(&str, f64)]) -> Result<()> {
+        self.0.log_metrics(timestamp, metrics)
+    }
+    fn run_event(
+        &mut self,
+        event: Event,
+        timestamp: &Timestamp,
+        progress: &Progress,
+    ) -> Result<()> {
+        self.0.run_event(event, timestamp, progress)
+    }
+    fn ranks(&self) -> Ranks {
+        Ranks::Every
     }
 }

@@ -8,7 +8,6 @@ use std::collections::BTreeMap;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
-use crate::callback::Control;
 use crate::collective::{Collective, GlobalStep, LocalStep};
 use crate::error::{CoreError, Result};
 use crate::event::Event;
@@ -18,35 +17,7 @@ use crate::rng::{derive_seed, Rng};
 use crate::schedule::LrSchedule;
 use crate::setup::{BatchOf, DeviceOf, OutputOf, Setup};
 use crate::time::{Progress, Time, TimeUnit, Timestamp};
-
-/// Rank and size of the data-parallel world this process belongs to, and so who writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct World {
-    /// This process's rank, `0..size`.
-    pub rank: usize,
-    /// Number of processes.
-    pub size: usize,
-}
-
-impl Default for World {
-    fn default() -> Self {
-        World { rank: 0, size: 1 }
-    }
-}
-
-impl World {
-    /// Whether this is the main rank (0): the one whose loggers, progress bar, plots and
-    /// checkpoint saver act, unless a component is configured to act on every rank
-    /// ([`Ranks`](crate::collective::Ranks)).
-    pub fn is_main(&self) -> bool {
-        self.rank == 0
-    }
-
-    /// Whether a component that acts on `ranks` acts on this process.
-    pub fn runs(&self, ranks: crate::collective::Ranks) -> bool {
-        ranks == crate::collective::Ranks::Every || self.is_main()
-    }
-}
+pub use crate::world::World;
 
 /// Checks that `t` (the setting `name`) can be measured on batches that count tokens
 /// (`counts_tokens`) or not: see [`State::check_countable`].
@@ -71,7 +42,7 @@ pub fn check_countable(name: &'static str, t: Time, counts_tokens: bool) -> Resu
 /// ([`State::grads_mut`]), the learning rate from `BATCH_START` to `AFTER_TRAIN_BATCH`
 /// ([`State::set_lr`]) and the model at any event ([`State::map_model`]); a call outside its
 /// window is an error naming the window. Callbacks see the state read-only and act through
-/// their [`Control`] (stop, log, ask for a checkpoint); a [`Restore`](crate::restore::Restore)
+/// their [`Control`](crate::callback::Control) (stop, log, ask for a checkpoint); a [`Restore`](crate::restore::Restore)
 /// puts a checkpoint's position in through [`Restoring`](crate::restore::Restoring).
 pub struct State<S: Setup> {
     pub(crate) model: Option<S::Model>,
@@ -155,7 +126,7 @@ pub struct State<S: Setup> {
     /// The event the engine is running (`None` between events): what the mutators below
     /// check their windows against.
     pub(crate) event: Option<Event>,
-    /// A callback asked for a checkpoint at this batch (see [`Control::request_checkpoint`]);
+    /// A callback asked for a checkpoint at this batch (see [`Control::request_checkpoint`](crate::callback::Control::request_checkpoint));
     /// cleared by the trainer at each batch's start.
     pub(crate) checkpoint_requested: bool,
 }
@@ -535,7 +506,7 @@ impl<S: Setup> State<S> {
         self.event
     }
 
-    /// Whether a callback asked for a checkpoint at this batch ([`Control::request_checkpoint`]).
+    /// Whether a callback asked for a checkpoint at this batch ([`Control::request_checkpoint`](crate::callback::Control::request_checkpoint)).
     pub fn checkpoint_requested(&self) -> bool {
         self.checkpoint_requested
     }
@@ -626,24 +597,12 @@ impl<S: Setup> State<S> {
             .expect("model is present outside the optimizer step");
         Ok((model, self.batch.as_mut()))
     }
-
-    /// Applies what a callback asked of the run through its [`Control`].
-    pub(crate) fn take_requests(&mut self, control: &mut Control<'_>) {
-        if let Some(reason) = control.stop.take() {
-            if self.stop_reason.is_none() {
-                self.stop_reason = Some(reason);
-            }
-        }
-        if std::mem::take(&mut control.checkpoint) {
-            self.checkpoint_requested = true;
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::callback::{Algorithm, Callback};
+    use crate::callback::{Algorithm, Callback, Control};
     use crate::logger::Logger;
     use crate::toy;
 
