@@ -16,6 +16,7 @@ use flashover::distributed::{Distributed, Options as DistOptions};
 use flashover::models::TrainBackend;
 use flashover::prelude::*;
 use flashover_examples::cli::{self, WithOptimizer};
+use flashover_examples::session;
 use flashover_examples::{
     bundled_mnist_dir, defaults, MetricCurve, MnistCnn, MnistData, MnistModel, MnistRun, ModelKind,
 };
@@ -272,13 +273,73 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     let started = Instant::now();
     let world = dist.world();
     let main = world.is_main();
-    // Every output location is checked before the first batch, not found unwritable after
-    // the run. Only rank 0 writes.
-    flashover_examples::cli::local_folder_flag("--out", args.out.as_deref())?;
-    flashover_examples::cli::local_folder_flag("--log-dir", args.run.logs.log_dir.as_deref())?;
+    check_outputs(args, main)?;
+    let recipe = recipe(args, world)?;
+    let curve = MetricCurve::default();
+    let builder = recipe
+        .builder_with::<B, M, O>(model, optimizer, &device)
+        .context("setting up the run")?
+        .hyperparameter("model", args.model.name())
+        .callback(curve.clone())
+        .boxed_collective(dist.collective(device.clone())?);
+    let builder = session::attach(&args.run, builder)?;
+    let (restore, resuming) = resume(args, dist, main)?;
+    let out = args.out.as_deref();
+    let (builder, outputs) =
+        session::observe(&args.run, builder, &device, out, restore, resuming, main)?;
+    let mut trainer = builder.build()?;
+    let wall_before = trainer.state().timestamp().run_wall_time;
+    let report = session::fit_unless_done(&mut trainer)?.unwrap_or_else(nothing_trained);
+    // The run's clock stops at the last batch end; what `fit` took after it is FIT_END: the
+    // wait for the last checkpoint's write (and upload, with a remote save folder) and the
+    // callbacks' end of run. (Read before the final evaluation, which moves the clock.)
+    let stepping = trainer
+        .state()
+        .timestamp()
+        .run_wall_time
+        .saturating_sub(wall_before);
+    let fit_end_wait = (report.wall.as_secs_f64() - stepping.as_secs_f64()).max(0.0);
+    let metrics = session::final_metrics(&mut trainer, true)?;
+    let digest = params_sha256::<B, _>(trainer.model());
+    // Every rank's digest: the ranks must hold the same weights.
+    let digests = dist.all_gather_text(&digest)?;
+    if !main {
+        return Ok(());
+    }
+    let ended = Ended {
+        started,
+        fit_end_wait,
+        digest,
+        digests,
+        curve,
+    };
+    let summary = summary(
+        args, &recipe, &trainer, &report, &metrics, ended, dist, &device,
+    )?;
+    if let Some(out) = out {
+        std::fs::create_dir_all(out)
+            .with_context(|| format!("creating output directory {}", out.display()))?;
+        save_weights::<B, _>(trainer.model(), &out.join("model.safetensors"))?;
+        let text = serde_json::to_string_pretty(&summary)?;
+        flashover::checkpoint::write_atomic(&out.join("summary.json"), text.as_bytes())?;
+    }
+    outputs.finish(trainer)?;
+    session::print(None, &summary)
+}
+
+/// Every output location is checked before the first batch, not found unwritable after the
+/// run. Only rank 0 (`main`) writes.
+fn check_outputs(args: &Args, main: bool) -> anyhow::Result<()> {
+    cli::local_folder_flag("--out", args.out.as_deref())?;
+    cli::local_folder_flag("--log-dir", args.run.logs.log_dir.as_deref())?;
     if let (Some(out), true) = (&args.out, main) {
         flashover::callbacks::check_writable_dir(out).context("checking --out")?;
     }
+    Ok(())
+}
+
+/// The run the flags describe, on this rank of `world`.
+fn recipe(args: &Args, world: World) -> anyhow::Result<MnistRun> {
     let batch_size = flashover::distributed::per_rank("batch_size", args.run.batch_size, world)?;
     let record_indices = args
         .record_indices
@@ -323,117 +384,89 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     if let Some(ssr) = args.run.scale_schedule_ratio {
         recipe.scale_schedule_ratio = ssr;
     }
-    let curve = MetricCurve::default();
-    let mut builder = recipe
-        .builder_with::<B, M, O>(model, optimizer, &device)
-        .context("setting up the run")?
-        .logger(ConsoleLogger::new(args.run.log_every))
-        .hyperparameter("backend", args.run.backend.clone())
-        .hyperparameter("model", args.model.name())
-        .hyperparameter("optimizer", args.run.optimizer.name())
-        .callback(curve.clone())
-        .boxed_collective(dist.collective(device.clone())?);
-    if !args.run.no_progress {
-        builder = builder.logger(ProgressBar::new());
-    }
-    if let Some(at) = args.run.stop_after {
-        builder = builder.callback(StopAt::new(at));
-    }
-    if let Some(saver) = args.run.checkpoint.saver()? {
-        builder = builder.callback(saver);
-    }
-    // Rank 0 looks first (it may move damaged checkpoints aside, or download from an
-    // object store), then the others find the folder as rank 0 left it; the trainer checks
-    // that every rank resumed alike.
+    Ok(recipe)
+}
+
+/// The checkpoint to start from, and whether the run continues an earlier one (its logs are
+/// appended to). Rank 0 looks first (it may move damaged checkpoints aside, or download from
+/// an object store), then the others find the folder as rank 0 left it; the trainer checks
+/// that every rank resumed alike.
+fn resume(
+    args: &Args,
+    dist: &Distributed,
+    main: bool,
+) -> anyhow::Result<(Option<CheckpointRestore>, bool)> {
+    let ck = &args.run.checkpoint;
     let resume = if main {
-        let r = args.run.checkpoint.autoresume(true)?;
+        let r = ck.autoresume(true)?;
         dist.barrier()?;
         r
     } else {
         dist.barrier()?;
-        args.run.checkpoint.autoresume(false)?
+        ck.autoresume(false)?
     };
-    // A resumed run appends to the logs of the run it continues.
-    let ck = &args.run.checkpoint;
     let resuming = resume.is_some() || (ck.load.is_some() && !ck.weights_only);
-    let log_sync = args
-        .run
-        .logs
-        .start_log_sync(main, args.run.checkpoint.save_location()?.as_ref())?;
-    let (mut builder, plot) = args.run.logs.observe(
-        builder,
-        args.run.log_every,
-        &device,
-        args.out.as_deref(),
-        resuming,
-        main,
-    )?;
     let restore = match resume {
         Some(r) => Some(r),
         None => ck.load_restore()?,
     };
-    if let Some(restore) = restore {
-        builder = builder.restore(restore);
+    Ok((restore, resuming))
+}
+
+/// The report of a run resumed from its final checkpoint: nothing trained.
+fn nothing_trained() -> FitReport {
+    FitReport {
+        steps: 0,
+        batches: 0,
+        samples: 0,
+        wall: Default::default(),
+        data_wait: Default::default(),
+        device_reads: 0,
+        stopped: None,
     }
-    let mut trainer = builder.build()?;
-    let wall_before = trainer.state().timestamp().run_wall_time;
-    let report = if trainer.is_finished() {
-        // A run resumed from its final checkpoint: nothing left to train.
-        tracing::info!(at = %trainer.state().timestamp(), "max_duration already reached; evaluating only");
-        FitReport {
-            steps: 0,
-            batches: 0,
-            samples: 0,
-            wall: Default::default(),
-            data_wait: Default::default(),
-            device_reads: 0,
-            stopped: None,
-        }
-    } else {
-        trainer.fit()?
-    };
-    // The run's clock stops at the last batch end; what `fit` took after it is FIT_END: the
-    // wait for the last checkpoint's write (and upload, with a remote save folder) and the
-    // callbacks' end of run. (Read before the final evaluation, which moves the clock.)
-    let stepping = trainer
-        .state()
-        .timestamp()
-        .run_wall_time
-        .saturating_sub(wall_before);
-    let fit_end_wait_seconds = (report.wall.as_secs_f64() - stepping.as_secs_f64()).max(0.0);
-    // Evaluate the final weights unless the last evaluation already saw them.
-    let state = trainer.state();
-    let metrics = if state.last_eval_batch() == Some(state.timestamp().batch) {
-        state.eval_metrics().clone()
-    } else {
-        trainer.eval()?
-    };
+}
+
+/// What the run measured of itself on the way, for its summary.
+struct Ended {
+    started: Instant,
+    fit_end_wait: f64,
+    digest: String,
+    digests: Vec<String>,
+    curve: MetricCurve,
+}
+
+/// The summary line (and `summary.json`).
+#[allow(clippy::too_many_arguments)]
+fn summary<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
+    args: &Args,
+    recipe: &MnistRun,
+    trainer: &Trainer<SetupOf<B, M, O>>,
+    report: &FitReport,
+    metrics: &std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>>,
+    ended: Ended,
+    dist: &Distributed,
+    device: &B::Device,
+) -> anyhow::Result<serde_json::Value> {
     let test = metrics
         .get("test")
         .context("the test evaluator returned no metrics")?;
-    let digest = params_sha256::<B, _>(trainer.model());
-    // Every rank's digest: the ranks must hold the same weights.
-    let digests = dist.all_gather_text(&digest)?;
-    if !main {
-        return Ok(());
-    }
     let state = trainer.state();
     let ts = state.timestamp();
     let train_seconds = report.wall.as_secs_f64();
-    let summary = json!({
+    Ok(json!({
         "test_accuracy": test.get("accuracy"),
         "test_top2_accuracy": test.get("top2_accuracy"),
         "test_loss": test.get("loss"),
-        "wall_seconds": started.elapsed().as_secs_f64(),
+        "wall_seconds": ended.started.elapsed().as_secs_f64(),
         "train_seconds": train_seconds,
-        "fit_end_wait_seconds": fit_end_wait_seconds,
+        "fit_end_wait_seconds": ended.fit_end_wait,
         "samples_per_second": report.samples as f64 / train_seconds.max(f64::MIN_POSITIVE),
         "data_wait_fraction": report.data_wait.as_secs_f64() / train_seconds.max(f64::MIN_POSITIVE),
         // The training step's device-to-host reads per batch (the losses, once per step).
         "device_reads_per_batch": report.device_reads as f64 / (report.batches.max(1)) as f64,
-        "params_sha256": digest,
-        "params_sha256_by_rank": digests,
-        "world_size": world.size,
+        "params_sha256": ended.digest,
+        "params_sha256_by_rank": ended.digests,
+        "world_size": state.world().size,
         "devices": args.devices,
         "allreduce_seconds": dist.allreduce_time().as_secs_f64(),
         "batch_size": args.run.batch_size,
@@ -457,35 +490,12 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         "channels_last": flashover::models::channels_last::<B>(trainer.model().memory_format()),
         // Device memory the backend's pools hold now (CubeCL backends; null on the CPU):
         // pools keep what they reserved, so this is about the run's peak.
-        "device_reserved_bytes": flashover_examples::device_memory_reader(&device)
+        "device_reserved_bytes": flashover_examples::device_memory_reader(device)
             .and_then(|read| read())
             .map(|m| m.reserved),
         // Peak resident memory of the process so far (Linux; null elsewhere).
         "peak_rss_bytes": flashover::callbacks::monitors::process_memory().map(|(_, peak)| peak),
-        "accuracy_curve": curve.points(),
+        "accuracy_curve": ended.curve.points(),
         "stopped": report.stopped,
-    });
-    if let Some(out) = &args.out {
-        std::fs::create_dir_all(out)
-            .with_context(|| format!("creating output directory {}", out.display()))?;
-        save_weights::<B, _>(trainer.model(), &out.join("model.safetensors"))?;
-        let text = serde_json::to_string_pretty(&summary)?;
-        flashover::checkpoint::write_atomic(&out.join("summary.json"), text.as_bytes())?;
-    }
-    // The plot is drawn last: everything above is written even if it cannot be drawn.
-    if let Some(plot) = &plot {
-        plot.draw_or_warn();
-    }
-    // The logs' last lines are written once the trainer (and its loggers) are gone.
-    drop(trainer);
-    if let Some(sync) = log_sync {
-        sync.finish().context("--upload-logs: the final upload")?;
-    }
-    // A closed stdout is reported (and the exit status says so), not a panic.
-    use std::io::Write;
-    let mut stdout = std::io::stdout().lock();
-    writeln!(stdout, "{summary}")
-        .and_then(|_| stdout.flush())
-        .context("writing the summary to stdout")?;
-    Ok(())
+    }))
 }

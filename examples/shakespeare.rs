@@ -34,7 +34,7 @@ use flashover_examples::shakespeare::{
     Windows,
 };
 use flashover_examples::tokenizer::{Tokenizer, TOKENIZER_FILE};
-use flashover_examples::MetricCurve;
+use flashover_examples::{session, MetricCurve};
 use serde_json::json;
 
 // Large per-step buffers stay with the process (see the macro).
@@ -422,62 +422,12 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     optimizer: O,
 ) -> anyhow::Result<()> {
     let device = B::Device::default();
-    let train = window_loader::<B>(
-        "shakespeare-train",
-        Windows::over(p.split.train.clone(), args.seq_len, args.train_windows),
-        args.run.batch_size,
-        true,
-        args.run.seed,
-        &device,
-    )?
-    .with_prefetch(args.run.prefetch)?;
-    let val_windows = Windows::over(p.split.validation.clone(), p.eval_seq_len, args.val_windows);
-    let val_tokens = val_windows.len() * p.eval_seq_len;
-    let val_bytes_per_token = bytes_per_target(
-        &p.split.tokenizer,
-        &p.split.validation,
-        p.eval_seq_len,
-        val_windows.len(),
-    );
-    let text_bytes_per_token = p.text.as_ref().map(|(_, tokens)| {
-        let windows = tokens.len().saturating_sub(1) / p.eval_seq_len;
-        bytes_per_target(&p.split.tokenizer, tokens, p.eval_seq_len, windows)
-    });
-    let val = window_loader::<B::InnerBackend>(
-        "shakespeare-validation",
-        val_windows,
-        args.run.batch_size,
-        false,
-        args.run.seed,
-        &device,
-    )?;
-    let metrics = || -> Vec<Box<dyn flashover::core::metric::Metric<_>>> {
-        vec![
-            Box::new(LossMetric::default()),
-            Box::new(Accuracy::default()),
-        ]
-    };
-    let evaluator = Evaluator::new("val", val, metrics());
-    let text_evaluator = match &p.text {
-        None => None,
-        Some((path, tokens)) => {
-            let loader = window_loader::<B::InnerBackend>(
-                &path.display().to_string(),
-                Windows::over(Arc::new(tokens.clone()), p.eval_seq_len, None),
-                args.run.batch_size,
-                false,
-                args.run.seed,
-                &device,
-            )
-            .with_context(|| format!("--eval-text {}", path.display()))?;
-            Some(Evaluator::new("text", loader, metrics()))
-        }
-    };
+    let data = Data::<B>::load(args, &p, &device)?;
     let curve = MetricCurve::of("val", "loss");
     let mut builder = Trainer::builder(
         model,
         optimizer,
-        train,
+        data.train,
         args.run.max_duration,
         device.clone(),
     )
@@ -486,14 +436,13 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     .scale_schedule_ratio(p.scale_schedule_ratio)
     .seed(args.run.seed)
     .eval_interval(args.run.eval_interval)
-    .evaluator(evaluator)
     .skip_nonfinite_loss(args.run.skip_nonfinite_loss)
     .precision(args.run.precision)
-    .logger(ConsoleLogger::new(args.run.log_every))
     .callback(curve.clone())
-    .hyperparameter("backend", args.run.backend.clone())
-    .hyperparameter("optimizer", args.run.optimizer.name())
     .hyperparameter("model", format!("{:?}", p.config));
+    for evaluator in data.evaluators {
+        builder = builder.evaluator(evaluator);
+    }
     match args.run.microbatch_size {
         Some(cli::MicrobatchSize::Fixed(mb)) => builder = builder.microbatch_size(mb),
         Some(cli::MicrobatchSize::Auto) => builder = builder.auto_microbatching(true),
@@ -506,94 +455,182 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         let names: Vec<String> = p.algorithms.iter().map(|a| a.to_string()).collect();
         builder = builder.hyperparameter("algorithm_specs", names);
     }
-    if let Some(e) = text_evaluator {
-        builder = builder.evaluator(e);
+    if let Some(generate) = generation::<B>(args, &p, &device)? {
+        builder = builder.callback(generate);
     }
-    if !args.run.no_progress {
-        builder = builder.logger(ProgressBar::new());
-    }
-    if let Some(at) = args.run.stop_after {
-        builder = builder.callback(StopAt::new(at));
-    }
-    if let Some(every) = args.generate_every {
-        let prompts = if !args.generate_prompt.is_empty() {
-            args.generate_prompt.clone()
-        } else {
-            vec![args.generate.clone().unwrap_or_else(|| "ROMEO:".into())]
-        };
-        let f = generator::<B>(
-            p.split.tokenizer.clone(),
-            p.sampling.clone(),
-            device.clone(),
-        );
-        builder = builder.callback(Generate::new(prompts, every, f)?);
-    }
-    if let Some(saver) = args.run.checkpoint.saver()? {
-        builder = builder.callback(saver);
-    }
+    let builder = session::attach(&args.run, builder)?;
     let (restore, resuming) = args.run.checkpoint.restore()?;
-    let log_sync = args
-        .run
-        .logs
-        .start_log_sync(true, args.run.checkpoint.save_location()?.as_ref())?;
-    let (mut builder, plot) =
-        args.run
-            .logs
-            .observe(builder, args.run.log_every, &device, None, resuming, true)?;
-    if let Some(restore) = restore {
-        builder = builder.restore(restore);
-    }
+    let (builder, outputs) =
+        session::observe(&args.run, builder, &device, None, restore, resuming, true)?;
     let mut trainer = builder.build()?;
     let tokens_before = trainer.state().timestamp().token;
-    let report = if trainer.is_finished() {
-        tracing::info!(at = %trainer.state().timestamp(), "max_duration already reached; evaluating only");
-        None
-    } else {
-        Some(trainer.fit()?)
-    };
-    let state = trainer.state();
+    let report = session::fit_unless_done(&mut trainer)?;
     // A run that only evaluates (resumed at its end) evaluates afresh: its evaluation
     // settings (--eval-seq-len, --eval-text) may differ from the ones saved with the metrics.
-    let metrics = if report.is_some() && state.last_eval_batch() == Some(state.timestamp().batch) {
-        state.eval_metrics().clone()
-    } else {
-        trainer.eval()?
-    };
-    let val = metrics
-        .get("val")
-        .context("the validation evaluator returned no metrics")?;
-    let loss = *val.get("loss").context("no validation loss")?;
+    let metrics = session::final_metrics(&mut trainer, report.is_some())?;
     // The prompt and settings were checked before training.
     let generated = match p.prompt.as_ref() {
         None => None,
         Some(prompt) => {
-            let model = trainer.model().valid();
-            let new = model.generate(prompt, &p.sampling, &device)?;
-            Some(format!(
-                "{}{}",
+            let new = trainer
+                .model()
+                .valid()
+                .generate(prompt, &p.sampling, &device)?;
+            let (prompt, new) = (
                 p.split.tokenizer.decode(prompt),
-                p.split.tokenizer.decode(&new)
-            ))
+                p.split.tokenizer.decode(&new),
+            );
+            Some(format!("{prompt}{new}"))
         }
     };
+    let summary = summary(
+        args,
+        &p,
+        &data.measures,
+        &trainer,
+        report.as_ref(),
+        &metrics,
+        tokens_before,
+        &curve,
+        &generated,
+    )?;
+    outputs.finish(trainer)?;
+    session::print(generated.as_deref(), &summary)
+}
+
+/// --generate-every's callback: the prompts (--generate-prompt, else --generate, else
+/// `ROMEO:`) continued every so often during training.
+fn generation<B: TrainBackend>(
+    args: &Args,
+    p: &Prepared,
+    device: &B::Device,
+) -> anyhow::Result<Option<Generate<Gpt<B>>>> {
+    let Some(every) = args.generate_every else {
+        return Ok(None);
+    };
+    let prompts = if !args.generate_prompt.is_empty() {
+        args.generate_prompt.clone()
+    } else {
+        vec![args.generate.clone().unwrap_or_else(|| "ROMEO:".into())]
+    };
+    let f = generator::<B>(
+        p.split.tokenizer.clone(),
+        p.sampling.clone(),
+        device.clone(),
+    );
+    Ok(Some(Generate::new(prompts, every, f)?))
+}
+
+/// The training windows and the evaluators: validation, and --eval-text's when given.
+struct Data<B: TrainBackend> {
+    train: DataLoader<B, Vec<u16>, TokenBatch<B>>,
+    evaluators: Vec<Evaluator<B, Gpt<B>>>,
+    measures: Measures,
+}
+
+/// What the summary converts losses with.
+struct Measures {
+    /// Tokens the validation evaluator scores.
+    val_tokens: usize,
+    /// Bytes of text per scored validation token.
+    val_bytes_per_token: f64,
+    /// The same for --eval-text.
+    text_bytes_per_token: Option<f64>,
+}
+
+impl<B: TrainBackend> Data<B> {
+    fn load(args: &Args, p: &Prepared, device: &B::Device) -> anyhow::Result<Self> {
+        let train = window_loader::<B>(
+            "shakespeare-train",
+            Windows::over(p.split.train.clone(), args.seq_len, args.train_windows),
+            args.run.batch_size,
+            true,
+            args.run.seed,
+            device,
+        )?
+        .with_prefetch(args.run.prefetch)?;
+        let val_windows =
+            Windows::over(p.split.validation.clone(), p.eval_seq_len, args.val_windows);
+        let measures = Measures {
+            val_tokens: val_windows.len() * p.eval_seq_len,
+            val_bytes_per_token: bytes_per_target(
+                &p.split.tokenizer,
+                &p.split.validation,
+                p.eval_seq_len,
+                val_windows.len(),
+            ),
+            text_bytes_per_token: p.text.as_ref().map(|(_, tokens)| {
+                let windows = tokens.len().saturating_sub(1) / p.eval_seq_len;
+                bytes_per_target(&p.split.tokenizer, tokens, p.eval_seq_len, windows)
+            }),
+        };
+        let metrics = || -> Vec<Box<dyn flashover::core::metric::Metric<_>>> {
+            vec![
+                Box::new(LossMetric::default()),
+                Box::new(Accuracy::default()),
+            ]
+        };
+        let (batch, seed) = (args.run.batch_size, args.run.seed);
+        let val = window_loader::<B::InnerBackend>(
+            "shakespeare-validation",
+            val_windows,
+            batch,
+            false,
+            seed,
+            device,
+        )?;
+        let mut evaluators = vec![Evaluator::new("val", val, metrics())];
+        if let Some((path, tokens)) = &p.text {
+            let windows = Windows::over(Arc::new(tokens.clone()), p.eval_seq_len, None);
+            let name = path.display().to_string();
+            let loader =
+                window_loader::<B::InnerBackend>(&name, windows, batch, false, seed, device)
+                    .with_context(|| format!("--eval-text {}", path.display()))?;
+            evaluators.push(Evaluator::new("text", loader, metrics()));
+        }
+        Ok(Self {
+            train,
+            evaluators,
+            measures,
+        })
+    }
+}
+
+/// The summary line.
+#[allow(clippy::too_many_arguments)]
+fn summary<B: TrainBackend, O: Optimizer<Gpt<B>, B>>(
+    args: &Args,
+    p: &Prepared,
+    m: &Measures,
+    trainer: &Trainer<SetupOf<B, Gpt<B>, O>>,
+    report: Option<&FitReport>,
+    metrics: &std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>>,
+    tokens_before: u64,
+    curve: &MetricCurve,
+    generated: &Option<String>,
+) -> anyhow::Result<serde_json::Value> {
+    let val = metrics
+        .get("val")
+        .context("the validation evaluator returned no metrics")?;
+    let loss = *val.get("loss").context("no validation loss")?;
     let text_loss = metrics.get("text").and_then(|m| m.get("loss")).copied();
     let state = trainer.state();
     let ts = state.timestamp();
-    let train_seconds = report.as_ref().map_or(0.0, |r| r.wall.as_secs_f64());
+    let train_seconds = report.map_or(0.0, |r| r.wall.as_secs_f64());
     // Tokens trained on in this call (a resumed run counts from where it resumed).
     // (Counted by the trainer: the tokens actually trained on, whatever ALiBi or
     // sequence-length warmup made of the windows.)
     let tokens = ts.token - tokens_before;
     let per_char = matches!(p.split.tokenizer, Tokenizer::Char(_));
-    let summary = json!({
+    Ok(json!({
         "val_loss": loss,
         "val_perplexity": loss.exp(),
         "val_bits_per_char": per_char.then(|| loss / std::f64::consts::LN_2),
         // Bits per byte of text: comparable between tokenizers.
-        "val_bits_per_byte": loss / std::f64::consts::LN_2 / val_bytes_per_token,
-        "val_bytes_per_token": val_bytes_per_token,
+        "val_bits_per_byte": loss / std::f64::consts::LN_2 / m.val_bytes_per_token,
+        "val_bytes_per_token": m.val_bytes_per_token,
         "val_accuracy": val.get("accuracy"),
-        "val_tokens": val_tokens,
+        "val_tokens": m.val_tokens,
         "eval_seq_len": p.eval_seq_len,
         "tokens_per_second": tokens as f64 / train_seconds.max(f64::MIN_POSITIVE),
         "train_seconds": train_seconds,
@@ -602,7 +639,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         "params": trainer.model().num_params(),
         "batches": ts.batch,
         // Batches trained by this process (fewer than `batches` when it resumed a run).
-        "trained_batches": report.as_ref().map_or(0, |r| r.batches),
+        "trained_batches": report.map_or(0, |r| r.batches),
         "samples": ts.sample,
         "tokens": ts.token,
         "skipped_batches": state.skipped_batches(),
@@ -621,7 +658,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         "text_perplexity": text_loss.map(f64::exp),
         "text_bits_per_char": text_loss.filter(|_| per_char).map(|l| l / std::f64::consts::LN_2),
         "text_bits_per_byte": text_loss
-            .zip(text_bytes_per_token)
+            .zip(m.text_bytes_per_token)
             .map(|(l, b)| l / std::f64::consts::LN_2 / b),
         "backend": args.run.backend,
         "seed": args.run.seed,
@@ -631,29 +668,12 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         "algorithms": p.algorithms.iter().map(|a| a.to_string()).collect::<Vec<_>>(),
         "scale_schedule_ratio": p.scale_schedule_ratio,
         "val_curve": curve.points(),
-        "stopped": report.as_ref().and_then(|r| r.stopped.clone()),
+        "stopped": report.and_then(|r| r.stopped.clone()),
         "model": {
             "layers": args.layers, "heads": args.heads, "width": args.width,
             "context": args.context, "seq_len": args.seq_len, "tied": !args.untied,
         },
-    });
-    if let Some(plot) = &plot {
-        plot.draw_or_warn();
-    }
-    // The logs' last lines are written once the trainer (and its loggers) are gone.
-    drop(trainer);
-    if let Some(sync) = log_sync {
-        sync.finish().context("--upload-logs: the final upload")?;
-    }
-    use std::io::Write;
-    let mut stdout = std::io::stdout().lock();
-    if let Some(text) = &generated {
-        writeln!(stdout, "{text}").context("writing the generated text to stdout")?;
-    }
-    writeln!(stdout, "{summary}")
-        .and_then(|_| stdout.flush())
-        .context("writing the summary to stdout")?;
-    Ok(())
+    }))
 }
 
 /// Bytes of text per scored token over the first `windows` windows of `seq_len` tokens of

@@ -25,6 +25,7 @@ pub use mimalloc::MiMalloc;
 pub mod cli;
 pub mod fits;
 pub mod overhead;
+pub mod session;
 pub mod shakespeare;
 pub mod tokenizer;
 
