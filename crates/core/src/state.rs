@@ -134,21 +134,13 @@ pub struct State<S: Setup> {
 impl<S: Setup> State<S> {
     /// The model.
     pub fn model(&self) -> &S::Model {
-        // The model is only taken out for the length of the optimizer step, during which no
-        // event runs, so it is always present when user code can see the state.
-        self.model
-            .as_ref()
-            .expect("model is present outside the optimizer step")
+        present(&self.model)
     }
 
     /// Replaces the model through a function of the old one; parameter ids should be kept so
     /// that optimizer state stays attached.
     pub fn map_model(&mut self, f: impl FnOnce(S::Model) -> S::Model) {
-        // Invariant: as in `model`, no event runs while the model is out.
-        let model = self
-            .model
-            .take()
-            .expect("model is present outside the optimizer step");
+        let model = take_present(&mut self.model);
         self.model = Some(f(model));
     }
 
@@ -158,11 +150,7 @@ impl<S: Setup> State<S> {
         &mut self,
         f: impl FnOnce(S::Model) -> Result<S::Model>,
     ) -> Result<()> {
-        // Invariant: as in `model`, no event runs while the model is out.
-        let model = self
-            .model
-            .take()
-            .expect("model is present outside the optimizer step");
+        let model = take_present(&mut self.model);
         self.model = Some(f(model)?);
         Ok(())
     }
@@ -171,11 +159,7 @@ impl<S: Setup> State<S> {
     pub(crate) fn model_and_collective(
         &mut self,
     ) -> (&S::Model, Option<&mut Box<dyn Collective<S>>>) {
-        // Invariant: as in `model`, no event runs while the model is out.
-        let model = self
-            .model
-            .as_ref()
-            .expect("model is present outside the optimizer step");
+        let model = present(&self.model);
         (model, self.collective.as_mut())
     }
 
@@ -316,6 +300,23 @@ impl<S: Setup> State<S> {
             crate::rng::hash_str(stream),
         ]))
     }
+}
+
+/// The model: it is taken out only for the length of the optimizer step, during which no
+/// event runs, so it is present whenever anything else sees the state.
+fn present<M>(model: &Option<M>) -> &M {
+    // Invariant: the model is out only during the optimizer step (see above).
+    model
+        .as_ref()
+        .expect("model is present outside the optimizer step")
+}
+
+/// The model, taken out to be replaced (see [`present`]).
+fn take_present<M>(model: &mut Option<M>) -> M {
+    // Invariant: the model is out only during the optimizer step (see `present`).
+    model
+        .take()
+        .expect("model is present outside the optimizer step")
 }
 
 /// The batch to change and the outputs to read ([`State::batch_and_outputs_mut`]).
@@ -578,24 +579,8 @@ impl<S: Setup> State<S> {
     /// change, in the gradients' window (gradient clipping reads the parameters' norms).
     pub fn model_and_grads_mut(&mut self) -> Result<(&S::Model, Option<&mut GradientsParams>)> {
         self.check_window("the gradients", GRADS_WINDOW)?;
-        // Invariant: as in `model`, no event runs while the model is out.
-        let model = self
-            .model
-            .as_ref()
-            .expect("model is present outside the optimizer step");
+        let model = present(&self.model);
         Ok((model, self.grads.as_mut()))
-    }
-
-    /// The model and the batch together, the model read-only and the batch to change, in
-    /// the batch's window (selective backprop scores the batch with the model).
-    pub fn model_and_batch_mut(&mut self) -> Result<(&S::Model, Option<&mut BatchOf<S>>)> {
-        self.check_window("the batch", BATCH_WINDOW)?;
-        // Invariant: as in `model`, no event runs while the model is out.
-        let model = self
-            .model
-            .as_ref()
-            .expect("model is present outside the optimizer step");
-        Ok((model, self.batch.as_mut()))
     }
 }
 
