@@ -10,7 +10,10 @@
 mod builder;
 mod eval;
 mod report;
+mod retry;
+mod scaling;
 mod step;
+mod sync;
 
 use std::time::{Duration, Instant};
 

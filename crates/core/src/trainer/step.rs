@@ -1,5 +1,10 @@
 //! One training batch, in four named phases, each firing its events in the order
-//! `crate::event` states:
+//! `crate::event` states. The step's concerns other than events are each in a file of their
+//! own, called here at fixed points: precision and loss scaling (`scaling.rs`: the loss
+//! before `backward`, the gradients before the optimizer, the scale after the step, the
+//! optimizer step in float32), gradient synchronisation (`sync.rs`: what every rank steps
+//! with) and automatic microbatching's retry (`retry.rs`: the out-of-memory checks around an
+//! attempt and the set-up of the next one).
 //! - [`begin`](Trainer::begin_batch): the backend seed and learning rate of the batch,
 //!   `BATCH_START`, `BEFORE_TRAIN_BATCH`;
 //! - [`microbatch`](Trainer::microbatch): forward, loss and backward of one microbatch with
@@ -17,23 +22,20 @@
 
 use std::time::{Duration, Instant};
 
-use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
-use burn::tensor::backend::{Backend, DeviceOps};
-use burn::tensor::{FloatDType, Tensor};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::Tensor;
 
-use crate::collective::LocalStep;
 use crate::error::{CoreError, Result};
 use crate::event::Event;
-use crate::memory::{self, RunningStats};
 use crate::model::{Batch, TrainModel};
 use crate::params::seed_backend;
-use crate::precision::Precision;
-use crate::precision::{cast_params, cast_to, prepare_gradients, ScaleChange};
 use crate::rng::derive_seed;
 use crate::schedule::ScheduleContext;
 use crate::setup::{BatchOf, Setup};
 use crate::state::State;
 
+use super::scaling;
+use super::sync::{self, Accumulated, Synced};
 use super::Trainer;
 
 /// The microbatch losses (each a one-element tensor) as numbers, in one read from the
@@ -51,16 +53,6 @@ fn read_losses<B: burn::tensor::backend::Backend>(mut losses: Vec<Tensor<B, 1>>)
 
 /// Stream tag for the backend seed set at each batch start.
 const BACKEND_STREAM: u64 = 0xB4C4_E4D0;
-
-/// What the microbatches of one batch left for the optimizer step.
-struct Accumulated {
-    /// The batch's gradients (summed over microbatches); `None` when a loss was not finite.
-    grads: Option<GradientsParams>,
-    /// The batch's loss (the sum of the weighted microbatch losses).
-    loss: f64,
-    /// The gradients overflowed under loss scaling (the step is skipped, the scale lowered).
-    overflowed: bool,
-}
 
 /// One attempt at a batch: its gradients, its microbatch losses as read (with the overflow
 /// flag last when `checked`).
@@ -121,14 +113,6 @@ impl<S: Setup> Trainer<S> {
         Ok(stepped)
     }
 
-    /// The microbatch size the next attempt at a batch uses (`None`: the whole batch).
-    fn current_microbatch_size(&self) -> Option<usize> {
-        match self.auto_microbatching {
-            true => self.state.auto_microbatch_size.or(self.microbatch_size),
-            false => self.microbatch_size,
-        }
-    }
-
     /// Forward, loss and backward of every microbatch of `full` (`n` samples) in microbatches
     /// of `size` (`None` or at least `n`: unsplit), the gradients prepared for the optimizer,
     /// and the batch's one read from the device.
@@ -156,19 +140,19 @@ impl<S: Setup> Trainer<S> {
             None => self.state.grads.take(),
         };
         // Float32 gradients for the optimizer, unscaled, with their overflow check (the
-        // half precisions; a float32 run skips this).
-        let scaler = self.state.loss_scaler;
+        // half precisions; a float32 run gets them as they are).
         let (grads, overflow) = match grads {
-            Some(g) if self.state.precision != Precision::Fp32 => {
-                let (g, flag) = prepare_gradients::<S::Backend, S::Model>(
-                    self.state.model(),
+            Some(g) => {
+                let state = &self.state;
+                let (g, flag) = scaling::optimizer_gradients(
+                    state.precision,
+                    state.model(),
                     g,
-                    scaler.map(|s| 1.0 / s.scale),
-                    scaler.is_some(),
+                    state.loss_scaler.as_ref(),
                 );
                 (Some(g), flag)
             }
-            g => (g, None),
+            None => (None, None),
         };
         let checked = overflow.is_some();
         if let Some(flag) = overflow {
@@ -184,138 +168,6 @@ impl<S: Setup> Trainer<S> {
             values,
             checked,
         })
-    }
-
-    /// Automatic microbatching, before a batch's first attempt: the device is synchronised, so
-    /// that an error of earlier work (the previous optimizer step, the batch's data and
-    /// augmentations) is not taken for one of the attempt (smaller microbatches would not
-    /// help there); returns the running statistics to restore after a failed attempt.
-    fn guard_attempts(&mut self) -> Result<RunningStats<S::Backend>> {
-        let synced = S::Backend::sync(&self.state.device);
-        let failures = memory::allocation_failures(self.state.device.id());
-        let ts = &self.state.timestamp;
-        let before = std::mem::replace(&mut self.failures_seen, failures);
-        if failures > before {
-            return Err(CoreError::OutOfMemory {
-                epoch: ts.epoch,
-                batch: ts.batch,
-                during: "before the batch's forward pass".into(),
-                reason: "the previous optimizer step, or the batch's data or augmentations, did not fit, and smaller microbatches do not help there: use a smaller batch, model or precision".into(),
-            });
-        }
-        if let Err(e) = synced {
-            return Err(CoreError::Device {
-                epoch: ts.epoch,
-                batch: ts.batch,
-                message: e.to_string(),
-            });
-        }
-        Ok(RunningStats::take(self.state.model()))
-    }
-
-    /// Automatic microbatching, after an attempt's read: whether the device ran out of memory
-    /// during the attempt (on any rank of a data-parallel run, so that every rank retries
-    /// together); any other device error is an error of the run.
-    ///
-    /// The allocation-failure count decides, not the sync's result: a kernel that meets the
-    /// unbound handle of a failed allocation records an error only when the handle's memory
-    /// slot is vacant; when another tensor occupies it, CubeCL panics on the device thread
-    /// (an assertion) and the sync succeeds. The sync makes sure every queued task (and so
-    /// every allocation) has run.
-    fn ran_out_of_memory(&mut self) -> Result<bool> {
-        let synced = S::Backend::sync(&self.state.device);
-        let failures = memory::allocation_failures(self.state.device.id());
-        let mut oom = failures > self.failures_seen;
-        self.failures_seen = failures;
-        if let (Err(e), false) = (synced, oom) {
-            let ts = &self.state.timestamp;
-            return Err(CoreError::Device {
-                epoch: ts.epoch,
-                batch: ts.batch,
-                message: e.to_string(),
-            });
-        }
-        if let Some(c) = self.state.collective.as_mut() {
-            let mut flag = [f64::from(u8::from(oom))];
-            c.all_reduce_sum_host(&mut flag)?;
-            oom = flag[0] > 0.0;
-        }
-        Ok(oom)
-    }
-
-    /// Without automatic microbatching: an error when device allocations failed since the
-    /// last check (see [`crate::memory`]; the batch's tensors would be unbound buffers, and
-    /// reads of them return whatever the memory held). Costs no synchronisation, so a failure
-    /// in work still queued after the read (the last backward pass) is caught at the next
-    /// batch.
-    fn check_allocations(&mut self, size: usize) -> Result<()> {
-        let failures = memory::allocation_failures(self.state.device.id());
-        if failures <= self.failures_seen {
-            return Ok(());
-        }
-        self.failures_seen = failures;
-        let ts = &self.state.timestamp;
-        Err(CoreError::OutOfMemory {
-            epoch: ts.epoch,
-            batch: ts.batch,
-            during: format!("in microbatches of {size} samples"),
-            reason: "device allocations failed; use automatic microbatching (`--microbatch-size auto`, `TrainerBuilder::auto_microbatching`) or a smaller microbatch size".into(),
-        })
-    }
-
-    /// After an attempt at microbatches of `size` ran out of memory: halves the size (an
-    /// error below 1), puts back the running statistics the attempt changed, frees its memory
-    /// and sets up the same random draws for the next attempt.
-    fn prepare_retry(&mut self, running: &RunningStats<S::Backend>, size: usize) -> Result<()> {
-        let ts = self.state.timestamp.clone();
-        if size <= 1 {
-            return Err(CoreError::OutOfMemory {
-                epoch: ts.epoch,
-                batch: ts.batch,
-                during: "in microbatches of 1 sample".into(),
-                reason: "automatic microbatching cannot split further: use a smaller model, sequence or image size, or a half precision".into(),
-            });
-        }
-        let next = size / 2;
-        let state = &mut self.state;
-        state.batch = None;
-        state.outputs = None;
-        state.loss = None;
-        state.grads = None;
-        state.loss_value = None;
-        // Invariant: the model is only taken out here, between events.
-        let model = state
-            .model
-            .take()
-            .expect("model is present between attempts at a batch");
-        state.model = Some(running.restore(model));
-        S::Backend::memory_cleanup(&state.device);
-        if let Err(e) = S::Backend::sync(&state.device) {
-            return Err(CoreError::Device {
-                epoch: ts.epoch,
-                batch: ts.batch,
-                message: format!("after freeing a batch that ran out of memory: {e}"),
-            });
-        }
-        state.batch_attempt += 1;
-        state.auto_microbatch_size = Some(next);
-        self.seed_batch();
-        tracing::warn!(
-            epoch = ts.epoch,
-            batch = ts.batch,
-            from = size,
-            to = next,
-            "out of memory: retrying the batch in smaller microbatches"
-        );
-        self.engine.logger().log_text(
-            &ts,
-            "auto_microbatching",
-            &format!(
-                "batch {}: out of device memory in microbatches of {size}; retried in microbatches of {next}",
-                ts.batch
-            ),
-        )?;
-        Ok(())
     }
 
     /// Seeds the backend for the batch, sets its learning rate, runs `BATCH_START` and
@@ -337,7 +189,7 @@ impl<S: Setup> Trainer<S> {
     }
 
     /// Seeds the backend with the batch's seed (at its start, and again for each retry).
-    fn seed_batch(&self) {
+    pub(super) fn seed_batch(&self) {
         let state = &self.state;
         let ts = &state.timestamp;
         seed_backend::<S::Backend>(
@@ -411,18 +263,7 @@ impl<S: Setup> Trainer<S> {
             .loss
             .take()
             .ok_or_else(|| missing("loss", Event::BeforeBackward))?;
-        // A model in a half precision may return its loss in the half type: the loss (and
-        // its scaling) is float32 from here.
-        let loss = cast_to(loss, FloatDType::F32);
-        let loss = match weight {
-            Some(w) => loss.mul_scalar(w),
-            None => loss,
-        };
-        let value = loss.clone().detach();
-        let loss = match state.loss_scaler {
-            Some(s) => loss.mul_scalar(s.scale),
-            None => loss,
-        };
+        let (loss, value) = scaling::backward_loss(loss, weight, state.loss_scaler.as_ref());
         let grads = GradientsParams::from_grads(loss.backward(), state.model());
         state.grads = Some(grads);
         engine.run(Event::AfterBackward, state)?;
@@ -437,33 +278,11 @@ impl<S: Setup> Trainer<S> {
         let batch = self.state.timestamp.batch;
         let samples = self.state.batch.as_ref().map_or(0, |b| b.len() as u64);
         let (model, collective) = self.state.model_and_collective();
-        let overflowed = local.overflowed;
-        let (grads, loss, skipped) = match collective {
-            None => (
-                local.grads,
-                finite.then_some(local.loss),
-                !finite || overflowed,
-            ),
-            Some(c) => {
-                // An overflowed rank skips like a rank with a non-finite loss, so that every
-                // rank skips the step (and lowers its scale) together.
-                let local = LocalStep {
-                    grads: local.grads,
-                    loss: local.loss,
-                    finite: finite && !overflowed,
-                    samples,
-                };
-                let global = c.sync_gradients(model, local)?;
-                if finite && global.skipped_ranks > 0 {
-                    tracing::warn!(
-                        ranks = global.skipped_ranks,
-                        batch,
-                        "skipping batch: another rank's loss was not finite"
-                    );
-                }
-                (global.grads, global.loss, global.skipped_ranks > 0)
-            }
-        };
+        let Synced {
+            grads,
+            loss,
+            skipped,
+        } = sync::synchronise(collective, model, local, finite, samples, batch)?;
         let state = &mut self.state;
         state.grads = grads;
         state.loss_value = loss;
@@ -473,34 +292,17 @@ impl<S: Setup> Trainer<S> {
         // overflowed too (`State::replace_gradients`); the scaler learns of it here, once per
         // step, as PyTorch's `GradScaler.update` does after every backward pass of a step.
         let overflowed_later = std::mem::take(&mut state.algorithm_overflow);
-        // Under loss scaling a skipped step lowers the scale on every rank (a non-finite loss
-        // anywhere would also have overflowed the gradients); otherwise it counts as a batch
-        // skipped for its loss.
-        match state.loss_scaler.as_mut() {
-            Some(scaler) => {
-                let scale = scaler.scale;
-                if let ScaleChange::BackedOff(to) = scaler.update(skipped || overflowed_later) {
-                    tracing::warn!(
-                        batch,
-                        from = scale,
-                        to,
-                        "loss scaling: gradients overflowed in float16, step skipped, scale lowered"
-                    );
-                    let ts = state.timestamp.clone();
-                    self.engine.logger().log_text(
-                        &ts,
-                        "loss_scaling",
-                        &format!(
-                            "batch {batch}: gradients overflowed, step skipped; loss scale {scale} -> {to}"
-                        ),
-                    )?;
-                }
-                if skipped && !finite {
-                    state.skipped_batches += 1;
-                }
-            }
-            None if skipped => state.skipped_batches += 1,
-            None => {}
+        let settled = scaling::after_step(
+            state.loss_scaler.as_mut(),
+            skipped,
+            finite,
+            overflowed_later,
+            batch,
+        );
+        state.skipped_batches += u64::from(settled.skipped_for_loss);
+        if let Some(line) = settled.log {
+            let ts = state.timestamp.clone();
+            self.engine.logger().log_text(&ts, "loss_scaling", &line)?;
         }
         let Some(grads) = state.grads.take() else {
             return Ok(false);
@@ -511,19 +313,8 @@ impl<S: Setup> Trainer<S> {
             .model
             .take()
             .expect("model is present outside the optimizer step");
-        // The pure half precisions step in float32 (the optimizer's moments are float32, see
-        // `crate::precision`) and round the new weights to the half type.
-        let stored = state.precision.parameter_dtype();
-        let model = if stored == FloatDType::F32 {
-            state.optimizer.step(lr, model, grads)
-        } else {
-            // Float32 gradients also where an algorithm put its own at `AFTER_TRAIN_BATCH`
-            // in the model's half type without `State::replace_gradients`.
-            let (grads, _) = prepare_gradients::<S::Backend, S::Model>(&model, grads, None, false);
-            let model = cast_params::<S::Backend, S::Model>(model, FloatDType::F32);
-            let model = state.optimizer.step(lr, model, grads);
-            cast_params::<S::Backend, S::Model>(model, stored)
-        };
+        let model =
+            scaling::step_in_precision(&mut state.optimizer, state.precision, lr, model, grads);
         state.model = Some(model);
         Ok(true)
     }
