@@ -22,7 +22,7 @@
 use flashover_surgery::{HalfType, LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 
 pub use crate::low_precision_norm::{accelerated_half, norm_half};
-use crate::low_precision_norm::{LowPrecisionNorm, NormKind, SetNormHalf};
+use crate::low_precision_norm::{LowPrecisionNorm, NormKind};
 
 /// The group norms of a model (the kind of [`LowPrecisionGroupNorm`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -33,10 +33,8 @@ impl NormKind for GroupNorms {
     const LAYER: &'static str = "group norm";
     const KINDS: &'static [LayerKind] = &[LayerKind::GroupNorm];
     const NEEDS: &'static str = "surgery-ready group norms";
-}
 
-impl<M: Surgical + ?Sized> SetNormHalf<M> for GroupNorms {
-    fn set_half(model: &mut M, half: HalfType) -> Vec<String> {
+    fn set_half<M: Surgical + ?Sized>(model: &mut M, half: HalfType) -> Vec<String> {
         let mut layers = Vec::new();
         model.for_each_group_norm(&mut |info, variant| {
             variant.low_precision = Some(half);

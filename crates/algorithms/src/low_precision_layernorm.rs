@@ -15,7 +15,7 @@
 
 use flashover_surgery::{HalfType, LayerKind, SurgeryRecord, Surgical, SurgicalExt};
 
-use crate::low_precision_norm::{LowPrecisionNorm, NormKind, SetNormHalf};
+use crate::low_precision_norm::{LowPrecisionNorm, NormKind};
 
 /// The layer norms of a model (the kind of [`LowPrecisionLayerNorm`]).
 #[derive(Debug, Clone, Copy, Default)]
@@ -26,10 +26,8 @@ impl NormKind for LayerNorms {
     const LAYER: &'static str = "layer norm";
     const KINDS: &'static [LayerKind] = &[LayerKind::LayerNorm];
     const NEEDS: &'static str = "surgery-ready layer norms";
-}
 
-impl<M: Surgical + ?Sized> SetNormHalf<M> for LayerNorms {
-    fn set_half(model: &mut M, half: HalfType) -> Vec<String> {
+    fn set_half<M: Surgical + ?Sized>(model: &mut M, half: HalfType) -> Vec<String> {
         let mut layers = Vec::new();
         model.for_each_layer_norm(&mut |info, variant| {
             variant.low_precision = Some(half);

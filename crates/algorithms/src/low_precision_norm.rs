@@ -1,8 +1,8 @@
 //! What the two low-precision normalisations ([`LowPrecisionGroupNorm`] and
 //! [`LowPrecisionLayerNorm`]) share: the half type they compute in, their settings and their
-//! error, and the algorithm itself, generic over which norms it changes ([`NormKind`], with
-//! [`SetNormHalf`], which walks them on a `Surgical` model). Each kind's module adds its
-//! name, its layer kind and its documentation.
+//! error, and the algorithm itself, generic over which norms it changes ([`NormKind`], which
+//! also walks them on a `Surgical` model). Each kind's module adds its name, its layer kind,
+//! its walk and its documentation.
 //!
 //! [`LowPrecisionGroupNorm`]: crate::low_precision_groupnorm::LowPrecisionGroupNorm
 //! [`LowPrecisionLayerNorm`]: crate::low_precision_layernorm::LowPrecisionLayerNorm
@@ -53,13 +53,9 @@ pub trait NormKind: std::fmt::Debug + Clone + Default + Send + Sync + 'static {
     const KINDS: &'static [LayerKind];
     /// The layers as the error for a model without any names them.
     const NEEDS: &'static str;
-}
 
-/// Makes every norm of kind `Self` of a model `M` compute in a half type; implemented by each
-/// kind for the models whose surgery trait reaches its norms.
-pub trait SetNormHalf<M: ?Sized>: NormKind {
-    /// Sets `half` on every such norm of `model`; returns their paths.
-    fn set_half(model: &mut M, half: HalfType) -> Vec<String>;
+    /// Sets `half` on every norm of this kind in `model`; returns their paths.
+    fn set_half<M: Surgical + ?Sized>(model: &mut M, half: HalfType) -> Vec<String>;
 }
 
 /// The algorithm's settings in the `--algorithms` syntax, with the half type chosen.
@@ -84,7 +80,7 @@ pub fn unsupported<K: NormKind>(backend: String) -> AlgorithmError {
 
 /// Makes every norm of kind `K` of `model` compute in `half` (the functional form; call it
 /// before training) and returns what it changed.
-pub fn apply<K: SetNormHalf<M>, M: ?Sized>(model: &mut M, half: HalfType) -> SurgeryRecord {
+pub fn apply<K: NormKind, M: Surgical + ?Sized>(model: &mut M, half: HalfType) -> SurgeryRecord {
     SurgeryRecord {
         settings: describe::<K>(Some(half)),
         layers: K::set_half(model, half),
@@ -100,7 +96,7 @@ pub struct LowPrecisionNorm<K> {
     kind: PhantomData<K>,
 }
 
-impl<S: Setup, K: SetNormHalf<S::Model>> Algorithm<S> for LowPrecisionNorm<K>
+impl<S: Setup, K: NormKind> Algorithm<S> for LowPrecisionNorm<K>
 where
     S::Model: Surgical,
 {
