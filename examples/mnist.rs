@@ -75,6 +75,13 @@ struct Args {
     /// `--batch-size` is divided over them as over processes.
     #[arg(long, default_value_t = 1)]
     devices: usize,
+    /// With several processes or devices: how the optimizer step is divided over them.
+    /// no_shard: every rank holds the whole gradient and optimizer state; shard_grad_op: each
+    /// rank keeps the averaged gradients and optimizer state of the parameters it owns only
+    /// (ZeRO stages 1 and 2, Composer's SHARD_GRAD_OP), with the same weights bit for bit,
+    /// and checkpoints hold one optimizer file per rank. One process shards nothing.
+    #[arg(long, default_value = "no_shard")]
+    sharding: flashover::core::shard::Sharding,
     /// In a multi-process run: how long a process waits for the others in one exchange
     /// before it names the one that is lost and ends the job (a wall-clock time).
     #[arg(long, default_value = "60s")]
@@ -281,6 +288,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         .context("setting up the run")?
         .hyperparameter("model", args.model.name())
         .callback(curve.clone())
+        .sharding(args.sharding)
         .boxed_collective(dist.collective(device.clone())?);
     let builder = session::attach(&args.run, builder)?;
     let (restore, resuming) = resume(args, dist, main)?;
@@ -303,6 +311,10 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
     let digest = params_sha256::<B, _>(trainer.model());
     // Every rank's digest: the ranks must hold the same weights.
     let digests = dist.all_gather_text(&digest)?;
+    // Every rank's optimizer state, as a checkpoint would serialise it (a sharded run's is
+    // each rank's share).
+    let optimizer_bytes = flashover_examples::optimizer_state_bytes::<B, M, O>(trainer.state())?;
+    let optimizer_bytes = dist.all_gather_text(&optimizer_bytes.to_string())?;
     if !main {
         return Ok(());
     }
@@ -311,6 +323,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         fit_end_wait,
         digest,
         digests,
+        optimizer_bytes,
         curve,
     };
     let summary = summary(
@@ -432,6 +445,7 @@ struct Ended {
     fit_end_wait: f64,
     digest: String,
     digests: Vec<String>,
+    optimizer_bytes: Vec<String>,
     curve: MetricCurve,
 }
 
@@ -468,6 +482,12 @@ fn summary<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         "params_sha256_by_rank": ended.digests,
         "world_size": state.world().size,
         "devices": args.devices,
+        "sharding": if state.is_sharded() { args.sharding.name() } else { "no_shard" },
+        "optimizer_state_bytes_by_rank": ended
+            .optimizer_bytes
+            .iter()
+            .map(|b| b.parse::<u64>().unwrap_or(0))
+            .collect::<Vec<_>>(),
         "allreduce_seconds": dist.allreduce_time().as_secs_f64(),
         "batch_size": args.run.batch_size,
         "epochs": ts.epoch,

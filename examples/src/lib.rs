@@ -94,6 +94,23 @@ pub fn device_at<B: Backend>(index: usize) -> B::Device {
     })
 }
 
+/// The bytes of `state`'s optimizer state as a checkpoint serialises it (Burn's named
+/// MessagePack at full precision): in a sharded run, this rank's share.
+pub fn optimizer_state_bytes<B, M, O>(
+    state: &flashover::core::state::State<SetupOf<B, M, O>>,
+) -> anyhow::Result<usize>
+where
+    B: burn::tensor::backend::AutodiffBackend,
+    M: burn::module::AutodiffModule<B> + flashover::core::model::TrainModel<B>,
+    O: Optimizer<M, B>,
+{
+    use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
+    let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+    let bytes = Recorder::<B>::record(&recorder, state.optimizer().to_record(), ())
+        .map_err(|e| anyhow::anyhow!("serialising the optimizer state: {e}"))?;
+    Ok(bytes.len())
+}
+
 /// A reader of device memory for the memory monitor, for the device of whichever backend
 /// `device` belongs to: the CubeCL backends (wgpu, CUDA) report the bytes their memory pools
 /// hold for live tensors and have reserved; the CPU backends have no such pool (`None`; the

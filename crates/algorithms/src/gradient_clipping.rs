@@ -22,7 +22,7 @@
 
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor};
+use burn::tensor::Tensor;
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
@@ -67,16 +67,33 @@ pub(crate) fn sum_of_squares<B: Backend>(t: &Tensor<B, 1>) -> Tensor<B, 1> {
     t.clone().powi_scalar(2).sum_dim(0)
 }
 
-/// The global L2 norm over every gradient in `views`.
-pub fn global_norm<B: Backend>(views: &[GradView<B>]) -> f64 {
-    let Some(first) = views.first() else {
+/// Each gradient's sum of squares, in `views`' order, read from the device at once.
+pub fn sums_of_squares<B: Backend>(views: &[GradView<B>]) -> Vec<f32> {
+    if views.is_empty() {
+        return Vec::new();
+    }
+    let sums: Vec<Tensor<B, 1>> = views.iter().map(|v| sum_of_squares(&v.grad)).collect();
+    Tensor::cat(sums, 0)
+        .into_data()
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect()
+}
+
+/// The L2 norm of the gradients whose sums of squares are `sums` (in the module's order):
+/// added in that order in `f32`, as one process adds its tensors, so that a sharded run,
+/// which gathers each rank's sums first, gets the same bits.
+pub fn norm_of_sums(sums: &[f32]) -> f64 {
+    let Some((&first, rest)) = sums.split_first() else {
         return 0.0;
     };
-    let mut total = sum_of_squares(&first.grad);
-    for v in &views[1..] {
-        total = total + sum_of_squares(&v.grad);
-    }
-    total.into_scalar().elem::<f64>().sqrt()
+    let total = rest.iter().fold(first, |t, &s| t + s);
+    f64::from(total).sqrt()
+}
+
+/// The global L2 norm over every gradient in `views`.
+pub fn global_norm<B: Backend>(views: &[GradView<B>]) -> f64 {
+    norm_of_sums(&sums_of_squares(views))
 }
 
 /// The factor `min(1, max_norm / (norm + 1e-6))` that norm clipping scales by.
@@ -149,22 +166,34 @@ pub fn clip_gradients<B: AutodiffBackend, M: burn::module::AutodiffModule<B>>(
 ) -> f64 {
     let views = grads_of(model, grads);
     let norm = global_norm(&views);
+    clip_views(grads, &views, kind, threshold, norm);
+    norm
+}
+
+/// Clips the gradients in `views` (of `grads`), norm clipping against the global `norm`.
+fn clip_views<B: Backend>(
+    grads: &mut GradientsParams,
+    views: &[GradView<B>],
+    kind: ClippingType,
+    threshold: f64,
+    norm: f64,
+) {
     match kind {
         ClippingType::Value => {
-            for v in &views {
+            for v in views {
                 set_grad(grads, v, v.grad.clone().clamp(-threshold, threshold));
             }
         }
         ClippingType::Norm => {
             let f = norm_clip_factor(norm, threshold);
             if f < 1.0 {
-                for v in &views {
+                for v in views {
                     set_grad(grads, v, v.grad.clone().mul_scalar(f));
                 }
             }
         }
         ClippingType::Adaptive => {
-            for v in &views {
+            for v in views {
                 let axis = UnitAxis::of(&v.owner, v.shape.len());
                 let p_norm = unitwise_norm(&v.param, &v.shape, axis).clamp_min(1e-3);
                 let g_norm = unitwise_norm(&v.grad, &v.shape, axis);
@@ -175,7 +204,6 @@ pub fn clip_gradients<B: AutodiffBackend, M: burn::module::AutodiffModule<B>>(
             }
         }
     }
-    norm
 }
 
 /// The gradient-clipping algorithm; see the module docs.
@@ -215,8 +243,21 @@ impl<S: Setup> Algorithm<S> for GradientClipping {
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
+        // Norm clipping needs the norm over every parameter: in a sharded run each rank
+        // holds its own parameters' gradients, so the per-parameter sums are gathered and
+        // added in the module's order on every rank (the bits of an unsharded run). Value
+        // and adaptive clipping act on each parameter alone.
+        let norm = match (self.kind, state.grads()) {
+            (_, None) => return Ok(()),
+            (ClippingType::Norm, Some(grads)) => {
+                let sums = sums_of_squares(&grads_of(state.model(), grads));
+                norm_of_sums(&state.gather_over_shards(sums)?)
+            }
+            (_, Some(_)) => 0.0,
+        };
         if let (model, Some(grads)) = state.model_and_grads_mut()? {
-            clip_gradients(model, grads, self.kind, self.threshold);
+            let views = grads_of(model, grads);
+            clip_views(grads, &views, self.kind, self.threshold, norm);
         }
         Ok(())
     }

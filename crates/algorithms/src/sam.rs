@@ -150,11 +150,19 @@ impl<S: Setup> Algorithm<S> for Sam {
         state: &mut State<S>,
         _logger: &mut Logger,
     ) -> flashover_core::Result<()> {
-        let (Some(grads), Some(batch)) = (state.grads(), state.batch()) else {
+        let scale = state.loss_scale();
+        let (rho, epsilon) = (self.rho, self.epsilon);
+        // The ascent step moves every weight: in a sharded run the other ranks' parts of the
+        // gradient are gathered for it (bit for bit the unsharded run's gradient).
+        let g = state.with_whole_gradients(|state, grads| {
+            state
+                .batch()
+                .map(|batch| sam_gradients(state.model(), batch, grads, rho, epsilon, scale))
+        })?;
+        let Some(Some(g)) = g else {
             return Ok(());
         };
-        let scale = state.loss_scale();
-        let g = sam_gradients(state.model(), batch, grads, self.rho, self.epsilon, scale)?;
+        let g = g?;
         // Unscaled and checked for overflow under loss scaling, and in a data-parallel run
         // averaged over the ranks, like the first pass's gradients.
         state.replace_gradients(g)?;

@@ -8,6 +8,7 @@
 
 use serde_json::Value;
 
+use crate::collective::Peers;
 use crate::error::Result;
 use crate::event::Event;
 use crate::logger::Logger;
@@ -133,6 +134,7 @@ crate::for_each_event!(define_callback);
 /// ```
 pub struct Control<'a> {
     logger: &'a mut Logger,
+    peers: Option<&'a mut dyn Peers>,
     pub(crate) stop: Option<String>,
     pub(crate) checkpoint: bool,
 }
@@ -143,9 +145,25 @@ impl<'a> Control<'a> {
     pub fn new(logger: &'a mut Logger) -> Self {
         Self {
             logger,
+            peers: None,
             stop: None,
             checkpoint: false,
         }
+    }
+
+    /// The same, with the run's other ranks reachable through [`Control::peers`].
+    pub fn with_peers(logger: &'a mut Logger, peers: &'a mut dyn Peers) -> Self {
+        Self {
+            peers: Some(peers),
+            ..Self::new(logger)
+        }
+    }
+
+    /// The other ranks of a data-parallel run (`None` in a single process), for a callback
+    /// that must agree with them (a sharded checkpoint: every rank writes its shard, rank 0
+    /// the manifest over all). Collective: see [`Peers`].
+    pub fn peers(&mut self) -> Option<&mut (dyn Peers + 'a)> {
+        self.peers.as_deref_mut()
     }
 
     /// The run's loggers.

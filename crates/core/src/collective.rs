@@ -116,6 +116,76 @@ pub trait Collective<S: Setup>: Send {
         buffer: Tensor<InnerBackendOf<S>, 1>,
     ) -> Result<Tensor<InnerBackendOf<S>, 1>>;
 
+    /// Sums `buffer` element-wise over every rank, as [`Collective::all_reduce_sum`] does and
+    /// with the same bits, but returns only the elements this rank needs: its own range of
+    /// `parts` (one range per rank, in rank order, covering the buffer before the tail)
+    /// followed by the last `tail` elements, which every rank gets. A sharded run's gradient
+    /// seam ([`crate::shard`]). The provided form all-reduces and keeps the pieces; a
+    /// transport overrides it to send less (the MPI ring sends each element to its owner
+    /// only).
+    fn reduce_scatter_sum(
+        &mut self,
+        buffer: Tensor<InnerBackendOf<S>, 1>,
+        parts: &[std::ops::Range<usize>],
+        tail: usize,
+    ) -> Result<Tensor<InnerBackendOf<S>, 1>> {
+        let len = buffer.dims()[0];
+        let rank = self.world().rank;
+        let mine = parts.get(rank).cloned().unwrap_or(0..0);
+        if mine.end > len.saturating_sub(tail) {
+            return Err(CoreError::config(
+                "reduce-scatter parts",
+                format!("{mine:?} of a buffer of {len} with a tail of {tail}"),
+                "ranges inside the buffer before its tail",
+            ));
+        }
+        let sum = self.all_reduce_sum(buffer)?;
+        let end = sum.clone().narrow(0, len - tail, tail);
+        if mine.is_empty() {
+            return Ok(end);
+        }
+        Ok(Tensor::cat(
+            vec![sum.narrow(0, mine.start, mine.len()), end],
+            0,
+        ))
+    }
+
+    /// Every rank's `mine` (rank `r` brings `counts[r]` values), concatenated in rank order,
+    /// on every rank: copies of each rank's bits. The provided form rides on
+    /// [`Collective::all_reduce_sum_host`] (each value's bits as an integer, exact); a
+    /// transport overrides it to send the values once.
+    fn all_gather_f32(&mut self, mine: Vec<f32>, counts: &[usize]) -> Result<Vec<f32>> {
+        crate::shard::all_gather_by_sum(self, mine, counts)
+    }
+
+    /// Every rank's `text`, in rank order (a sharded checkpoint's report of each rank's
+    /// file). The provided form rides on [`Collective::all_reduce_sum_host`], one byte a
+    /// number.
+    fn all_gather_text(&mut self, text: &str) -> Result<Vec<String>> {
+        let world = self.world();
+        let mut lengths = vec![0.0; world.size.max(1)];
+        if let Some(n) = lengths.get_mut(world.rank) {
+            *n = text.len() as f64;
+        }
+        self.all_reduce_sum_host(&mut lengths)?;
+        let lengths: Vec<usize> = lengths.iter().map(|&n| n.round() as usize).collect();
+        let start: usize = lengths[..world.rank.min(lengths.len())].iter().sum();
+        let mut all = vec![0.0; lengths.iter().sum()];
+        for (slot, b) in all[start..].iter_mut().zip(text.as_bytes()) {
+            *slot = f64::from(*b);
+        }
+        self.all_reduce_sum_host(&mut all)?;
+        let mut at = 0;
+        Ok(lengths
+            .iter()
+            .map(|&n| {
+                let bytes: Vec<u8> = all[at..at + n].iter().map(|&v| v as u8).collect();
+                at += n;
+                String::from_utf8_lossy(&bytes).into_owned()
+            })
+            .collect())
+    }
+
     /// Gives every rank rank 0's weights; parameter ids are kept.
     fn broadcast_model(&mut self, model: S::Model) -> Result<S::Model> {
         match flatten_params::<S::Backend, _>(&model) {
@@ -237,6 +307,32 @@ pub trait Collective<S: Setup>: Send {
         }
         self.all_reduce_sum_host(&mut flags)?;
         Ok(flags.iter().position(|&f| f > 0.0))
+    }
+}
+
+/// The collective calls a callback may make through its
+/// [`Control`](crate::callback::Control) (host numbers and text only: callbacks do not touch
+/// tensors). Collective: a callback may call it only at an event every rank runs it at, which
+/// holds for callbacks acting on every rank ([`Ranks::Every`], and [`Ranks::Shards`] in a
+/// sharded run), never for one acting on rank 0 only (its peers would wait forever).
+pub trait Peers {
+    /// This process's rank and the number of ranks.
+    fn world(&self) -> World;
+    /// Sums `values` element-wise over every rank, in place.
+    fn sum(&mut self, values: &mut [f64]) -> Result<()>;
+    /// Every rank's `text`, in rank order.
+    fn gather_text(&mut self, text: &str) -> Result<Vec<String>>;
+}
+
+impl<S: Setup> Peers for Box<dyn Collective<S>> {
+    fn world(&self) -> World {
+        self.as_ref().world()
+    }
+    fn sum(&mut self, values: &mut [f64]) -> Result<()> {
+        self.as_mut().all_reduce_sum_host(values)
+    }
+    fn gather_text(&mut self, text: &str) -> Result<Vec<String>> {
+        self.as_mut().all_gather_text(text)
     }
 }
 

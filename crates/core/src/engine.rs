@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use serde_json::Value;
 
 use crate::callback::{Algorithm, Callback, Control};
+use crate::collective::Collective;
 use crate::error::{CoreError, Result};
 use crate::event::Event;
 use crate::logger::Logger;
@@ -24,6 +25,7 @@ pub struct Engine<S: Setup> {
     pub(crate) callbacks: Vec<Box<dyn Callback<S>>>,
     /// Whether each callback acts on this rank.
     active: Vec<bool>,
+    world: World,
     pub(crate) logger: Logger,
     idle: bool,
     collect_states: bool,
@@ -49,10 +51,29 @@ impl<S: Setup> Engine<S> {
             algorithms,
             callbacks,
             active,
+            world,
             logger,
             idle,
             collect_states,
         }
+    }
+
+    /// Tells the engine that the run's optimizer state is sharded (or not), so that
+    /// callbacks acting on [`Ranks::Shards`](crate::world::Ranks::Shards) act on every rank.
+    pub(crate) fn set_sharded(&mut self, sharded: bool) {
+        let world = self.world;
+        self.active = self
+            .callbacks
+            .iter()
+            .map(|c| world.runs_in(c.ranks(), sharded))
+            .collect();
+        self.idle =
+            self.algorithms.is_empty() && !self.active.contains(&true) && self.logger.is_empty();
+        self.collect_states = self
+            .callbacks
+            .iter()
+            .zip(&self.active)
+            .any(|(c, &on)| on && c.needs_component_states());
     }
 
     /// The logger, for values the trainer itself logs.
@@ -165,13 +186,37 @@ impl<S: Setup> Engine<S> {
         {
             state.component_states = self.component_states();
         }
+        // The collective leaves the state while callbacks run, lent to them through their
+        // `Control` (the state itself they see read-only), and is put back whatever happens.
+        let mut collective = state.collective.take();
+        let ran = self.run_callbacks(event, state, collective.as_mut());
+        state.collective = collective;
+        ran?;
+        if event != Event::Init {
+            self.logger
+                .run_event(event, &state.timestamp, &state.progress())?;
+        }
+        Ok(())
+    }
+}
+
+impl<S: Setup> Engine<S> {
+    fn run_callbacks(
+        &mut self,
+        event: Event,
+        state: &mut State<S>,
+        mut collective: Option<&mut Box<dyn Collective<S>>>,
+    ) -> Result<()> {
         for (c, _) in self
             .callbacks
             .iter_mut()
             .zip(&self.active)
             .filter(|(_, &on)| on)
         {
-            let mut control = Control::new(&mut self.logger);
+            let mut control = match collective.as_deref_mut() {
+                Some(peers) => Control::with_peers(&mut self.logger, peers),
+                None => Control::new(&mut self.logger),
+            };
             c.run_event(event, state, &mut control)?;
             // The requests reach the state for the callbacks after this one; the first stop
             // asked for wins.
@@ -179,10 +224,6 @@ impl<S: Setup> Engine<S> {
                 state.stop_reason.get_or_insert(reason);
             }
             state.checkpoint_requested |= control.checkpoint;
-        }
-        if event != Event::Init {
-            self.logger
-                .run_event(event, &state.timestamp, &state.progress())?;
         }
         Ok(())
     }

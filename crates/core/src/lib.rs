@@ -26,6 +26,7 @@ pub mod restore;
 pub mod rng;
 pub mod schedule;
 pub mod setup;
+pub mod shard;
 pub mod state;
 pub mod time;
 #[doc(hidden)]

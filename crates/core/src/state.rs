@@ -3,8 +3,9 @@
 //! The state holds data, not behaviour: the trainer decides when fields change, and documents
 //! at which events each optional field is set. Nothing here runs events or touches files.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
+use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
@@ -16,6 +17,7 @@ use crate::precision::{LossScaler, Precision};
 use crate::rng::{derive_seed, Rng};
 use crate::schedule::LrSchedule;
 use crate::setup::{BatchOf, DeviceOf, OutputOf, Setup};
+use crate::shard::ShardPlan;
 use crate::time::{Progress, Time, TimeUnit, Timestamp};
 pub use crate::world::World;
 
@@ -123,6 +125,12 @@ pub struct State<S: Setup> {
     pub(crate) algorithm_overflow: bool,
     /// How this rank meets the others of a data-parallel run (`None`: a single process).
     pub(crate) collective: Option<Box<dyn Collective<S>>>,
+    /// Which rank owns which parameter, in a run whose optimizer state and gradients are
+    /// sharded ([`crate::shard`]); `None` otherwise.
+    pub(crate) sharding: Option<ShardPlan>,
+    /// In a sharded run, the parameters this rank's batch had gradients for (the ones
+    /// [`State::with_whole_gradients`] fills in from their owners).
+    pub(crate) shard_keep: HashSet<ParamId>,
     /// The event the engine is running (`None` between events): what the mutators below
     /// check their windows against.
     pub(crate) event: Option<Event>,
@@ -155,12 +163,17 @@ impl<S: Setup> State<S> {
         Ok(())
     }
 
-    /// The model and the collective, borrowed together (the trainer's gradient seam).
+    /// The model, the collective and the shard plan, borrowed together (the trainer's
+    /// gradient seam).
     pub(crate) fn model_and_collective(
         &mut self,
-    ) -> (&S::Model, Option<&mut Box<dyn Collective<S>>>) {
+    ) -> (
+        &S::Model,
+        Option<&mut Box<dyn Collective<S>>>,
+        Option<&ShardPlan>,
+    ) {
         let model = present(&self.model);
-        (model, self.collective.as_mut())
+        (model, self.collective.as_mut(), self.sharding.as_ref())
     }
 
     /// The factor an algorithm that runs its own backward pass at `AFTER_TRAIN_BATCH` (SAM's
@@ -180,7 +193,7 @@ impl<S: Setup> State<S> {
     /// step is skipped and the scale lowered, as when the batch's own gradients overflow
     /// (PyTorch's `GradScaler` records an overflow in any backward pass of a step the same
     /// way). Every rank must call it at the same point, as for
-    /// [`State::average_gradients`].
+    /// [`State::average_gradients`]; in a sharded run this rank keeps the parameters it owns.
     pub fn replace_gradients(&mut self, grads: GradientsParams) -> Result<()> {
         let scaler = self.loss_scaler;
         let (grads, flag) = if self.precision == Precision::Fp32 {
@@ -218,6 +231,8 @@ impl<S: Setup> State<S> {
     /// a data-parallel run, through the same seam and buffer layout as the trainer's own
     /// gradients; in a single process they come back unchanged. Every rank must call it at
     /// the same point, as algorithms do (their schedules are functions of the timestamp).
+    /// In a sharded run the averages of the parameters this rank owns come back, as the
+    /// trainer's own do.
     pub fn average_gradients(&mut self, grads: GradientsParams) -> Result<GradientsParams> {
         if !self.is_data_parallel() {
             return Ok(grads);
@@ -236,6 +251,85 @@ impl<S: Setup> State<S> {
         self.world.size > 1 && self.collective.is_some()
     }
 
+    /// Every rank's `values` (of any number each), concatenated in rank order: in a sharded
+    /// run, how an algorithm combines what each rank computed over its own parameters into
+    /// one result over all of them, in the module's order (gradient clipping's norm: each
+    /// rank's per-parameter sums of squares, added up in parameter order on every rank, as
+    /// a run that is not sharded adds them). Outside a sharded run, `values` as they are.
+    /// Collective: every rank calls it at the same point.
+    pub fn gather_over_shards(&mut self, values: Vec<f32>) -> Result<Vec<f32>> {
+        match (&self.sharding, self.collective.as_mut()) {
+            (Some(_), Some(c)) => crate::shard::gather_host(c.as_mut(), values),
+            _ => Ok(values),
+        }
+    }
+
+    /// Calls `f` with the state and the whole averaged gradient of the step, at
+    /// `AFTER_TRAIN_BATCH`: in a sharded run, where [`State::grads`] holds only the
+    /// parameters this rank owns, the other ranks' parts are gathered from them first (an
+    /// algorithm that moves every weight by the gradient, SAM's ascent step, needs it all);
+    /// otherwise `f` reads [`State::grads`] itself. `None` (and `f` is not called) where the
+    /// step has no gradients. Collective in a sharded run: every rank calls it at the same
+    /// point.
+    pub fn with_whole_gradients<R>(
+        &mut self,
+        f: impl FnOnce(&Self, &GradientsParams) -> R,
+    ) -> Result<Option<R>> {
+        self.check_window("the gradients", GRADS_WINDOW)?;
+        if self.grads.is_none() {
+            return Ok(None);
+        }
+        let gathered = match (&self.sharding, self.collective.as_mut(), &self.grads) {
+            (Some(plan), Some(c), Some(grads)) => Some(crate::shard::gather_gradients(
+                c.as_mut(),
+                plan,
+                present(&self.model),
+                grads,
+                &self.shard_keep,
+            )?),
+            _ => None,
+        };
+        let state = &*self;
+        Ok(match (&gathered, &state.grads) {
+            (Some(all), _) => Some(f(state, all)),
+            (None, Some(grads)) => Some(f(state, grads)),
+            (None, None) => None,
+        })
+    }
+
+    /// A sharded run's all-gather of the parameters each rank just stepped
+    /// ([`crate::shard`]): every rank then holds every parameter, with its owner's bits.
+    pub(crate) fn gather_shards(&mut self) -> Result<()> {
+        let (Some(plan), Some(c)) = (self.sharding.as_ref(), self.collective.as_mut()) else {
+            return Ok(());
+        };
+        let gathered = crate::shard::gather_params(c.as_mut(), plan, present(&self.model))?;
+        self.map_model(|m| crate::shard::load_gathered::<S::Backend, S::Model>(m, &gathered));
+        Ok(())
+    }
+
+    /// Whether this rank holds only its own share of the gradients and optimizer state
+    /// ([`crate::shard`]).
+    pub fn is_sharded(&self) -> bool {
+        self.sharding.is_some()
+    }
+
+    /// The shard plan of a sharded run (which rank owns which parameter).
+    pub fn sharding(&self) -> Option<&ShardPlan> {
+        self.sharding.as_ref()
+    }
+
+    /// In a sharded run, the ids of the parameters this rank owns (whose optimizer state it
+    /// keeps and saves); `None` when every rank keeps everything.
+    pub fn owned_param_ids(&self) -> Result<Option<HashSet<ParamId>>> {
+        match &self.sharding {
+            Some(plan) => Ok(Some(
+                plan.owned_ids::<S::Backend, S::Model>(present(&self.model))?,
+            )),
+            None => Ok(None),
+        }
+    }
+
     /// Gradients an algorithm computed itself, through the collective's gradient seam (with
     /// `finite` false where this rank's overflowed); only in a data-parallel run.
     fn sync_own_gradients(
@@ -244,16 +338,27 @@ impl<S: Setup> State<S> {
         finite: bool,
     ) -> Result<GlobalStep> {
         let samples = self.batch.as_ref().map_or(1, |b| b.len() as u64);
-        let (model, collective) = self.model_and_collective();
+        let model = present(&self.model);
         // Invariant: callers check `is_data_parallel` first.
-        let c = collective.expect("a collective in a data-parallel run");
+        let c = self
+            .collective
+            .as_mut()
+            .expect("a collective in a data-parallel run");
         let local = LocalStep {
             grads,
             loss: 0.0,
             finite,
             samples,
         };
-        c.sync_gradients(model, local)
+        match &self.sharding {
+            Some(plan) => {
+                let (step, keep) =
+                    crate::shard::sync_gradient_shards(c.as_mut(), plan, model, local)?;
+                self.shard_keep = keep;
+                Ok(step)
+            }
+            None => c.sync_gradients(model, local),
+        }
     }
 
     /// Asks the trainer to stop after the current batch; `reason` is logged.

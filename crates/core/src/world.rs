@@ -27,9 +27,20 @@ impl World {
         self.rank == 0
     }
 
-    /// Whether a component that acts on `ranks` acts on this process.
+    /// Whether a component that acts on `ranks` acts on this process (in a run whose
+    /// optimizer state is not sharded: see [`World::runs_in`]).
     pub fn runs(&self, ranks: Ranks) -> bool {
-        ranks == Ranks::Every || self.is_main()
+        self.runs_in(ranks, false)
+    }
+
+    /// Whether a component that acts on `ranks` acts on this process, in a run whose
+    /// optimizer state is `sharded` or not.
+    pub fn runs_in(&self, ranks: Ranks, sharded: bool) -> bool {
+        match ranks {
+            Ranks::Every => true,
+            Ranks::Main => self.is_main(),
+            Ranks::Shards => sharded || self.is_main(),
+        }
     }
 }
 
@@ -40,6 +51,10 @@ pub enum Ranks {
     Main,
     /// Every rank.
     Every,
+    /// Rank 0, and every rank of a run whose optimizer state is sharded
+    /// ([`crate::shard`]), where each rank holds a part of what the component writes (the
+    /// checkpoint saver: each rank writes its own shard).
+    Shards,
 }
 
 /// Makes a component that would act on rank 0 only (a logger, a writing callback) act on

@@ -7,6 +7,7 @@
 //! (every millisecond it looks for control messages), so a rank that is merely busy is told
 //! apart from one that is gone: see the crate docs, "Faults".
 
+use std::ops::Range;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -80,6 +81,10 @@ impl Drop for Inner {
 
 enum Op {
     SumF32(Vec<f32>),
+    /// A sum whose every rank keeps only the ranges it needs (one list per rank).
+    ReduceScatterF32(Vec<f32>, Vec<Vec<Range<usize>>>),
+    /// Every rank's values (of the given counts), in rank order.
+    AllGatherF32(Vec<f32>, Vec<usize>),
     SumF64(Vec<f64>),
     Broadcast(Vec<f32>),
     GatherText(Vec<u8>),
@@ -200,6 +205,33 @@ impl Mpi {
         }
     }
 
+    /// The element-wise sum of `values` over every rank, with the all-reduce's bits, of which
+    /// this rank gets the ranges `needs[rank]` lists, concatenated.
+    pub fn reduce_scatter_f32(
+        &self,
+        values: Vec<f32>,
+        needs: Vec<Vec<Range<usize>>>,
+        what: &'static str,
+    ) -> Vec<f32> {
+        match self.run(Op::ReduceScatterF32(values, needs), what) {
+            Done::F32(v) => v,
+            _ => unreachable_reply(what),
+        }
+    }
+
+    /// Every rank's `values` (rank `r` brings `counts[r]`), concatenated in rank order.
+    pub fn all_gather_f32(
+        &self,
+        values: Vec<f32>,
+        counts: Vec<usize>,
+        what: &'static str,
+    ) -> Vec<f32> {
+        match self.run(Op::AllGatherF32(values, counts), what) {
+            Done::F32(v) => v,
+            _ => unreachable_reply(what),
+        }
+    }
+
     /// The element-wise sum of `values` over every rank (the same bits on every rank).
     pub fn sum_f64(&self, values: Vec<f64>, what: &'static str) -> Vec<f64> {
         match self.run(Op::SumF64(values), what) {
@@ -289,6 +321,72 @@ impl<S: Setup> Collective<S> for Mpi {
         let got = self.broadcast_f32(values, "the weight broadcast");
         Ok(Tensor::from_data(TensorData::new(got, [n]), &device))
     }
+
+    /// The ring's reduce-scatter, then each element straight to the rank that needs it: the
+    /// all-reduce's bits, a rank receiving its own share instead of the whole sum.
+    fn reduce_scatter_sum(
+        &mut self,
+        buffer: Tensor<InnerBackendOf<S>, 1>,
+        parts: &[Range<usize>],
+        tail: usize,
+    ) -> CoreResult<Tensor<InnerBackendOf<S>, 1>> {
+        let started = Instant::now();
+        let device = buffer.device();
+        let values = host_f32(buffer);
+        let len = values.len();
+        let w = self.inner.world.size.max(1);
+        check_parts(parts, w, len, tail)?;
+        let needs: Vec<Vec<Range<usize>>> = parts
+            .iter()
+            .map(|p| vec![p.clone(), len - tail..len])
+            .collect();
+        let got = self.reduce_scatter_f32(values, needs, "the gradient reduce-scatter");
+        let n = got.len();
+        let out = Tensor::from_data(TensorData::new(got, [n]), &device);
+        let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.inner
+            .allreduce_nanos
+            .fetch_add(nanos, std::sync::atomic::Ordering::Relaxed);
+        Ok(out)
+    }
+
+    fn all_gather_f32(&mut self, mine: Vec<f32>, counts: &[usize]) -> CoreResult<Vec<f32>> {
+        let world = self.inner.world;
+        if counts.len() != world.size.max(1) || counts.get(world.rank) != Some(&mine.len()) {
+            return Err(flashover_core::CoreError::config(
+                "all-gather counts",
+                format!(
+                    "{counts:?} with {} values on rank {}",
+                    mine.len(),
+                    world.rank
+                ),
+                format!(
+                    "one count per rank ({}), this rank's equal to the values it brings",
+                    world.size
+                ),
+            ));
+        }
+        Ok(Mpi::all_gather_f32(
+            self,
+            mine,
+            counts.to_vec(),
+            "the parameter all-gather",
+        ))
+    }
+}
+
+/// `parts` has one range per rank, each inside the buffer before its tail.
+fn check_parts(parts: &[Range<usize>], world: usize, len: usize, tail: usize) -> CoreResult<()> {
+    let body = len.checked_sub(tail);
+    let fits = |p: &Range<usize>| body.is_some_and(|b| p.start <= p.end && p.end <= b);
+    if parts.len() != world || !parts.iter().all(fits) {
+        return Err(flashover_core::CoreError::config(
+            "reduce-scatter parts",
+            format!("{parts:?} of a buffer of {len} with a tail of {tail}"),
+            format!("one range per rank ({world}), each inside the buffer before its tail"),
+        ));
+    }
+    Ok(())
 }
 
 fn host_f32<B: burn::tensor::backend::Backend>(t: Tensor<B, 1>) -> Vec<f32> {
@@ -390,6 +488,13 @@ impl Comm {
                 self.scratch_f64 = scratch;
                 Done::F64(v)
             }
+            Op::ReduceScatterF32(mut v, needs) => {
+                let mut scratch = std::mem::take(&mut self.scratch_f32);
+                let out = self.reduce_scatter(&mut v, &needs, &mut scratch, what);
+                self.scratch_f32 = scratch;
+                Done::F32(out)
+            }
+            Op::AllGatherF32(v, counts) => Done::F32(self.all_gather(v, &counts, what)),
             Op::Broadcast(mut v) => {
                 self.broadcast(&mut v, what);
                 Done::F32(v)
@@ -412,6 +517,29 @@ impl Comm {
         let len = data.len();
         let right = (r + 1) % w;
         let left = back(r, 1, w);
+        self.ring_scatter(data, scratch, what);
+        for step in 0..w - 1 {
+            let (send, recv) = gather_step(r, step, w);
+            let (sb, rb) = (chunk_bounds(len, w, send), chunk_bounds(len, w, recv));
+            let incoming = &mut scratch[..rb.len()];
+            self.exchange(&data[sb], right, incoming, left, what);
+            data[rb].copy_from_slice(incoming);
+        }
+    }
+
+    /// The ring's reduce-scatter half (see `ring`): afterwards this rank holds the whole
+    /// sum of chunk `(rank + 1) mod W`, summed in the documented order.
+    fn ring_scatter<T>(&self, data: &mut [T], scratch: &mut Vec<T>, what: &'static str)
+    where
+        T: Equivalence + Copy + Default + std::ops::Add<Output = T>,
+    {
+        let (w, r) = (self.size, self.rank);
+        if w <= 1 {
+            return;
+        }
+        let len = data.len();
+        let right = (r + 1) % w;
+        let left = back(r, 1, w);
         scratch.resize(len.div_ceil(w), T::default());
         for step in 0..w - 1 {
             let (send, recv) = scatter_step(r, step, w);
@@ -422,13 +550,133 @@ impl Comm {
                 *mine = *theirs + *mine;
             }
         }
-        for step in 0..w - 1 {
-            let (send, recv) = gather_step(r, step, w);
-            let (sb, rb) = (chunk_bounds(len, w, send), chunk_bounds(len, w, recv));
-            let incoming = &mut scratch[..rb.len()];
-            self.exchange(&data[sb], right, incoming, left, what);
-            data[rb].copy_from_slice(incoming);
+    }
+
+    /// The ring's reduce-scatter, then each summed element sent from the rank that holds it
+    /// to every rank whose `needs` list it (one message per pair at most), so every element
+    /// a rank gets has the bits the all-reduce gives it; returns this rank's needs,
+    /// concatenated in their order.
+    fn reduce_scatter(
+        &self,
+        data: &mut [f32],
+        needs: &[Vec<Range<usize>>],
+        scratch: &mut Vec<f32>,
+        what: &'static str,
+    ) -> Vec<f32> {
+        let (w, r) = (self.size, self.rank);
+        let len = data.len();
+        self.ring_scatter(data, scratch, what);
+        if w > 1 {
+            // Rank p holds the whole sum of chunk (p + 1) mod W.
+            let held = |p: usize| chunk_bounds(len, w, (p + 1) % w);
+            let overlaps = |p: usize, q: usize| -> Vec<Range<usize>> {
+                let h = held(p);
+                needs[q]
+                    .iter()
+                    .map(|n| n.start.max(h.start)..n.end.min(h.end))
+                    .filter(|o| o.start < o.end)
+                    .collect()
+            };
+            let outgoing: Vec<(usize, Vec<f32>)> = (0..w)
+                .filter(|&q| q != r)
+                .map(|q| {
+                    let v: Vec<f32> = overlaps(r, q)
+                        .into_iter()
+                        .flat_map(|o| data[o].to_vec())
+                        .collect();
+                    (q, v)
+                })
+                .filter(|(_, v)| !v.is_empty())
+                .collect();
+            let mut incoming: Vec<(usize, Vec<Range<usize>>, Vec<f32>)> = (0..w)
+                .filter(|&p| p != r)
+                .map(|p| {
+                    let o = overlaps(p, r);
+                    let n = o.iter().map(|o| o.len()).sum();
+                    (p, o, vec![0.0f32; n])
+                })
+                .filter(|(_, _, v)| !v.is_empty())
+                .collect();
+            let world = &self.world;
+            let peers: Vec<usize> = outgoing
+                .iter()
+                .map(|(q, _)| *q)
+                .chain(incoming.iter().map(|(p, _, _)| *p))
+                .collect();
+            scope(|sc| {
+                let mut reqs = Vec::new();
+                for (q, v) in &outgoing {
+                    reqs.push(world.process_at_rank(*q as i32).immediate_send_with_tag(
+                        sc,
+                        &v[..],
+                        DATA,
+                    ));
+                }
+                for (p, _, v) in incoming.iter_mut() {
+                    reqs.push(
+                        world
+                            .process_at_rank(*p as i32)
+                            .immediate_receive_into_with_tag(sc, &mut v[..], DATA),
+                    );
+                }
+                self.wait(reqs, &peers, what);
+            });
+            for (_, ranges, v) in &incoming {
+                let mut at = 0;
+                for o in ranges {
+                    data[o.clone()].copy_from_slice(&v[at..at + o.len()]);
+                    at += o.len();
+                }
+            }
         }
+        needs[r]
+            .iter()
+            .flat_map(|n| data[n.clone()].iter().copied())
+            .collect()
+    }
+
+    /// Every rank's values in rank order: each rank sends its own to every other directly.
+    fn all_gather(&self, mine: Vec<f32>, counts: &[usize], what: &'static str) -> Vec<f32> {
+        let (w, r) = (self.size, self.rank);
+        if w <= 1 {
+            return mine;
+        }
+        let mut parts: Vec<Vec<f32>> = counts
+            .iter()
+            .enumerate()
+            .map(|(p, &n)| if p == r { Vec::new() } else { vec![0.0; n] })
+            .collect();
+        let others: Vec<usize> = (0..w).filter(|&p| p != r).collect();
+        let world = &self.world;
+        let peers: Vec<usize> = others
+            .iter()
+            .copied()
+            .filter(|&p| !mine.is_empty() || counts[p] > 0)
+            .collect();
+        scope(|sc| {
+            let mut reqs = Vec::new();
+            if !mine.is_empty() {
+                for &q in &others {
+                    reqs.push(world.process_at_rank(q as i32).immediate_send_with_tag(
+                        sc,
+                        &mine[..],
+                        DATA,
+                    ));
+                }
+            }
+            for (p, v) in parts.iter_mut().enumerate() {
+                if p != r && !v.is_empty() {
+                    reqs.push(
+                        world
+                            .process_at_rank(p as i32)
+                            .immediate_receive_into_with_tag(sc, &mut v[..], DATA),
+                    );
+                }
+            }
+            self.wait(reqs, &peers, what);
+        });
+        parts[r] = mine;
+        parts.concat()
     }
 
     /// Sends `out` to `to` while receiving `into` from `from`, watching the clock.

@@ -2,6 +2,7 @@
 
 use burn::tensor::ElementConversion;
 use flashover_core::callback::{Callback, Control};
+use flashover_core::collective::Ranks;
 use flashover_core::error::Result;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
@@ -62,6 +63,12 @@ impl NanMonitor {
 impl<S: Setup> Callback<S> for NanMonitor {
     fn name(&self) -> &str {
         "nan_monitor"
+    }
+
+    /// In a sharded run every rank checks the gradients of the parameters it owns (rank 0
+    /// holds only its own); otherwise rank 0 checks.
+    fn ranks(&self) -> Ranks {
+        Ranks::Shards
     }
 
     fn batch_start(&mut self, _state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {

@@ -1,13 +1,14 @@
 //! Gradient and parameter norms, global and per layer.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use burn::module::{ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{FloatDType, Tensor};
 use flashover_core::callback::{Callback, Control};
-use flashover_core::error::Result;
+use flashover_core::collective::{Peers, Ranks};
+use flashover_core::error::{CoreError, Result};
 use flashover_core::params::layer_of;
 use flashover_core::precision::cast_to;
 use flashover_core::setup::Setup;
@@ -232,22 +233,63 @@ fn push_norms(out: &mut Vec<(String, f64)>, kind: &str, sums: &[(String, f64)], 
     }
 }
 
+/// Every rank's gradient sums of squares (each over the parameters it owns), in the model's
+/// parameter order, on every rank: sent as text, whose numbers read back exactly.
+fn every_shard<S: Setup>(
+    state: &State<S>,
+    mine: Vec<(String, f64)>,
+    peers: &mut dyn Peers,
+) -> Result<Vec<(String, f64)>> {
+    let text = serde_json::to_string(&mine).map_err(|e| CoreError::Component {
+        component: "norm_monitor".into(),
+        event: "after_train_batch",
+        message: e.to_string(),
+    })?;
+    let mut all: HashMap<String, f64> = HashMap::new();
+    for (rank, t) in peers.gather_text(&text)?.iter().enumerate() {
+        let part: Vec<(String, f64)> =
+            serde_json::from_str(t).map_err(|e| CoreError::Component {
+                component: "norm_monitor".into(),
+                event: "after_train_batch",
+                message: format!("rank {rank}'s gradient norms did not arrive whole: {e}"),
+            })?;
+        all.extend(part);
+    }
+    Ok(ParamStats::<S::Backend>::sums(state.model(), None)
+        .into_iter()
+        .filter_map(|(name, _)| all.remove(&name).map(|v| (name, v)))
+        .collect())
+}
+
 impl<S: Setup> Callback<S> for NormMonitor {
     fn name(&self) -> &str {
         "norm_monitor"
     }
 
-    fn after_train_batch(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> Result<()> {
+    /// Rank 0 logs; in a sharded run every rank takes part, since each holds the gradients
+    /// of its own parameters only.
+    fn ranks(&self) -> Ranks {
+        Ranks::Shards
+    }
+
+    fn after_train_batch(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
         self.grads = None;
         if self.due_next(state) {
             if let Some(grads) = state.grads() {
-                self.grads = Some(ParamStats::<S::Backend>::sums(state.model(), Some(grads)));
+                let mine = ParamStats::<S::Backend>::sums(state.model(), Some(grads));
+                self.grads = Some(match (state.is_sharded(), ctl.peers()) {
+                    (true, Some(peers)) => every_shard(state, mine, peers)?,
+                    _ => mine,
+                });
             }
         }
         Ok(())
     }
 
     fn batch_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> Result<()> {
+        if !state.world().is_main() {
+            return Ok(());
+        }
         let ts = state.timestamp();
         if !due(
             self.every,

@@ -20,6 +20,7 @@ use crate::precision::{
 use crate::restore::Restore;
 use crate::schedule::{LrSchedule, Scheduler};
 use crate::setup::{BatchOf, DeviceOf, Setup};
+use crate::shard::{ShardPlan, Sharding};
 use crate::state::{check_countable, State, World};
 use crate::time::{Progress, Time, TimeUnit, Timestamp};
 
@@ -39,6 +40,7 @@ pub struct TrainerBuilder<S: Setup> {
     microbatch_size: Option<usize>,
     auto_microbatching: bool,
     watch_device_memory: Option<bool>,
+    sharding: Sharding,
     seed: u64,
     world: Option<World>,
     eval_interval: Time,
@@ -74,6 +76,7 @@ impl<S: Setup> TrainerBuilder<S> {
             microbatch_size: None,
             auto_microbatching: false,
             watch_device_memory: None,
+            sharding: Sharding::NoShard,
             seed: 0,
             world: None,
             eval_interval: Time::Epoch(1),
@@ -134,6 +137,17 @@ impl<S: Setup> TrainerBuilder<S> {
         self.watch_device_memory = Some(watch);
         self
     }
+
+    /// How a data-parallel run divides its optimizer step over the ranks (Composer's
+    /// `sharding_strategy`; default [`Sharding::NoShard`]): with
+    /// [`Sharding::ShardGradOp`] each rank keeps the averaged gradients and the optimizer
+    /// state of the parameters it owns only, and the weights are bit for bit those of the
+    /// unsharded run (see [`crate::shard`]). A single process shards nothing.
+    pub fn sharding(mut self, sharding: Sharding) -> Self {
+        self.sharding = sharding;
+        self
+    }
+
     /// The run's seed; default 0.
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = seed;
@@ -383,6 +397,16 @@ impl<S: Setup> TrainerBuilder<S> {
         hp.insert("seed".into(), json!(self.seed));
         hp.insert("precision".into(), json!(self.precision.name()));
         hp.insert("world_size".into(), json!(world.size));
+        let sharded = self.sharding.shards(world.size) && self.collective.is_some();
+        hp.insert(
+            "sharding".into(),
+            json!(if sharded {
+                self.sharding
+            } else {
+                Sharding::NoShard
+            }
+            .name()),
+        );
         hp.insert(
             "algorithms".into(),
             json!(self
@@ -439,6 +463,8 @@ impl<S: Setup> TrainerBuilder<S> {
             stop_reason: None,
             algorithm_overflow: false,
             collective: self.collective,
+            sharding: None,
+            shard_keep: Default::default(),
             event: None,
             checkpoint_requested: false,
         };
@@ -464,6 +490,14 @@ impl<S: Setup> TrainerBuilder<S> {
             device_reads: 0,
         };
         trainer.engine.run(Event::Init, &mut trainer.state)?;
+        // The shard plan follows the model as `INIT`'s surgeries left it (a restore changes
+        // parameter ids, never shapes), and is in place before a restore, which loads only
+        // this rank's share of the optimizer state.
+        if sharded {
+            let plan = ShardPlan::for_model::<S::Backend, S::Model>(trainer.state.model(), world);
+            trainer.state.sharding = Some(plan);
+            trainer.engine.set_sharded(true);
+        }
         trainer.engine.run(Event::BeforeLoad, &mut trainer.state)?;
         if let Some(restore) = self.restore {
             let components =

@@ -277,14 +277,16 @@ impl<S: Setup> Trainer<S> {
     fn step(&mut self, local: Accumulated, finite: bool) -> Result<bool> {
         let batch = self.state.timestamp.batch;
         let samples = self.state.batch.as_ref().map_or(0, |b| b.len() as u64);
-        let (model, collective) = self.state.model_and_collective();
+        let (model, collective, plan) = self.state.model_and_collective();
         let Synced {
             grads,
             loss,
             skipped,
-        } = sync::synchronise(collective, model, local, finite, samples, batch)?;
+            keep,
+        } = sync::synchronise(collective, plan, model, local, finite, samples, batch)?;
         let state = &mut self.state;
         state.grads = grads;
+        state.shard_keep = keep;
         state.loss_value = loss;
         state.algorithm_overflow = false;
         self.engine.run(Event::AfterTrainBatch, state)?;
@@ -304,7 +306,14 @@ impl<S: Setup> Trainer<S> {
             let ts = state.timestamp.clone();
             self.engine.logger().log_text(&ts, "loss_scaling", &line)?;
         }
+        // Sharded: the ranks agreed on skipping, so each takes part in the all-gather of the
+        // updated parameters exactly when every other does (a rank that owns nothing still
+        // steps, with no gradients, and gathers).
+        let gather = state.sharding.is_some() && !skipped;
         let Some(grads) = state.grads.take() else {
+            if gather {
+                self.state.gather_shards()?;
+            }
             return Ok(false);
         };
         let lr = state.lr;
@@ -316,6 +325,9 @@ impl<S: Setup> Trainer<S> {
         let model =
             scaling::step_in_precision(&mut state.optimizer, state.precision, lr, model, grads);
         state.model = Some(model);
+        if gather {
+            self.state.gather_shards()?;
+        }
         Ok(true)
     }
 

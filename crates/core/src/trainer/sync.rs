@@ -5,11 +5,15 @@
 //! rank whose loss was not finite or whose gradients overflowed makes every rank skip the
 //! step together.
 
+use std::collections::HashSet;
+
+use burn::module::ParamId;
 use burn::optim::GradientsParams;
 
 use crate::collective::{Collective, LocalStep};
 use crate::error::Result;
 use crate::setup::Setup;
+use crate::shard::{sync_gradient_shards, ShardPlan};
 
 /// What the microbatches of one batch left for the optimizer step.
 pub(super) struct Accumulated {
@@ -29,14 +33,18 @@ pub(super) struct Synced {
     pub(super) loss: Option<f64>,
     /// The step is skipped on every rank (a non-finite loss or an overflow on some rank).
     pub(super) skipped: bool,
+    /// In a sharded run, the parameters this rank had gradients for (`grads` holds those it
+    /// owns); empty otherwise.
+    pub(super) keep: HashSet<ParamId>,
 }
 
 /// Brings this rank's `local` share (of a batch of `samples` samples, `finite` when its loss
-/// was) to the step every rank takes: through `collective` in a data-parallel run, as it is
-/// otherwise. `batch` names the batch in the warning a rank logs when another rank's loss
-/// made it skip.
+/// was) to the step every rank takes: through `collective` in a data-parallel run (reduced
+/// and scattered to the owners under a shard `plan`), as it is otherwise. `batch` names the
+/// batch in the warning a rank logs when another rank's loss made it skip.
 pub(super) fn synchronise<S: Setup>(
     collective: Option<&mut Box<dyn Collective<S>>>,
+    plan: Option<&ShardPlan>,
     model: &S::Model,
     local: Accumulated,
     finite: bool,
@@ -48,6 +56,7 @@ pub(super) fn synchronise<S: Setup>(
             grads: local.grads,
             loss: finite.then_some(local.loss),
             skipped: !finite || local.overflowed,
+            keep: HashSet::new(),
         });
     };
     // An overflowed rank skips like a rank with a non-finite loss, so that every rank skips
@@ -58,7 +67,10 @@ pub(super) fn synchronise<S: Setup>(
         finite: finite && !local.overflowed,
         samples,
     };
-    let global = c.sync_gradients(model, mine)?;
+    let (global, keep) = match plan {
+        Some(plan) => sync_gradient_shards(c.as_mut(), plan, model, mine)?,
+        None => (c.sync_gradients(model, mine)?, HashSet::new()),
+    };
     if finite && global.skipped_ranks > 0 {
         tracing::warn!(
             ranks = global.skipped_ranks,
@@ -70,6 +82,7 @@ pub(super) fn synchronise<S: Setup>(
         grads: global.grads,
         loss: global.loss,
         skipped: global.skipped_ranks > 0,
+        keep,
     })
 }
 
@@ -94,7 +107,7 @@ mod tests {
             loss: 0.5,
             overflowed,
         };
-        synchronise::<S>(None, &model, local, finite, 4, 0).unwrap()
+        synchronise::<S>(None, None, &model, local, finite, 4, 0).unwrap()
     }
 
     #[test]

@@ -1,0 +1,708 @@
+//! Sharded optimizer state and gradients: ZeRO stages 1 and 2 (Rajbhandari et al., 2020), or
+//! in Composer's FSDP terms the `SHARD_GRAD_OP` strategy, on the collective a data-parallel
+//! run already has.
+//!
+//! Every float parameter (in the module's order) has one owning rank: the parameters are cut
+//! into `world size` contiguous runs of nearly equal element counts ([`ShardPlan`]). At each
+//! optimizer step:
+//! 1. every rank brings the same flat buffer of its batch's gradients that a data-parallel
+//!    step all-reduces, and the collective reduce-scatters it
+//!    ([`Collective::reduce_scatter_sum`]): each rank gets back only the summed elements of
+//!    the parameters it owns, summed in the same order as the all-reduce would have (the
+//!    MPI transport runs the ring's own reduce-scatter, then hands each element to its
+//!    owner), so the averaged gradients a rank keeps are bit for bit the data-parallel ones;
+//! 2. `AFTER_TRAIN_BATCH` sees only the owned gradients ([`State::grads`](crate::state::State::grads));
+//!    an algorithm that needs a reduction over every parameter asks the state
+//!    ([`State::gather_over_shards`](crate::state::State::gather_over_shards), gradient
+//!    clipping's norm) or the whole gradient
+//!    ([`State::with_whole_gradients`](crate::state::State::with_whole_gradients), SAM's ascent step);
+//! 3. the optimizer steps with the owned gradients only: Burn's `OptimizerAdaptor` updates
+//!    exactly the parameters present in the `GradientsParams` and keeps state only for them,
+//!    so a rank's optimizer state is its share;
+//! 4. the updated parameters are all-gathered ([`Collective::all_gather_f32`]): copies, no
+//!    arithmetic, so every rank holds every parameter with the owner's bits.
+//!
+//! Parameters themselves stay whole on every rank (stage 3, Composer's `FULL_SHARD`, is
+//! discussed in `docs/DESIGN.md`). A world of one shards nothing.
+//!
+//! The plan counts every float parameter, trainable or not, so that it does not change when
+//! layer freezing stops a parameter's gradients; the gradient buffer holds the trainable
+//! ones, as a data-parallel step's does, and [`Layout`] maps one onto the other at each step.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+
+use crate::collective::{Collective, GlobalStep, LocalStep};
+use crate::error::{CoreError, Result};
+use crate::params::{flatten_grads, grad_ids};
+use crate::setup::Setup;
+use crate::world::World;
+
+/// How a data-parallel run splits its optimizer step over the ranks (Composer's
+/// `sharding_strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Sharding {
+    /// Every rank holds the whole gradient and the whole optimizer state (plain data
+    /// parallelism; Composer's `NO_SHARD`).
+    #[default]
+    NoShard,
+    /// Gradients are reduce-scattered and each rank keeps and steps only the parameters it
+    /// owns: optimizer state and averaged gradients divided over the ranks (ZeRO stages 1
+    /// and 2; Composer's `SHARD_GRAD_OP`).
+    ShardGradOp,
+}
+
+impl Sharding {
+    /// The values `parse` accepts, as a flag's help says them.
+    pub const ACCEPTED: &'static str = "no_shard or shard_grad_op";
+
+    /// The name as written on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sharding::NoShard => "no_shard",
+            Sharding::ShardGradOp => "shard_grad_op",
+        }
+    }
+
+    /// Parses `no_shard` or `shard_grad_op` (any case, `-` for `_`); `full_shard` is refused
+    /// with the reason.
+    pub fn parse(s: &str) -> Result<Self> {
+        let norm = s.trim().to_ascii_lowercase().replace('-', "_");
+        match norm.as_str() {
+            "no_shard" => Ok(Sharding::NoShard),
+            "shard_grad_op" => Ok(Sharding::ShardGradOp),
+            "full_shard" | "hybrid_shard" => Err(CoreError::config(
+                "sharding",
+                s,
+                format!(
+                    "{}: parameter sharding ({norm}) is not available (Burn 0.21's autodiff keeps every parameter a graph uses until the backward pass ends; see docs/DESIGN.md, \"Sharding\")",
+                    Self::ACCEPTED
+                ),
+            )),
+            _ => Err(CoreError::config("sharding", s, Self::ACCEPTED)),
+        }
+    }
+
+    /// Whether this strategy shards anything in a world of `size` ranks.
+    pub fn shards(self, size: usize) -> bool {
+        self == Sharding::ShardGradOp && size > 1
+    }
+}
+
+impl FromStr for Sharding {
+    type Err = CoreError;
+    fn from_str(s: &str) -> Result<Self> {
+        Sharding::parse(s)
+    }
+}
+
+impl fmt::Display for Sharding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which rank owns each float parameter of a model: contiguous runs in the module's order,
+/// of nearly equal element counts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPlan {
+    world: World,
+    /// The owning rank of each float parameter, in module order (never decreasing).
+    owner: Vec<usize>,
+}
+
+impl ShardPlan {
+    /// The plan for parameters of `sizes` elements (module order) over `world`: parameter
+    /// `i`, whose elements span `[start, start + n)` of the `total`, goes to the rank whose
+    /// equal share holds its middle element, `floor((2 start + n) W / 2 total)`. Owners never
+    /// decrease, so each rank's parameters are one contiguous run; a rank may own nothing
+    /// when one parameter is larger than a share.
+    pub fn new(sizes: &[usize], world: World) -> Self {
+        let w = world.size.max(1) as u128;
+        let total: u128 = sizes.iter().map(|&n| n as u128).sum::<u128>().max(1);
+        let mut start = 0u128;
+        let owner = sizes
+            .iter()
+            .map(|&n| {
+                let n = n as u128;
+                let mid2 = 2 * start + n;
+                start += n;
+                ((mid2 * w) / (2 * total)).min(w - 1) as usize
+            })
+            .collect();
+        ShardPlan { world, owner }
+    }
+
+    /// The plan for `model`'s float parameters.
+    pub fn for_model<AB: AutodiffBackend, M: AutodiffModule<AB>>(model: &M, world: World) -> Self {
+        let sizes: Vec<usize> = slots::<AB, M>(model).iter().map(|s| s.len).collect();
+        ShardPlan::new(&sizes, world)
+    }
+
+    /// The world the plan divides over.
+    pub fn world(&self) -> World {
+        self.world
+    }
+
+    /// The owning rank of each float parameter, in module order.
+    pub fn owners(&self) -> &[usize] {
+        &self.owner
+    }
+
+    /// The parameter indices (module order) `rank` owns.
+    pub fn owned(&self, rank: usize) -> Range<usize> {
+        let start = self.owner.partition_point(|&o| o < rank);
+        let end = self.owner.partition_point(|&o| o <= rank);
+        start..end
+    }
+
+    /// The ids of the parameters this rank owns in `model` (whose parameters must be the
+    /// ones the plan was made for).
+    pub fn owned_ids<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+        &self,
+        model: &M,
+    ) -> Result<HashSet<ParamId>> {
+        let slots = self.check(slots::<AB, M>(model))?;
+        let range = self.owned(self.world.rank);
+        Ok(slots[range].iter().map(|s| s.id).collect())
+    }
+
+    /// The element count each rank's parameters hold in `model` (every float parameter).
+    pub fn elements_per_rank<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+        &self,
+        model: &M,
+    ) -> Result<Vec<usize>> {
+        let slots = self.check(slots::<AB, M>(model))?;
+        Ok((0..self.world.size.max(1))
+            .map(|r| slots[self.owned(r)].iter().map(|s| s.len).sum())
+            .collect())
+    }
+
+    fn check(&self, slots: Vec<Slot>) -> Result<Vec<Slot>> {
+        if slots.len() != self.owner.len() {
+            return Err(CoreError::config(
+                "sharding",
+                format!("a model of {} float parameters", slots.len()),
+                format!(
+                    "the {} parameters the shard plan was made for (a model's parameters may not be added or removed after INIT in a sharded run)",
+                    self.owner.len()
+                ),
+            ));
+        }
+        Ok(slots)
+    }
+
+    /// Where each rank's trainable parameters lie in the gradient buffer of this step.
+    pub(crate) fn layout<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+        &self,
+        model: &M,
+    ) -> Result<Layout> {
+        let slots = self.check(slots::<AB, M>(model))?;
+        let w = self.world.size.max(1);
+        let mut per_rank = vec![0..0; w];
+        let mut offset = 0;
+        for (rank, range) in per_rank.iter_mut().enumerate() {
+            let start = offset;
+            for s in &slots[self.owned(rank)] {
+                if s.trainable {
+                    offset += s.len;
+                }
+            }
+            *range = start..offset;
+        }
+        Ok(Layout {
+            slots,
+            owner: self.owner.clone(),
+            per_rank,
+            len: offset,
+            rank: self.world.rank,
+        })
+    }
+}
+
+/// One float parameter as a plan sees it.
+#[derive(Debug, Clone)]
+pub(crate) struct Slot {
+    id: ParamId,
+    len: usize,
+    trainable: bool,
+}
+
+fn slots<AB: AutodiffBackend, M: AutodiffModule<AB>>(model: &M) -> Vec<Slot> {
+    struct Slots<AB> {
+        out: Vec<Slot>,
+        _b: std::marker::PhantomData<AB>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Slots<AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let value = param.val();
+            self.out.push(Slot {
+                id: param.id,
+                len: value.shape().num_elements(),
+                trainable: value.is_require_grad(),
+            });
+        }
+    }
+    let mut v = Slots::<AB> {
+        out: Vec::new(),
+        _b: std::marker::PhantomData,
+    };
+    model.visit(&mut v);
+    v.out
+}
+
+/// A plan applied to this step's trainable parameters: each rank's element range in the
+/// flat gradient buffer ([`flatten_grads`]'s layout).
+#[derive(Debug, Clone)]
+pub(crate) struct Layout {
+    slots: Vec<Slot>,
+    owner: Vec<usize>,
+    /// Per rank, its trainable parameters' elements in the buffer.
+    per_rank: Vec<Range<usize>>,
+    /// The buffer's length (every trainable element).
+    len: usize,
+    rank: usize,
+}
+
+impl Layout {
+    /// Elements per rank, in rank order.
+    pub(crate) fn counts(&self) -> Vec<usize> {
+        self.per_rank.iter().map(|r| r.len()).collect()
+    }
+
+    /// This rank's trainable parameters, in module order.
+    fn mine(&self) -> impl Iterator<Item = &Slot> {
+        self.slots
+            .iter()
+            .zip(&self.owner)
+            .filter(move |(s, &o)| o == self.rank && s.trainable)
+            .map(|(s, _)| s)
+    }
+}
+
+/// The sharded form of [`Collective::sync_gradients`]: the same buffer, reduce-scattered, so
+/// that this rank gets the averaged gradients of the parameters it owns (and had gradients
+/// for), bit for bit those the all-reduce gives, and the ranks agree on the loss and on
+/// skipping as they do there. Also returns the ids this rank had gradients for (the
+/// parameters [`gather_gradients`] fills in).
+pub(crate) fn sync_gradient_shards<S: Setup>(
+    c: &mut dyn Collective<S>,
+    plan: &ShardPlan,
+    model: &S::Model,
+    local: LocalStep,
+) -> Result<(GlobalStep, HashSet<ParamId>)> {
+    let keep = local
+        .grads
+        .as_ref()
+        .map(|g| grad_ids::<S::Backend, _>(model, g))
+        .unwrap_or_default();
+    let n = local.samples as f64;
+    let (loss, flag) = if local.finite {
+        (local.loss * n, 0.0)
+    } else {
+        (0.0, 1.0)
+    };
+    let grads = local.grads.as_ref().filter(|_| local.finite);
+    let Some(flat) = flatten_grads::<S::Backend, _>(model, grads) else {
+        let mut v = [loss, n, flag];
+        c.all_reduce_sum_host(&mut v)?;
+        let skipped_ranks = v[2].round() as usize;
+        let step = GlobalStep {
+            grads: (skipped_ranks == 0 && local.grads.is_some()).then(GradientsParams::new),
+            loss: (skipped_ranks == 0).then(|| v[0] / v[1].max(1.0)),
+            skipped_ranks,
+        };
+        return Ok((step, keep));
+    };
+    let layout = plan.layout::<S::Backend, S::Model>(model)?;
+    let len = flat.dims()[0];
+    if len != layout.len {
+        return Err(CoreError::config(
+            "sharding",
+            format!("a gradient buffer of {len} values"),
+            format!("{} values, the model's trainable elements", layout.len),
+        ));
+    }
+    let device = flat.device();
+    let weighted = if local.finite {
+        flat.mul_scalar(n)
+    } else {
+        flat
+    };
+    let extras = Tensor::from_data(
+        TensorData::new(vec![loss as f32, n as f32, flag as f32], [3]),
+        &device,
+    );
+    let mine = layout.per_rank[layout.rank].clone();
+    let got = c.reduce_scatter_sum(Tensor::cat(vec![weighted, extras], 0), &layout.per_rank, 3)?;
+    let owned = mine.len();
+    let tail: Vec<f32> = got
+        .clone()
+        .narrow(0, owned, 3)
+        .into_data()
+        .iter::<f32>()
+        .map(|v| v.elem::<f32>())
+        .collect();
+    let skipped_ranks = tail.get(2).copied().unwrap_or(0.0).round() as usize;
+    if skipped_ranks > 0 {
+        let step = GlobalStep {
+            grads: None,
+            loss: None,
+            skipped_ranks,
+        };
+        return Ok((step, keep));
+    }
+    let total = tail.get(1).copied().unwrap_or(1.0).max(1.0);
+    let grads = local.grads.as_ref().map(|_| {
+        let mut out = GradientsParams::new();
+        if owned > 0 {
+            let mean = got.narrow(0, 0, owned).div_scalar(total);
+            register_pieces::<S::Backend, S::Model>(model, &layout, mean, &keep, &mut out);
+        }
+        out
+    });
+    let step = GlobalStep {
+        grads,
+        loss: tail.first().map(|&l| f64::from(l) / f64::from(total)),
+        skipped_ranks: 0,
+    };
+    Ok((step, keep))
+}
+
+/// Registers the pieces of `flat` (this rank's trainable parameters, in order) as the
+/// gradients of the parameters `keep` holds.
+fn register_pieces<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    layout: &Layout,
+    flat: Tensor<AB::InnerBackend, 1>,
+    keep: &HashSet<ParamId>,
+    out: &mut GradientsParams,
+) {
+    struct Register<'a, AB: AutodiffBackend> {
+        mine: HashSet<ParamId>,
+        keep: &'a HashSet<ParamId>,
+        flat: Tensor<AB::InnerBackend, 1>,
+        offset: usize,
+        out: &'a mut GradientsParams,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Register<'_, AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let value = param.val();
+            if !value.is_require_grad() || !self.mine.contains(&param.id) {
+                return;
+            }
+            let shape: [usize; D] = value.dims();
+            let n: usize = shape.iter().product();
+            if self.keep.contains(&param.id) {
+                let g = self.flat.clone().narrow(0, self.offset, n).reshape(shape);
+                self.out.register::<AB::InnerBackend, D>(param.id, g);
+            }
+            self.offset += n;
+        }
+    }
+    let mine = layout.mine().map(|s| s.id).collect();
+    let mut v = Register::<AB> {
+        mine,
+        keep,
+        flat,
+        offset: 0,
+        out,
+    };
+    model.visit(&mut v);
+}
+
+/// This rank's trainable owned parameters (or their gradients in `grads`, zeros where one
+/// has none) as host numbers, in module order.
+fn owned_values<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    layout: &Layout,
+    grads: Option<&GradientsParams>,
+) -> Vec<f32> {
+    struct Owned<'a, AB: AutodiffBackend> {
+        mine: HashSet<ParamId>,
+        grads: Option<&'a GradientsParams>,
+        pieces: Vec<Tensor<AB::InnerBackend, 1>>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Owned<'_, AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let value = param.val();
+            if !value.is_require_grad() || !self.mine.contains(&param.id) {
+                return;
+            }
+            let n = value.shape().num_elements();
+            let piece = match self.grads {
+                None => value.inner().reshape([n]),
+                Some(g) => match g.get::<AB::InnerBackend, D>(param.id) {
+                    Some(g) => g.reshape([n]),
+                    None => Tensor::zeros([n], &value.device()),
+                },
+            };
+            self.pieces.push(piece);
+        }
+    }
+    let mine = layout.mine().map(|s| s.id).collect();
+    let mut v = Owned::<AB> {
+        mine,
+        grads,
+        pieces: Vec::new(),
+    };
+    model.visit(&mut v);
+    if v.pieces.is_empty() {
+        return Vec::new();
+    }
+    Tensor::cat(v.pieces, 0)
+        .into_data()
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect()
+}
+
+/// After a sharded optimizer step: every rank's owned trainable parameters, all-gathered
+/// (what [`load_gathered`] then writes into the model).
+pub(crate) fn gather_params<S: Setup>(
+    c: &mut dyn Collective<S>,
+    plan: &ShardPlan,
+    model: &S::Model,
+) -> Result<Gathered> {
+    let layout = plan.layout::<S::Backend, S::Model>(model)?;
+    let mine = owned_values::<S::Backend, S::Model>(model, &layout, None);
+    let all = c.all_gather_f32(mine, &layout.counts())?;
+    if all.len() != layout.len {
+        return Err(gathered_length(all.len(), layout.len));
+    }
+    Ok(Gathered { layout, all })
+}
+
+/// Every rank's trainable parameters after a sharded step, as gathered.
+pub(crate) struct Gathered {
+    layout: Layout,
+    all: Vec<f32>,
+}
+
+/// Writes the gathered values of the parameters other ranks own into `model`, so that every
+/// rank holds the owners' values (copies of their bits; ids and dtypes kept).
+pub(crate) fn load_gathered<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: M,
+    gathered: &Gathered,
+) -> M {
+    model.map(&mut LoadOthers::<AB> {
+        layout: &gathered.layout,
+        all: &gathered.all,
+        index: 0,
+        offset: 0,
+        _b: std::marker::PhantomData,
+    })
+}
+
+/// The whole averaged gradient on every rank (the parameters any rank kept gradients for
+/// through `keep`, this rank's own set; the others' come from their owners).
+pub(crate) fn gather_gradients<S: Setup>(
+    c: &mut dyn Collective<S>,
+    plan: &ShardPlan,
+    model: &S::Model,
+    grads: &GradientsParams,
+    keep: &HashSet<ParamId>,
+) -> Result<GradientsParams> {
+    let layout = plan.layout::<S::Backend, S::Model>(model)?;
+    let mine = owned_values::<S::Backend, S::Model>(model, &layout, Some(grads));
+    let all = c.all_gather_f32(mine, &layout.counts())?;
+    if all.len() != layout.len {
+        return Err(gathered_length(all.len(), layout.len));
+    }
+    let mut out = GradientsParams::new();
+    if layout.len == 0 {
+        return Ok(out);
+    }
+    let device = present_device::<S::Backend, S::Model>(model);
+    let flat = Tensor::<crate::setup::InnerBackendOf<S>, 1>::from_data(
+        TensorData::new(all, [layout.len]),
+        &device,
+    );
+    let everything = Layout {
+        owner: vec![layout.rank; layout.owner.len()],
+        ..layout
+    };
+    register_pieces::<S::Backend, S::Model>(model, &everything, flat, keep, &mut out);
+    Ok(out)
+}
+
+fn present_device<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+) -> burn::tensor::Device<AB::InnerBackend> {
+    model.devices().into_iter().next().unwrap_or_default()
+}
+
+fn gathered_length(got: usize, expected: usize) -> CoreError {
+    CoreError::config(
+        "sharding",
+        format!("an all-gather of {got} values"),
+        format!("{expected} values, the model's trainable elements on every rank"),
+    )
+}
+
+/// Writes the gathered values of the parameters other ranks own into `model`.
+struct LoadOthers<'a, B> {
+    layout: &'a Layout,
+    all: &'a [f32],
+    index: usize,
+    offset: usize,
+    _b: std::marker::PhantomData<B>,
+}
+
+impl<AB: AutodiffBackend> ModuleMapper<AB> for LoadOthers<'_, AB> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
+        let i = self.index;
+        self.index += 1;
+        let (id, tensor, mapper) = param.consume();
+        if !tensor.is_require_grad() {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let shape: [usize; D] = tensor.dims();
+        let n: usize = shape.iter().product();
+        let at = self.offset;
+        self.offset += n;
+        if self.layout.owner.get(i) == Some(&self.layout.rank) {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let dtype = tensor.dtype();
+        let device = tensor.device();
+        let data = TensorData::new(self.all[at..at + n].to_vec(), shape);
+        let value = Tensor::<AB::InnerBackend, D>::from_data(data, &device).cast(dtype);
+        let value = Tensor::<AB, D>::from_inner(value).require_grad();
+        Param::from_mapped_value(id, value, mapper)
+    }
+}
+
+/// Every rank's `mine` (host numbers of any lengths), concatenated in rank order: the
+/// lengths are agreed first (one small sum), then the values are gathered.
+pub(crate) fn gather_host<S: Setup>(c: &mut dyn Collective<S>, mine: Vec<f32>) -> Result<Vec<f32>> {
+    let world = c.world();
+    let mut counts = vec![0.0; world.size.max(1)];
+    if let Some(n) = counts.get_mut(world.rank) {
+        *n = mine.len() as f64;
+    }
+    c.all_reduce_sum_host(&mut counts)?;
+    let counts: Vec<usize> = counts.iter().map(|&n| n.round() as usize).collect();
+    c.all_gather_f32(mine, &counts)
+}
+
+/// [`Collective::all_gather_f32`]'s provided form, on the host sum alone: each value's bits,
+/// as an integer below 2^32 (exact in an `f64`), in its rank's place and zeros elsewhere, so
+/// the sum is every rank's bits, exactly (adding floats would turn a `-0.0` into `0.0`).
+pub(crate) fn all_gather_by_sum<S: Setup>(
+    c: &mut (impl Collective<S> + ?Sized),
+    mine: Vec<f32>,
+    counts: &[usize],
+) -> Result<Vec<f32>> {
+    let world = c.world();
+    check_counts(counts, world, mine.len())?;
+    let start: usize = counts[..world.rank].iter().sum();
+    let total: usize = counts.iter().sum();
+    let mut all = vec![0.0f64; total];
+    for (slot, v) in all[start..start + mine.len()].iter_mut().zip(&mine) {
+        *slot = f64::from(v.to_bits());
+    }
+    c.all_reduce_sum_host(&mut all)?;
+    Ok(all.iter().map(|&b| f32::from_bits(b as u32)).collect())
+}
+
+/// `counts` has one entry per rank and this rank's is `mine`.
+pub(crate) fn check_counts(counts: &[usize], world: World, mine: usize) -> Result<()> {
+    if counts.len() != world.size.max(1) || counts.get(world.rank) != Some(&mine) {
+        return Err(CoreError::config(
+            "all-gather counts",
+            format!("{counts:?} with {mine} values on rank {}", world.rank),
+            format!(
+                "one count per rank ({}), this rank's equal to the values it brings",
+                world.size
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn world(size: usize) -> World {
+        World { rank: 0, size }
+    }
+
+    #[test]
+    fn owners_are_contiguous_and_balanced_by_elements() {
+        // 10 + 10 + 10 + 10 over two ranks: two each.
+        let p = ShardPlan::new(&[10, 10, 10, 10], world(2));
+        assert_eq!(p.owners(), &[0, 0, 1, 1]);
+        assert_eq!((p.owned(0), p.owned(1)), (0..2, 2..4));
+        // A parameter larger than a share: its middle decides; a rank may own nothing.
+        let p = ShardPlan::new(&[1, 100, 1], world(3));
+        assert_eq!(p.owners(), &[0, 1, 2]);
+        let p = ShardPlan::new(&[100, 1, 1], world(3));
+        assert_eq!(p.owners(), &[1, 2, 2]);
+        assert_eq!(p.owned(0), 0..0);
+        // Hand-worked: sizes 3, 5, 2, 6 (total 16) over 2: middles 1.5, 5.5, 9, 13 against
+        // the half 8: owners 0, 0, 1, 1.
+        let p = ShardPlan::new(&[3, 5, 2, 6], world(2));
+        assert_eq!(p.owners(), &[0, 0, 1, 1]);
+        // One rank owns everything.
+        let p = ShardPlan::new(&[3, 5], world(1));
+        assert_eq!(p.owners(), &[0, 0]);
+        assert_eq!(p.owned(0), 0..2);
+    }
+
+    #[test]
+    fn every_parameter_has_one_owner_and_owners_never_decrease() {
+        let mut rng = crate::rng::Rng::new(7);
+        for _ in 0..200 {
+            let n = 1 + rng.below(30) as usize;
+            let sizes: Vec<usize> = (0..n).map(|_| 1 + rng.below(1000) as usize).collect();
+            let w = 1 + rng.below(6) as usize;
+            let p = ShardPlan::new(&sizes, world(w));
+            assert!(p.owners().windows(2).all(|o| o[0] <= o[1]));
+            assert!(p.owners().iter().all(|&o| o < w));
+            let covered: usize = (0..w).map(|r| p.owned(r).len()).sum();
+            assert_eq!(covered, n);
+            // No rank's share exceeds an equal share by more than its largest parameter.
+            let total: usize = sizes.iter().sum();
+            let largest = *sizes.iter().max().unwrap();
+            for r in 0..w {
+                let mine: usize = sizes[p.owned(r)].iter().sum();
+                assert!(
+                    mine <= total / w + largest,
+                    "{sizes:?} over {w}: rank {r} {mine}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn strategies_parse_and_full_sharding_says_why_not() {
+        assert_eq!(
+            Sharding::parse("shard_grad_op").unwrap(),
+            Sharding::ShardGradOp
+        );
+        assert_eq!(
+            Sharding::parse("SHARD-GRAD-OP").unwrap(),
+            Sharding::ShardGradOp
+        );
+        assert_eq!(Sharding::parse("no_shard").unwrap(), Sharding::NoShard);
+        let e = Sharding::parse("full_shard").unwrap_err().to_string();
+        assert!(e.contains("full_shard") && e.contains("DESIGN.md"), "{e}");
+        let e = Sharding::parse("zero3").unwrap_err().to_string();
+        assert!(
+            e.contains("zero3") && e.contains("no_shard or shard_grad_op"),
+            "{e}"
+        );
+        assert!(!Sharding::ShardGradOp.shards(1));
+        assert!(Sharding::ShardGradOp.shards(2));
+        assert!(!Sharding::NoShard.shards(2));
+    }
+}
