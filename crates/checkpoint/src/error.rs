@@ -74,6 +74,17 @@ pub enum CheckpointError {
         /// The batch this run starts at (0 for a new run).
         start: u64,
     },
+    /// A rank of a sharded save could not write its optimizer shard: no checkpoint was put
+    /// in place.
+    #[error("rank {rank} could not write its optimizer shard {path}: {message}")]
+    Shard {
+        /// The rank that failed.
+        rank: usize,
+        /// The shard it was writing.
+        path: PathBuf,
+        /// Its error.
+        message: String,
+    },
     /// A setting of the saver or loader is invalid.
     #[error("invalid value {value:?} for `{name}`: expected {expected}")]
     Config {

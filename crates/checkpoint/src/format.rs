@@ -103,11 +103,37 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     result
 }
 
+/// The name of rank `rank`'s optimizer shard in a sharded checkpoint of `world` ranks.
+pub fn optimizer_shard(rank: usize, world: usize) -> String {
+    format!("optimizer-rank{rank}-of{world}.mpk")
+}
+
+/// The folder where the ranks of a sharded save put their shards before rank 0 moves them
+/// into the checkpoint (`<folder>/.shards-<name>`): scratch for any later save.
+pub fn shard_staging(folder: &Path, name: &str) -> PathBuf {
+    folder.join(format!(".shards-{name}"))
+}
+
+/// A file another process already wrote (and synced) for a checkpoint, with the size and
+/// SHA-256 it reported: [`write_checkpoint`] moves it in and lists it in the manifest.
+#[derive(Debug, Clone)]
+pub struct Staged {
+    /// Its name inside the checkpoint.
+    pub name: String,
+    /// Where it was written.
+    pub path: PathBuf,
+    /// Its size in bytes, as its writer reported.
+    pub bytes: u64,
+    /// Its SHA-256, as its writer reported.
+    pub sha256: String,
+}
+
 /// Whether a directory entry name is one of the saver's temporary or discarded directories,
 /// or the temporary sibling of a file being replaced by [`write_atomic`] (`.latest.tmp-<pid>`).
 pub(crate) fn is_scratch(name: &str) -> bool {
     name.starts_with(".tmp-")
         || name.starts_with(".trash-")
+        || name.starts_with(".shards-")
         || name.starts_with('.')
             && name
                 .rsplit_once(".tmp-")
@@ -117,7 +143,11 @@ pub(crate) fn is_scratch(name: &str) -> bool {
 /// Writes a checkpoint directory `folder/name` holding `files`, atomically: everything goes
 /// into `folder/.tmp-<name>-<pid>`, each file is synced, the manifest is written last, and
 /// the directory is renamed into place. With `overwrite`, an existing checkpoint of the same
-/// name is replaced; otherwise it is an error and nothing is written.
+/// name is replaced; otherwise it is an error and nothing is written. `staged` files (other
+/// ranks' shards) are moved in before the manifest, each checked against the size its
+/// writer reported; one that is missing or of another size is an error naming it, and
+/// nothing is put in place.
+#[allow(clippy::too_many_arguments)]
 pub fn write_checkpoint(
     folder: &Path,
     name: &str,
@@ -125,6 +155,7 @@ pub fn write_checkpoint(
     batch: u64,
     weights_only: bool,
     files: &[(&str, &[u8])],
+    staged: &[Staged],
     overwrite: bool,
 ) -> Result<PathBuf, CheckpointError> {
     let target = folder.join(name);
@@ -149,6 +180,27 @@ pub fn write_checkpoint(
                 name: file.to_string(),
                 bytes: bytes.len() as u64,
                 sha256: sha256_hex(bytes),
+            });
+        }
+        for file in staged {
+            let size = fs::metadata(&file.path)
+                .map_err(CheckpointError::io("find staged", &file.path))?
+                .len();
+            if size != file.bytes {
+                return Err(CheckpointError::damaged(
+                    &file.path,
+                    format!(
+                        "{size} bytes where its writer reported {}: changed after it was written",
+                        file.bytes
+                    ),
+                ));
+            }
+            let path = tmp.join(&file.name);
+            fs::rename(&file.path, &path).map_err(CheckpointError::io("move in", &file.path))?;
+            entries.push(FileEntry {
+                name: file.name.clone(),
+                bytes: file.bytes,
+                sha256: file.sha256.clone(),
             });
         }
         let manifest = Manifest {
@@ -433,9 +485,62 @@ mod tests {
             10,
             false,
             &[("a.bin", b"hello"), ("b.json", b"{}")],
+            &[],
             false,
         )
         .unwrap()
+    }
+
+    #[test]
+    fn staged_files_move_in_and_a_changed_one_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let staging = shard_staging(dir.path(), "ck");
+        fs::create_dir_all(&staging).unwrap();
+        let shard = |name: &str, bytes: &[u8]| {
+            let path = staging.join(name);
+            fs::write(&path, bytes).unwrap();
+            Staged {
+                name: name.into(),
+                path,
+                bytes: bytes.len() as u64,
+                sha256: sha256_hex(bytes),
+            }
+        };
+        let one = shard(&optimizer_shard(1, 2), b"rank one");
+        let ck = write_checkpoint(
+            dir.path(),
+            "ck",
+            1,
+            10,
+            false,
+            &[("a.bin", b"x")],
+            &[one],
+            false,
+        )
+        .unwrap();
+        let m = verify(&ck).unwrap();
+        assert_eq!(
+            read_verified(&ck, &m, "optimizer-rank1-of2.mpk").unwrap(),
+            b"rank one"
+        );
+        // A shard that is not the size its writer reported: an error naming it, no checkpoint.
+        let mut bad = shard(&optimizer_shard(1, 2), b"rank one");
+        bad.bytes += 1;
+        let e = write_checkpoint(
+            dir.path(),
+            "ck2",
+            1,
+            11,
+            false,
+            &[("a.bin", b"x")],
+            &[bad],
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("optimizer-rank1-of2.mpk"), "{e}");
+        assert!(!dir.path().join("ck2").exists());
+        assert!(is_scratch(".shards-ck2"));
     }
 
     #[test]
@@ -451,11 +556,30 @@ mod tests {
             .collect();
         assert_eq!(names, ["ck"]);
         // Without overwrite a second save of the same name is refused and changes nothing.
-        let err = write_checkpoint(dir.path(), "ck", 2, 20, false, &[("a.bin", b"x")], false)
-            .unwrap_err();
+        let err = write_checkpoint(
+            dir.path(),
+            "ck",
+            2,
+            20,
+            false,
+            &[("a.bin", b"x")],
+            &[],
+            false,
+        )
+        .unwrap_err();
         assert!(matches!(err, CheckpointError::Exists { .. }), "{err}");
         assert_eq!(verify(&ck).unwrap().batch, 10);
-        write_checkpoint(dir.path(), "ck", 2, 20, false, &[("a.bin", b"x")], true).unwrap();
+        write_checkpoint(
+            dir.path(),
+            "ck",
+            2,
+            20,
+            false,
+            &[("a.bin", b"x")],
+            &[],
+            true,
+        )
+        .unwrap();
         assert_eq!(verify(&ck).unwrap().batch, 20);
     }
 

@@ -52,6 +52,7 @@ mod lock;
 pub mod remote;
 mod retention;
 mod saver;
+mod shards;
 mod state_file;
 mod weights;
 

@@ -2,7 +2,7 @@
 //! ids, the optimizer, the timestamp and the rest into a trainer being built. Autoresume finds
 //! the newest intact checkpoint in a folder, moving damaged ones aside with a warning.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -19,6 +19,7 @@ use crate::format::{
     self, read_manifest, read_verified, verify, Manifest, MODEL, OPTIMIZER, TRAINER_STATE,
 };
 use crate::lock::{lock_folder, FolderLock};
+use crate::shards::Part;
 use crate::state_file::TrainerStateFile;
 use crate::weights::{load_weights_bytes, set_param_ids, WeightsLoad, WeightsReport};
 
@@ -171,8 +172,7 @@ impl CheckpointRestore {
                 format!("no parameter ids for {missing_ids:?}"),
             ));
         }
-        let optimizer_path = dir.join(OPTIMIZER);
-        let bytes = read_verified(dir, &manifest, OPTIMIZER)?;
+        let (bytes, optimizer_path) = optimizer_state(dir, &manifest, &saved, state)?;
         let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
         let record = Recorder::<S::Backend>::load::<
             <S::Optimizer as Optimizer<S::Model, S::Backend>>::Record,
@@ -227,6 +227,65 @@ impl CheckpointRestore {
         tracing::info!(checkpoint = %dir.display(), at = %state.timestamp(), "resumed");
         Ok(Some(saved.components))
     }
+}
+
+/// The optimizer state this rank loads, as a record file, and the file to name in a
+/// decoding error: `optimizer.mpk`, or every rank's shard of a sharded checkpoint merged
+/// (`crate::shards`); in a sharded run only the parameters this rank owns now, whatever the
+/// world size the checkpoint was saved at. A shard that is missing or damaged is an error
+/// naming its rank and file.
+fn optimizer_state<S: Setup>(
+    dir: &Path,
+    manifest: &Manifest,
+    saved: &TrainerStateFile,
+    state: &Restoring<'_, S>,
+) -> Result<(Vec<u8>, PathBuf), CheckpointError> {
+    let owned: Option<HashSet<String>> = state
+        .owned_param_ids()
+        .map_err(|e| CheckpointError::Format {
+            path: dir.to_path_buf(),
+            message: e.to_string(),
+        })?
+        .map(|ids| ids.into_iter().map(|id| id.serialize()).collect());
+    let Some(files) = &saved.optimizer_shards else {
+        let bytes = read_verified(dir, manifest, OPTIMIZER)?;
+        let bytes = match &owned {
+            None => bytes,
+            Some(keep) => crate::shards::merge(
+                vec![Part {
+                    path: dir.join(OPTIMIZER),
+                    bytes,
+                }],
+                Some(keep),
+            )?,
+        };
+        return Ok((bytes, dir.join(OPTIMIZER)));
+    };
+    let world = files.len();
+    let mut parts = Vec::with_capacity(world);
+    for (rank, file) in files.iter().enumerate() {
+        let bytes = read_verified(dir, manifest, file).map_err(|e| match e {
+            CheckpointError::Damaged { path, reason } => CheckpointError::Damaged {
+                path,
+                reason: format!("the optimizer shard of rank {rank} of {world}: {reason}"),
+            },
+            other => other,
+        })?;
+        parts.push(Part {
+            path: dir.join(file),
+            bytes,
+        });
+    }
+    tracing::info!(
+        checkpoint = %dir.display(),
+        shards = world,
+        sharded_now = owned.is_some(),
+        "loading a sharded optimizer state"
+    );
+    Ok((
+        crate::shards::merge(parts, owned.as_ref())?,
+        dir.to_path_buf(),
+    ))
 }
 
 impl<S: Setup> Restore<S> for CheckpointRestore {
@@ -287,9 +346,10 @@ fn looks_like_checkpoint(dir: &Path) -> bool {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     names.is_empty()
-        || names
-            .iter()
-            .any(|n| [format::MANIFEST, MODEL, OPTIMIZER, TRAINER_STATE].contains(&n.as_str()))
+        || names.iter().any(|n| {
+            [format::MANIFEST, MODEL, OPTIMIZER, TRAINER_STATE].contains(&n.as_str())
+                || n.starts_with("optimizer-rank")
+        })
 }
 
 /// The newest intact checkpoint in `folder`, and the ones passed over on the way (each error

@@ -15,8 +15,8 @@ use std::thread::JoinHandle;
 use burn::optim::Optimizer;
 use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use flashover_core::callback::{Callback, Control};
-use flashover_core::collective::Ranks;
-use flashover_core::error::Result as CoreResult;
+use flashover_core::collective::{Peers, Ranks};
+use flashover_core::error::{CoreError, Result as CoreResult};
 use flashover_core::event::Event;
 use flashover_core::setup::Setup;
 use flashover_core::state::State;
@@ -24,7 +24,8 @@ use flashover_core::time::{Time, TimeUnit, Timestamp};
 
 use crate::error::CheckpointError;
 use crate::format::{
-    self, is_scratch, write_checkpoint, write_latest, MODEL, OPTIMIZER, TRAINER_STATE,
+    self, is_scratch, optimizer_shard, sha256_hex, shard_staging, write_atomic, write_checkpoint,
+    write_latest, Staged, MODEL, OPTIMIZER, TRAINER_STATE,
 };
 use crate::lock::{lock_folder, FolderLock};
 pub use crate::retention::retention;
@@ -190,6 +191,9 @@ struct Job {
     overwrite: bool,
     keep: usize,
     files: Vec<(&'static str, Vec<u8>)>,
+    /// Files the ranks of a sharded save wrote into `staging`, moved in by the write.
+    staged: Vec<Staged>,
+    staging: Option<PathBuf>,
     #[cfg(feature = "remote")]
     upload: Option<crate::remote::sync::UploadQueue>,
 }
@@ -206,8 +210,17 @@ impl Job {
     fn write(&self) -> Result<PathBuf, CheckpointError> {
         // Scratch left by a save that was killed midway is removed first (one writer per
         // folder is the contract, so nothing else can be using it).
+        let staging = self
+            .staging
+            .as_ref()
+            .and_then(|p| p.file_name())
+            .map(|n| n.to_owned());
         if let Ok(entries) = fs::read_dir(&self.folder) {
             for e in entries.flatten() {
+                // This save's own staged shards are not a killed save's.
+                if Some(e.file_name()) == staging {
+                    continue;
+                }
                 if is_scratch(&e.file_name().to_string_lossy()) {
                     // A killed `write_atomic` leaves a file, a killed save a directory.
                     if e.file_type().is_ok_and(|t| t.is_dir()) {
@@ -227,8 +240,12 @@ impl Job {
             self.batch,
             self.weights_only,
             &files,
+            &self.staged,
             self.overwrite,
         )?;
+        if let Some(staging) = &self.staging {
+            let _ = fs::remove_dir_all(staging);
+        }
         write_latest(&self.folder, &self.name)?;
         for old in retention(&list_checkpoints(&self.folder), self.keep) {
             if old != self.name {
@@ -424,43 +441,150 @@ impl Saver {
         }
     }
 
-    fn save<S: Setup>(&mut self, state: &State<S>) -> Result<(), CheckpointError> {
+    /// Whether this save takes the sharded path: every rank holds a part of the optimizer
+    /// state (a weights-only checkpoint needs none of it, and rank 0 writes it alone).
+    fn sharded<S: Setup>(&self, state: &State<S>) -> bool {
+        state.is_sharded() && !self.config.weights_only
+    }
+
+    /// Whether to save now: in a sharded run the ranks agree (any rank's wish, a callback's
+    /// request on rank 0 included, saves on all), since every rank writes its shard.
+    fn agree<S: Setup>(
+        &self,
+        state: &State<S>,
+        ctl: &mut Control<'_>,
+        want: bool,
+    ) -> CoreResult<bool> {
+        if !self.sharded(state) {
+            return Ok(want);
+        }
+        let mut v = [f64::from(u8::from(want))];
+        peers(ctl)?.sum(&mut v)?;
+        Ok(v[0] > 0.0)
+    }
+
+    /// A sharded save (every rank): each rank writes its optimizer shard into the staging
+    /// folder, synced, and reports its size and SHA-256 (or its error) to the others; if
+    /// every rank succeeded, rank 0 writes the weights and trainer state and moves the
+    /// shards in under one manifest, atomically as any checkpoint. A rank that failed fails
+    /// the save on every rank, naming the rank and file: no checkpoint is put in place.
+    fn save_sharded<S: Setup>(
+        &mut self,
+        state: &State<S>,
+        ctl: &mut Control<'_>,
+    ) -> CoreResult<()> {
         let ts = state.timestamp();
-        let name = render_name(&self.config.name_template, ts, state.world().rank)?;
+        let world = state.world();
+        // Every rank saves under rank 0's name.
+        let name =
+            render_name(&self.config.name_template, ts, 0).map_err(CheckpointError::in_saver)?;
+        if let Some(w) = &mut self.writer {
+            w.wait().map_err(CheckpointError::in_saver)?;
+        }
+        let staging = shard_staging(&self.config.folder, &name);
+        let file = optimizer_shard(world.rank, world.size);
+        let path = staging.join(&file);
+        let written = (|| {
+            fs::create_dir_all(&staging).map_err(CheckpointError::io("create", &staging))?;
+            let bytes = optimizer_bytes(state, &path)?;
+            write_atomic(&path, &bytes)?;
+            Ok::<_, CheckpointError>((bytes.len() as u64, sha256_hex(&bytes)))
+        })();
+        let report = match &written {
+            Ok((bytes, sha)) => format!("ok {bytes} {sha}"),
+            Err(e) => format!("error {e}"),
+        };
+        let reports = peers(ctl)?.gather_text(&report)?;
+        let mut staged = Vec::with_capacity(reports.len());
+        for (rank, report) in reports.iter().enumerate() {
+            let file = optimizer_shard(rank, world.size);
+            let path = staging.join(&file);
+            let mut parts = report.splitn(3, ' ');
+            match (parts.next(), parts.next(), parts.next()) {
+                (Some("ok"), Some(bytes), Some(sha)) if bytes.parse::<u64>().is_ok() => staged
+                    .push(Staged {
+                        name: file,
+                        path,
+                        bytes: bytes.parse().unwrap_or(0),
+                        sha256: sha.to_string(),
+                    }),
+                _ => {
+                    return Err(CheckpointError::Shard {
+                        rank,
+                        path,
+                        message: report.strip_prefix("error ").unwrap_or(report).to_string(),
+                    }
+                    .in_saver())
+                }
+            }
+        }
+        if world.is_main() {
+            let mut job = self.job(state, &name).map_err(CheckpointError::in_saver)?;
+            job.staged = staged;
+            job.staging = Some(staging);
+            job.run().map_err(CheckpointError::in_saver)?;
+            self.saved.push(self.config.folder.join(&name));
+        }
+        self.last_saved_batch = Some(ts.batch);
+        Ok(())
+    }
+
+    /// The files of a checkpoint of `state` named `name`, ready to write (a sharded run's
+    /// without its optimizer state, which the ranks' shards hold).
+    fn job<S: Setup>(&self, state: &State<S>, name: &str) -> Result<Job, CheckpointError> {
+        let ts = state.timestamp();
         let mut files: Vec<(&'static str, Vec<u8>)> = vec![(
             MODEL,
             weights_to_bytes::<S::Backend, S::Model>(state.model())?,
         )];
         if !self.config.weights_only {
-            let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
-            let optimizer =
-                Recorder::<S::Backend>::record(&recorder, state.optimizer().to_record(), ())
-                    .map_err(|e| CheckpointError::Format {
-                        path: self.config.folder.join(&name).join(OPTIMIZER),
-                        message: e.to_string(),
-                    })?;
-            files.push((OPTIMIZER, optimizer));
+            let mut trainer = TrainerStateFile::from_state(state);
+            if self.sharded(state) {
+                let w = state.world().size;
+                trainer.optimizer_shards = Some((0..w).map(|r| optimizer_shard(r, w)).collect());
+            } else {
+                let path = self.config.folder.join(name).join(OPTIMIZER);
+                files.push((OPTIMIZER, optimizer_bytes(state, &path)?));
+            }
             let trainer =
-                serde_json::to_vec_pretty(&TrainerStateFile::from_state(state)).map_err(|e| {
-                    CheckpointError::Format {
-                        path: self.config.folder.join(&name).join(TRAINER_STATE),
-                        message: e.to_string(),
-                    }
+                serde_json::to_vec_pretty(&trainer).map_err(|e| CheckpointError::Format {
+                    path: self.config.folder.join(name).join(TRAINER_STATE),
+                    message: e.to_string(),
                 })?;
             files.push((TRAINER_STATE, trainer));
         }
-        let job = Job {
+        Ok(Job {
             folder: self.config.folder.clone(),
-            name: name.clone(),
+            name: name.to_string(),
             epoch: ts.epoch,
             batch: ts.batch,
             weights_only: self.config.weights_only,
             overwrite: self.config.overwrite,
             keep: self.config.keep,
             files,
+            staged: Vec::new(),
+            staging: None,
             #[cfg(feature = "remote")]
             upload: self.uploader.as_ref().and_then(|u| u.queue()),
-        };
+        })
+    }
+
+    fn save<S: Setup>(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> CoreResult<()> {
+        if self.sharded(state) {
+            return self.save_sharded(state, ctl);
+        }
+        if !state.world().is_main() {
+            // A sharded run saving weights only: rank 0 writes them.
+            self.last_saved_batch = Some(state.timestamp().batch);
+            return Ok(());
+        }
+        self.save_whole(state).map_err(CheckpointError::in_saver)
+    }
+
+    fn save_whole<S: Setup>(&mut self, state: &State<S>) -> Result<(), CheckpointError> {
+        let ts = state.timestamp();
+        let name = render_name(&self.config.name_template, ts, state.world().rank)?;
+        let job = self.job(state, &name)?;
         let path = self.config.folder.join(&name);
         match &mut self.writer {
             None => {
@@ -485,10 +609,13 @@ impl Saver {
 }
 
 impl<S: Setup> Callback<S> for Saver {
-    /// Only rank 0 of a data-parallel run saves. Wrapped in `OnEveryRank`, every rank saves:
-    /// give each rank its own folder (a folder has one writing process).
+    /// Only rank 0 of a data-parallel run saves, unless the optimizer state is sharded: then
+    /// every rank writes its own shard into rank 0's folder and rank 0 the rest (the folder
+    /// is shared: one machine, or a file system all ranks mount). Wrapped in `OnEveryRank`,
+    /// every rank of an unsharded run saves: give each rank its own folder (a folder has one
+    /// writing process).
     fn ranks(&self) -> Ranks {
-        Ranks::Main
+        Ranks::Shards
     }
 
     fn name(&self) -> &str {
@@ -506,7 +633,8 @@ impl<S: Setup> Callback<S> for Saver {
         if let SaveInterval::Every(t) = &self.interval {
             state.check_countable("save_interval", *t)?;
         }
-        if self.lock.is_none() {
+        // The other ranks of a sharded run only put their shards in rank 0's folder.
+        if self.lock.is_none() && state.world().is_main() {
             self.lock = Some(lock_folder(&self.config.folder).map_err(CheckpointError::in_saver)?);
         }
         Ok(())
@@ -516,7 +644,7 @@ impl<S: Setup> Callback<S> for Saver {
     /// only checkpoints this run continues (see [`conflicting_checkpoints`]), unless
     /// overwriting is on.
     fn after_load(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
-        if self.config.overwrite {
+        if self.config.overwrite || !state.world().is_main() {
             return Ok(());
         }
         let start = state.timestamp().batch;
@@ -540,28 +668,28 @@ impl<S: Setup> Callback<S> for Saver {
         Ok(())
     }
 
-    fn batch_checkpoint(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
+    fn batch_checkpoint(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> CoreResult<()> {
         // A callback may ask for a checkpoint at this batch (`Control::request_checkpoint`).
-        if self.due(Event::BatchCheckpoint, state) || state.checkpoint_requested() {
-            self.save(state).map_err(CheckpointError::in_saver)?;
+        let want = self.due(Event::BatchCheckpoint, state) || state.checkpoint_requested();
+        if self.agree(state, ctl, want)? {
+            self.save(state, ctl)?;
         }
         Ok(())
     }
 
-    fn epoch_checkpoint(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
-        if (self.due(Event::EpochCheckpoint, state) || state.checkpoint_requested())
-            && self.last_saved_batch != Some(state.timestamp().batch)
-        {
-            self.save(state).map_err(CheckpointError::in_saver)?;
+    fn epoch_checkpoint(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> CoreResult<()> {
+        let want = self.due(Event::EpochCheckpoint, state) || state.checkpoint_requested();
+        if self.agree(state, ctl, want)? && self.last_saved_batch != Some(state.timestamp().batch) {
+            self.save(state, ctl)?;
         }
         Ok(())
     }
 
     /// The state at the end of every fit is saved (unless it already was), so a run that was
     /// stopped early resumes from where it stopped; then background writes are awaited.
-    fn fit_end(&mut self, state: &State<S>, _ctl: &mut Control<'_>) -> CoreResult<()> {
+    fn fit_end(&mut self, state: &State<S>, ctl: &mut Control<'_>) -> CoreResult<()> {
         if self.last_saved_batch != Some(state.timestamp().batch) {
-            self.save(state).map_err(CheckpointError::in_saver)?;
+            self.save(state, ctl)?;
         }
         if let Some(w) = &mut self.writer {
             w.wait().map_err(CheckpointError::in_saver)?;
@@ -573,6 +701,30 @@ impl<S: Setup> Callback<S> for Saver {
             u.flush().map_err(CheckpointError::in_saver)?;
         }
         Ok(())
+    }
+}
+
+/// The optimizer state of `state` (this rank's share in a sharded run), serialised as a
+/// checkpoint holds it; `path` names the file in an error.
+fn optimizer_bytes<S: Setup>(state: &State<S>, path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    let recorder = NamedMpkBytesRecorder::<FullPrecisionSettings>::new();
+    Recorder::<S::Backend>::record(&recorder, state.optimizer().to_record(), ()).map_err(|e| {
+        CheckpointError::Format {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        }
+    })
+}
+
+/// The other ranks, which a sharded run always has.
+fn peers<'c>(ctl: &'c mut Control<'_>) -> CoreResult<&'c mut (dyn Peers + 'c)> {
+    match ctl.peers() {
+        Some(p) => Ok(p),
+        None => Err(CoreError::Component {
+            component: "checkpoint_saver".into(),
+            event: "save",
+            message: "a sharded run without its other ranks (the trainer lends them to every callback of a data-parallel run)".into(),
+        }),
     }
 }
 

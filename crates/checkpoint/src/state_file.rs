@@ -72,6 +72,10 @@ pub struct TrainerStateFile {
     pub eval_metrics: BTreeMap<String, BTreeMap<String, Option<f64>>>,
     /// Parameter ids by path (optimizer state is keyed by id).
     pub param_ids: BTreeMap<String, u64>,
+    /// A sharded run's optimizer state: one file per rank, in rank order (each holds the
+    /// state of the parameters that rank owned); `None` when `optimizer.mpk` holds it all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_shards: Option<Vec<String>>,
     /// Saved states of algorithms and callbacks.
     pub components: BTreeMap<String, Value>,
 }
@@ -132,6 +136,7 @@ impl TrainerStateFile {
                 })
                 .collect(),
             param_ids: crate::weights::param_ids::<S::Backend, S::Model>(state.model()),
+            optimizer_shards: None,
             components: state.component_states().clone(),
         }
     }

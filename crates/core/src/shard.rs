@@ -34,7 +34,7 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
@@ -578,6 +578,74 @@ impl<AB: AutodiffBackend> ModuleMapper<AB> for LoadOthers<'_, AB> {
         let value = Tensor::<AB, D>::from_inner(value).require_grad();
         Param::from_mapped_value(id, value, mapper)
     }
+}
+
+/// Gives `model`'s parameters rank 0's parameter ids (the weights are rank 0's already, from
+/// the broadcast). Each rank's optimizer state is keyed by parameter id, and a sharded
+/// checkpoint holds every rank's part: with one set of ids the parts make one record, which
+/// a run at any world size loads. The ids travel as four 16-bit pieces each, exact in the
+/// `f32` buffer a broadcast carries.
+pub(crate) fn take_rank0_ids<S: Setup>(
+    c: &mut dyn Collective<S>,
+    model: S::Model,
+) -> Result<S::Model> {
+    let ids: Vec<u64> = slots::<S::Backend, S::Model>(&model)
+        .iter()
+        .map(|s| s.id.val())
+        .collect();
+    if ids.is_empty() {
+        return Ok(model);
+    }
+    let pieces: Vec<f32> = ids
+        .iter()
+        .flat_map(|id| (0..4).map(move |k| ((id >> (16 * k)) & 0xFFFF) as f32))
+        .collect();
+    let n = pieces.len();
+    let device = present_device::<S::Backend, S::Model>(&model);
+    let buffer = Tensor::<crate::setup::InnerBackendOf<S>, 1>::from_data(
+        TensorData::new(pieces, [n]),
+        &device,
+    );
+    let got: Vec<f32> = c
+        .broadcast(buffer)?
+        .into_data()
+        .convert::<f32>()
+        .iter::<f32>()
+        .collect();
+    let rank0: Vec<u64> = got
+        .chunks(4)
+        .map(|p| {
+            p.iter()
+                .enumerate()
+                .fold(0u64, |id, (k, &v)| id | ((v as u64) << (16 * k)))
+        })
+        .collect();
+    if rank0.len() != ids.len() {
+        return Err(CoreError::config(
+            "sharding",
+            format!("rank 0's {} parameter ids", rank0.len()),
+            format!(
+                "{} ids, one per float parameter of this rank's model",
+                ids.len()
+            ),
+        ));
+    }
+    struct Rename {
+        ids: Vec<u64>,
+        at: usize,
+    }
+    impl<AB: AutodiffBackend> ModuleMapper<AB> for Rename {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<AB, D>>,
+        ) -> Param<Tensor<AB, D>> {
+            let (id, tensor, mapper) = param.consume();
+            let id = self.ids.get(self.at).map_or(id, |&v| ParamId::from(v));
+            self.at += 1;
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    Ok(model.map(&mut Rename { ids: rank0, at: 0 }))
 }
 
 /// Every rank's `mine` (host numbers of any lengths), concatenated in rank order: the

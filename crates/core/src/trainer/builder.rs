@@ -520,7 +520,14 @@ impl<S: Setup> TrainerBuilder<S> {
                     trainer.state.collective = Some(c);
                     return Err(e);
                 }
-                let broadcast = trainer.state.try_map_model(|m| c.broadcast_model(m));
+                let sharded = trainer.state.sharding.is_some();
+                let broadcast = trainer.state.try_map_model(|m| {
+                    let m = c.broadcast_model(m)?;
+                    match sharded {
+                        true => crate::shard::take_rank0_ids(c.as_mut(), m),
+                        false => Ok(m),
+                    }
+                });
                 trainer.state.collective = Some(c);
                 broadcast?;
             }
