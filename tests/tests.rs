@@ -41,6 +41,10 @@
 //!   seeing every sample once, a stopped rank is named and the job ends, one rank's error
 //!   ends all, bad launches are errors, and two ranks train across a veth pair between two
 //!   network namespaces.
+//! - `sharding`: sharded optimizer state and gradients on ranks in threads: the weights of
+//!   data-parallel training bit for bit (Adam and AdamW over 300 steps; clipping, SAM, layer
+//!   freezing and EMA on three ranks), each rank's optimizer state its share, a sharded
+//!   checkpoint's one file per rank, a rank that cannot write its shard failing the save.
 //! - `library`: Flashover as a library: EMA and SWA end with their average in the model and
 //!   the example writes the weights it evaluated (reloaded, they give the reported metrics
 //!   exactly); a loss that ignores soft targets stops the run naming the algorithm; the
@@ -91,6 +95,8 @@ mod precision;
 mod resume;
 #[path = "suite/seams.rs"]
 mod seams;
+#[path = "suite/sharding.rs"]
+mod sharding;
 #[path = "suite/surgery.rs"]
 mod surgery;
 #[path = "suite/tidy.rs"]

@@ -4,157 +4,29 @@
 //! combined batch, evaluation metrics are global, one rank's stop stops both, a non-finite
 //! loss on one rank skips the step on both, and only rank 0's writers act.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{Sgd, SgdConfig};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::Tensor;
 use flashover::callbacks::StopAt;
 use flashover::core::callback::{Algorithm, Callback};
-use flashover::core::collective::{Collective, OnEveryRank, Ranks};
+use flashover::core::collective::{OnEveryRank, Ranks};
 use flashover::core::data::{DataLoader, Dataset, MnistBatcher, MnistDataset, MnistSplit, Sampler};
-use flashover::core::error::{CoreError, Result};
+use flashover::core::error::Result;
 use flashover::core::event::Event;
 use flashover::core::logger::Logger;
 use flashover::core::metric::{Accuracy, LossMetric};
 use flashover::core::params::params_sha256;
-use flashover::core::setup::{InnerBackendOf, Setup, SetupOf};
+use flashover::core::setup::{Setup, SetupOf};
 use flashover::core::state::{State, World};
 use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::distributed::LocalGroup;
 use flashover_examples::{bundled_mnist_dir, MnistCnn};
+use flashover_tests::threads::{two_ranks, Hub, ThreadCollective};
 use flashover_tests::*;
-
-/// Where the ranks of one process meet: each deposits a buffer, the last to arrive releases
-/// them all, and every rank reads every buffer. A rank that waits longer than the timeout
-/// gets an error naming the ranks that never came.
-struct Hub {
-    size: usize,
-    state: Mutex<HubState>,
-    arrived_cv: Condvar,
-}
-
-struct HubState {
-    generation: u64,
-    slots: Vec<Option<Vec<f64>>>,
-    result: Vec<Vec<f64>>,
-}
-
-impl Hub {
-    fn new(size: usize) -> Arc<Hub> {
-        Arc::new(Hub {
-            size,
-            state: Mutex::new(HubState {
-                generation: 0,
-                slots: vec![None; size],
-                result: Vec::new(),
-            }),
-            arrived_cv: Condvar::new(),
-        })
-    }
-
-    fn exchange(&self, rank: usize, data: Vec<f64>) -> Result<Vec<Vec<f64>>> {
-        let mut s = self.state.lock().unwrap();
-        let generation = s.generation;
-        s.slots[rank] = Some(data);
-        if s.slots.iter().all(Option::is_some) {
-            s.result = s
-                .slots
-                .iter_mut()
-                .map(|x| x.take().unwrap_or_default())
-                .collect();
-            s.generation += 1;
-            self.arrived_cv.notify_all();
-            return Ok(s.result.clone());
-        }
-        let (s, timeout) = self
-            .arrived_cv
-            .wait_timeout_while(s, Duration::from_secs(120), |s| s.generation == generation)
-            .unwrap();
-        if timeout.timed_out() {
-            let missing: Vec<usize> = (0..self.size).filter(|&r| s.slots[r].is_none()).collect();
-            return Err(CoreError::Component {
-                component: "thread_collective".into(),
-                event: "exchange",
-                message: format!("ranks {missing:?} did not arrive within 120 s"),
-            });
-        }
-        Ok(s.result.clone())
-    }
-}
-
-/// A device buffer's values on the host (f32 values are exact in f64).
-fn to_host<B: burn::tensor::backend::Backend>(buffer: Tensor<B, 1>) -> Vec<f64> {
-    buffer
-        .into_data()
-        .to_vec::<f32>()
-        .expect("f32 buffers")
-        .into_iter()
-        .map(f64::from)
-        .collect()
-}
-
-/// Host values as a device buffer on `device`.
-fn from_host<B: burn::tensor::backend::Backend>(
-    values: Vec<f32>,
-    device: &B::Device,
-) -> Tensor<B, 1> {
-    let n = values.len();
-    Tensor::from_data(TensorData::new(values, [n]), device)
-}
-
-/// One rank's end of a [`Hub`].
-struct ThreadCollective {
-    rank: usize,
-    hub: Arc<Hub>,
-}
-
-impl<S: Setup> Collective<S> for ThreadCollective {
-    fn world(&self) -> World {
-        World {
-            rank: self.rank,
-            size: self.hub.size,
-        }
-    }
-
-    fn all_reduce_sum(
-        &mut self,
-        buffer: Tensor<InnerBackendOf<S>, 1>,
-    ) -> Result<Tensor<InnerBackendOf<S>, 1>> {
-        let device = buffer.device();
-        let all = self.hub.exchange(self.rank, to_host(buffer))?;
-        // Sum in f32, in rank order: the same bits on every rank.
-        let mut sum = vec![0f32; all[0].len()];
-        for part in &all {
-            for (s, v) in sum.iter_mut().zip(part) {
-                *s += *v as f32;
-            }
-        }
-        Ok(from_host(sum, &device))
-    }
-
-    fn all_reduce_sum_host(&mut self, values: &mut [f64]) -> Result<()> {
-        let all = self.hub.exchange(self.rank, values.to_vec())?;
-        for (i, v) in values.iter_mut().enumerate() {
-            *v = all.iter().map(|p| p[i]).sum();
-        }
-        Ok(())
-    }
-
-    fn broadcast(
-        &mut self,
-        buffer: Tensor<InnerBackendOf<S>, 1>,
-    ) -> Result<Tensor<InnerBackendOf<S>, 1>> {
-        let device = buffer.device();
-        let all = self.hub.exchange(self.rank, to_host(buffer))?;
-        Ok(from_host(
-            all[0].iter().map(|v| *v as f32).collect(),
-            &device,
-        ))
-    }
-}
 
 type Sgd32 = OptimizerAdaptor<Sgd<Inner>, MnistCnn<TB>, TB>;
 type Run = SetupOf<TB, MnistCnn<TB>, Sgd32>;
@@ -212,24 +84,6 @@ fn builder(world: World, batch: usize, seed: u64, max: &str) -> TrainerBuilder<R
     .lr(0.05)
     .seed(7)
     .evaluator(evaluator)
-}
-
-/// Runs `f(rank, collective)` on two threads and returns both results, rank 0 first.
-fn two_ranks<T: Send + 'static>(
-    f: impl Fn(usize, ThreadCollective) -> T + Send + Sync + 'static,
-) -> (T, T) {
-    let hub = Hub::new(2);
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..2)
-        .map(|rank| {
-            let (hub, f) = (hub.clone(), f.clone());
-            std::thread::spawn(move || f(rank, ThreadCollective { rank, hub }))
-        })
-        .collect();
-    let mut out = handles.into_iter().map(|h| h.join().expect("rank thread"));
-    let a = out.next().expect("rank 0");
-    let b = out.next().expect("rank 1");
-    (a, b)
 }
 
 /// Every parameter value, in the model's order.

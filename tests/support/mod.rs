@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 pub mod mpi;
 pub mod skip;
+pub mod threads;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
