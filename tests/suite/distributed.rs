@@ -852,3 +852,256 @@ fn two_ranks_in_two_network_namespaces_train_across_a_veth_pair() {
         "the network changes no bits"
     );
 }
+
+/// `--sharding shard_grad_op`.
+const SHARDED: &[&str] = &["--sharding", "shard_grad_op"];
+
+#[test]
+fn sharded_processes_hold_the_data_parallel_weights_bit_for_bit() {
+    if mpi::mnist().is_none() {
+        return;
+    }
+    // Two ranks, 300 AdamW steps (the example's optimizer) of 8 digits: 5 epochs of 480.
+    let long: Vec<&str> = DDP
+        .iter()
+        .map(|&a| if a == "48" { "8" } else { a })
+        .chain(["--max-duration", "300ba"])
+        .collect();
+    let dp = mpi_summary(2, &long);
+    let sharded = mpi_summary(2, &args_with(&long, SHARDED));
+    assert_eq!(sharded["sharding"], "shard_grad_op", "{sharded}");
+    assert_eq!(dp["sharding"], "no_shard");
+    assert_eq!(dp["params_sha256"], sharded["params_sha256"]);
+    assert_eq!(dp["test_loss"], sharded["test_loss"]);
+    // Each rank keeps its share of the optimizer state; together about the whole.
+    let bytes = |s: &serde_json::Value| -> Vec<u64> {
+        s["optimizer_state_bytes_by_rank"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap())
+            .collect()
+    };
+    let (whole, parts) = (bytes(&dp), bytes(&sharded));
+    assert!(
+        parts.iter().all(|&p| p < whole[0]),
+        "{parts:?} vs {whole:?}"
+    );
+    let sum: u64 = parts.iter().sum();
+    assert!(
+        sum.abs_diff(whole[0]) < whole[0] / 100,
+        "{parts:?} vs {whole:?}"
+    );
+    // Three ranks, Adam, with norm clipping (a norm over every rank's parameters), SAM (the
+    // whole gradient, gathered) and EMA: the transport's reduce-scatter hands every element
+    // the all-reduce's summation order, which on three ranks depends on it.
+    let with = args_with(
+        DDP,
+        &[
+            "--max-duration",
+            "12ba",
+            "--optimizer",
+            "adam",
+            "--algorithms",
+            "gradient_clipping:clipping_threshold=0.5,sam,ema",
+        ],
+    );
+    let dp = mpi_summary(3, &with);
+    let sharded = mpi_summary(3, &args_with(&with, SHARDED));
+    assert_eq!(dp["params_sha256"], sharded["params_sha256"]);
+}
+
+#[test]
+fn a_sharded_checkpoint_resumes_on_one_two_and_three_as_an_unsharded_one_would() {
+    if mpi::mnist().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let base = args_with(DDP, &["--max-duration", "14ba"]);
+    let saved = |name: &str, extra: &[&str]| -> PathBuf {
+        let folder = dir.path().join(name);
+        let args = args_with(
+            &args_with(&base, extra),
+            &[
+                "--stop-after",
+                "6ba",
+                "--save-folder",
+                folder.to_str().unwrap(),
+            ],
+        );
+        mpi_summary(2, &args);
+        folder
+    };
+    let sharded = saved("sharded", SHARDED);
+    let whole = saved("whole", &[]);
+    let ck = sharded.join("ep0-ba6");
+    let manifest = flashover::checkpoint::format::verify(&ck).unwrap();
+    let names: Vec<&str> = manifest.files.iter().map(|f| f.name.as_str()).collect();
+    assert!(
+        names.contains(&"optimizer-rank0-of2.mpk") && names.contains(&"optimizer-rank1-of2.mpk"),
+        "{names:?}"
+    );
+    assert!(!names.contains(&"optimizer.mpk"), "{names:?}");
+    let straight = mpi_summary(2, &base);
+    for world in [1usize, 2, 3] {
+        let resume = |from: &Path, extra: &[&str]| {
+            let copy = dir.path().join(format!(
+                "{}-{world}-{}",
+                from.file_name().unwrap().to_string_lossy(),
+                extra.len()
+            ));
+            copy_dir(from, &copy);
+            let args = args_with(
+                &args_with(&base, extra),
+                &["--save-folder", copy.to_str().unwrap(), "--autoresume"],
+            );
+            if world == 1 {
+                summary_of(&args)
+            } else {
+                mpi_summary(world, &args)
+            }
+        };
+        let from_whole = resume(&whole, &[]);
+        assert_eq!(from_whole["batches"], 14);
+        // Resharded to `world` ranks (one: the whole state in one process).
+        let resharded = resume(&sharded, SHARDED);
+        assert_eq!(
+            resharded["params_sha256"], from_whole["params_sha256"],
+            "world {world}: {resharded}"
+        );
+        // And resumed without sharding.
+        let unsharded = resume(&sharded, &[]);
+        assert_eq!(unsharded["params_sha256"], from_whole["params_sha256"]);
+        if world == 2 {
+            assert_eq!(resharded["params_sha256"], straight["params_sha256"]);
+        }
+    }
+}
+
+#[test]
+fn a_damaged_or_missing_shard_is_named_and_autoresume_resumes_from_the_one_before() {
+    if mpi::mnist().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("ck");
+    let base = args_with(&args_with(DDP, SHARDED), &["--max-duration", "8ba"]);
+    mpi_summary(
+        2,
+        &args_with(
+            &base,
+            &[
+                "--stop-after",
+                "6ba",
+                "--save-folder",
+                folder.to_str().unwrap(),
+                "--save-interval",
+                "3ba",
+            ],
+        ),
+    );
+    let newest = folder.join("ep0-ba6");
+    let shard = newest.join("optimizer-rank1-of2.mpk");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&shard, &bytes).unwrap();
+    // Loaded by name: an error naming the rank and the file; nothing trains.
+    let out = run_mpi(2, &args_with(&base, &["--load", newest.to_str().unwrap()]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("optimizer-rank1-of2.mpk") && stderr.contains("rank 1 of 2"),
+        "{stderr}"
+    );
+    // A missing shard likewise.
+    let copy = dir.path().join("missing");
+    copy_dir(&newest, &copy);
+    std::fs::remove_file(copy.join("optimizer-rank0-of2.mpk")).unwrap();
+    let out = run_mpi(2, &args_with(&base, &["--load", copy.to_str().unwrap()]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("optimizer-rank0-of2.mpk"), "{stderr}");
+    // Autoresume moves the damaged checkpoint aside and resumes from batch 3, to the bits of
+    // a run that was never interrupted.
+    let resumed = mpi_summary(
+        2,
+        &args_with(
+            &base,
+            &["--save-folder", folder.to_str().unwrap(), "--autoresume"],
+        ),
+    );
+    assert!(folder.join("ep0-ba6.damaged").exists());
+    let straight = mpi_summary(2, &base);
+    assert_eq!(outcome(&resumed), outcome(&straight));
+}
+
+#[test]
+fn sharded_ranks_killed_during_saves_resume_to_the_uninterrupted_bits() {
+    if mpi::mnist().is_none() {
+        return;
+    }
+    // 960 digits in batches of 48: 20 batches an epoch, 60 in all, a save after every one,
+    // so most kills land in a sharded save (each rank writing its shard, rank 0 the rest).
+    let mut base: Vec<&str> = DDP
+        .iter()
+        .map(|&a| if a == "480" { "960" } else { a })
+        .collect();
+    base.extend(["--max-duration", "3ep"]);
+    base.extend(SHARDED);
+    let straight = mpi_summary(2, &base);
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap().to_string();
+    let args = args_with(
+        &base,
+        &[
+            "--save-folder",
+            &folder,
+            "--save-interval",
+            "1ba",
+            "--keep",
+            "2",
+            "--autoresume",
+        ],
+    );
+    let mut rng = Rng::new(20261206);
+    let mut kills = 0;
+    let mut progress = Vec::new();
+    for _ in 0..3 {
+        let mut child = mpirun_command(2, &args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("mpirun starts");
+        let from = latest_batch(dir.path());
+        let batches = 2 + rng.below(12);
+        let extra = Duration::from_millis(rng.below(30));
+        if wait_for_progress(
+            &mut child,
+            dir.path(),
+            from,
+            batches,
+            extra,
+            Duration::from_secs(60),
+        ) {
+            let ranks = ranks_of(child.id());
+            if let Some(&victim) = ranks.get(rng.below(ranks.len().max(1) as u64) as usize) {
+                signal(victim, "-KILL");
+                kills += 1;
+            }
+        }
+        let _ = wait_with_deadline(child, Duration::from_secs(60), "mpirun after a kill");
+        let (found, _) = find_resumable(dir.path()).unwrap();
+        progress.push(found.map(|p| p.file_name().unwrap().to_string_lossy().into_owned()));
+    }
+    assert!(
+        kills >= 2,
+        "only {kills} runs were killed; progress {progress:?}"
+    );
+    let done = mpi_summary(2, &args);
+    assert_eq!(
+        outcome(&done),
+        outcome(&straight),
+        "after {kills} kills (checkpoints seen: {progress:?})"
+    );
+}
