@@ -71,6 +71,12 @@ struct Args {
     /// A separate output layer instead of logits through the token embeddings.
     #[arg(long)]
     untied: bool,
+    /// Activation checkpointing: the backward pass computes again what is cheap to compute
+    /// (element-wise operations and the attention probabilities, through Burn's
+    /// `BalancedCheckpointing`) instead of keeping it from the forward pass: less memory, a
+    /// little more time, the same gradients bit for bit.
+    #[arg(long)]
+    activation_checkpointing: bool,
     /// Evaluate on only the first N validation windows (default: all of them).
     #[arg(long)]
     val_windows: Option<usize>,
@@ -155,7 +161,11 @@ fn main() {
     // Log lines on stderr, coloured only on a terminal (never ANSI codes in a log file).
     flashover::init_logging();
     let args = Args::parse();
-    if let Err(e) = flashover_examples::with_backend!(args.run.backend.as_str(), run(&args)) {
+    if let Err(e) = flashover_examples::with_backend!(
+        args.run.backend.as_str(),
+        checkpointing = args.activation_checkpointing,
+        run(&args)
+    ) {
         eprintln!("error: {}", flashover::core::error::report(e.as_ref()));
         std::process::exit(1);
     }
@@ -637,6 +647,9 @@ fn summary<B: TrainBackend, O: Optimizer<Gpt<B>, B>>(
         "wall_seconds": p.started.elapsed().as_secs_f64(),
         "params_sha256": params_sha256::<B, _>(trainer.model()),
         "params": trainer.model().num_params(),
+        "activation_checkpointing": args.activation_checkpointing,
+        // Peak resident memory of the process so far (Linux; null elsewhere).
+        "peak_rss_bytes": flashover::callbacks::monitors::process_memory().map(|(_, peak)| peak),
         "batches": ts.batch,
         // Batches trained by this process (fewer than `batches` when it resumed a run).
         "trained_batches": report.map_or(0, |r| r.batches),

@@ -63,6 +63,28 @@ use flashover::surgery::Surgical;
 /// the example programs so that each backend is wired in one place.
 #[macro_export]
 macro_rules! with_backend {
+    // With activation checkpointing (Burn's `BalancedCheckpointing`) when `$ck` is set.
+    ($name:expr, checkpointing = $ck:expr, $f:ident($($arg:expr),* $(,)?)) => {{
+        use flashover::backend::{Autodiff, BalancedCheckpointing};
+        if !$ck {
+            $crate::with_backend!($name, $f($($arg),*))
+        } else {
+            match $name {
+                #[cfg(feature = "flex")]
+                "flex" => $f::<Autodiff<flashover::backend::Flex, BalancedCheckpointing>>($($arg),*),
+                #[cfg(feature = "ndarray")]
+                "ndarray" => $f::<Autodiff<flashover::backend::NdArray, BalancedCheckpointing>>($($arg),*),
+                #[cfg(feature = "wgpu")]
+                "wgpu" => $f::<Autodiff<flashover::backend::Wgpu, BalancedCheckpointing>>($($arg),*),
+                #[cfg(feature = "cuda")]
+                "cuda" => $f::<Autodiff<flashover::backend::Cuda, BalancedCheckpointing>>($($arg),*),
+                other => Err(anyhow::anyhow!(
+                    "backend {other:?} is not compiled into this build; available: {} (enable others with --features wgpu, cuda, ndarray)",
+                    flashover::backend::COMPILED.join(", ")
+                )),
+            }
+        }
+    }};
     ($name:expr, $f:ident($($arg:expr),* $(,)?)) => {{
         use flashover::backend::Autodiff;
         match $name {

@@ -120,6 +120,53 @@ pub mod backend {
         }
     }
 
+    /// Burn's activation-checkpointing strategy: as a second type parameter of [`Autodiff`]
+    /// (`Autodiff<Flex, BalancedCheckpointing>`), the backward pass computes again what is
+    /// cheap to compute (element-wise operations, and Flashover's attention probabilities)
+    /// instead of keeping it from the forward pass. The gradients are the same bits.
+    pub use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+
+    /// [`with_backend`], with activation checkpointing when `activation_checkpointing` is
+    /// set: `work` runs on `Autodiff<B, BalancedCheckpointing>`, which keeps fewer
+    /// activations for the backward pass and computes them again there (less memory, more
+    /// time; the same gradients, bit for bit).
+    ///
+    /// ```
+    /// use flashover::backend::{with_backend_checkpointing, OnBackend};
+    /// struct Name;
+    /// impl OnBackend for Name {
+    ///     type Output = String;
+    ///     fn run<B: flashover::models::TrainBackend>(self) -> String {
+    ///         std::any::type_name::<B>().to_string()
+    ///     }
+    /// }
+    /// let name = with_backend_checkpointing("flex", true, Name).unwrap();
+    /// assert!(name.contains("BalancedCheckpointing"), "{name}");
+    /// ```
+    pub fn with_backend_checkpointing<W: OnBackend>(
+        name: &str,
+        activation_checkpointing: bool,
+        work: W,
+    ) -> Result<W::Output, UnknownBackend> {
+        if !activation_checkpointing {
+            return with_backend(name, work);
+        }
+        let _ = &work;
+        match name {
+            #[cfg(feature = "flex")]
+            "flex" => Ok(work.run::<Autodiff<burn::backend::Flex, BalancedCheckpointing>>()),
+            #[cfg(feature = "ndarray")]
+            "ndarray" => Ok(work.run::<Autodiff<burn::backend::NdArray, BalancedCheckpointing>>()),
+            #[cfg(feature = "wgpu")]
+            "wgpu" => Ok(work.run::<Autodiff<burn::backend::Wgpu, BalancedCheckpointing>>()),
+            #[cfg(feature = "cuda")]
+            "cuda" => Ok(work.run::<Autodiff<burn::backend::Cuda, BalancedCheckpointing>>()),
+            other => Err(UnknownBackend {
+                name: other.to_string(),
+            }),
+        }
+    }
+
     /// Names of the backends compiled into this build, in order of preference for a
     /// default (CPU backends first: they need no device).
     pub const COMPILED: &[&str] = &[

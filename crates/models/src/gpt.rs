@@ -1291,4 +1291,45 @@ mod tests {
             .unwrap();
         assert!(bias.iter().all(|&b| b == 0.0));
     }
+
+    /// Activation checkpointing (Burn's `BalancedCheckpointing`; the attention recomputes
+    /// its probabilities in the backward pass) gives the plain backward pass's gradients,
+    /// bit for bit, with learned positions and with ALiBi.
+    #[test]
+    fn activation_checkpointing_gives_the_same_gradients_bit_for_bit() {
+        use burn::backend::autodiff::checkpoint::strategy::BalancedCheckpointing;
+        use burn::module::{Module, ModuleVisitor, Param};
+        use burn::tensor::backend::AutodiffBackend;
+
+        fn grads_of<AB: crate::TrainBackend>(alibi: bool) -> Vec<f32> {
+            let d = Default::default();
+            let mut m = GptConfig::new(11, 16, 2, 2, 8).unwrap().init::<AB>(&d, 7);
+            if alibi {
+                m.remove_position_embeddings(16);
+                m.for_each_attention(&mut |_, v| v.alibi_slopes = Some(vec![0.25, 0.0625]));
+            }
+            let ids: Vec<i64> = (0..2 * 16).map(|i| (i * 7 + 3) % 11).collect();
+            let x = Tensor::<AB, 2, Int>::from_data(TensorData::new(ids, [2, 16]), &d);
+            let logits = m.logits(x);
+            let loss = (logits.clone() * logits).mean();
+            let grads = loss.backward();
+            struct All<'a, AB: AutodiffBackend>(&'a AB::Gradients, Vec<f32>);
+            impl<AB: AutodiffBackend> ModuleVisitor<AB> for All<'_, AB> {
+                fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+                    if let Some(g) = p.val().grad(self.0) {
+                        self.1.extend(g.into_data().to_vec::<f32>().unwrap());
+                    }
+                }
+            }
+            let mut v = All::<AB>(&grads, Vec::new());
+            m.visit(&mut v);
+            v.1
+        }
+        for alibi in [false, true] {
+            let plain = grads_of::<Autodiff<B>>(alibi);
+            let checkpointed = grads_of::<Autodiff<B, BalancedCheckpointing>>(alibi);
+            assert!(!plain.is_empty() && plain.iter().any(|&g| g != 0.0));
+            assert!(plain == checkpointed, "alibi {alibi}: the gradients differ");
+        }
+    }
 }

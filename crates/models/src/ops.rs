@@ -1003,12 +1003,20 @@ impl<B: ChannelsLastBackend> Backward<B, 2> for DenseNoBias {
     }
 }
 
-/// What causal attention's backward pass needs.
+/// What causal attention's backward pass needs: the probabilities `[batch, heads, seq,
+/// seq]` as the forward pass made them, or, under activation checkpointing (a checkpoint
+/// strategy other than Burn's `NoCheckpointing`), nothing but the input and the ALiBi
+/// slopes: the backward pass computes the probabilities again (Korthikanti et al., 2022,
+/// "selective activation recomputation": the attention's probabilities are the largest
+/// activation of a transformer layer at long context and the cheapest to remake). The
+/// kernels are deterministic, so the recomputed probabilities, and the gradients, are the
+/// same bits.
 #[derive(Debug, Clone)]
 struct AttentionState<B: Backend> {
     qkv: FloatTensor<B>,
-    probs: FloatTensor<B>,
+    probs: Option<FloatTensor<B>>,
     heads: usize,
+    alibi: Option<Vec<f32>>,
 }
 
 #[derive(Debug)]
@@ -1022,9 +1030,15 @@ impl<B: ChannelsLastBackend> Backward<B, 1> for CausalAttention {
         let grad = grads.consume::<B>(&ops.node);
         if let Some(node) = node {
             let s = ops.state;
+            let probs = match s.probs {
+                Some(p) => p,
+                None => {
+                    B::causal_attention_with_probs(s.qkv.clone(), s.heads, s.alibi.as_deref()).1
+                }
+            };
             grads.register::<B>(
                 node.id,
-                B::causal_attention_backward(s.qkv, s.probs, grad, s.heads),
+                B::causal_attention_backward(s.qkv, probs, grad, s.heads),
             );
         }
     }
@@ -1157,12 +1171,25 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
             .stateful()
         {
             OpsKind::Tracked(prep) => {
-                let (out, probs) =
-                    B::causal_attention_with_probs(qkv.primitive.clone(), heads, alibi);
+                let recompute = std::any::TypeId::of::<C>()
+                    != std::any::TypeId::of::<
+                        burn::backend::autodiff::checkpoint::strategy::NoCheckpointing,
+                    >();
+                let (out, probs) = if recompute {
+                    (
+                        B::causal_attention(qkv.primitive.clone(), heads, alibi),
+                        None,
+                    )
+                } else {
+                    let (out, probs) =
+                        B::causal_attention_with_probs(qkv.primitive.clone(), heads, alibi);
+                    (out, Some(probs))
+                };
                 let state = AttentionState::<B> {
                     qkv: qkv.primitive,
                     probs,
                     heads,
+                    alibi: recompute.then(|| alibi.map(<[f32]>::to_vec)).flatten(),
                 };
                 prep.finish(state, out)
             }
