@@ -584,3 +584,29 @@ fn low_precision_layernorm_computes_in_the_runs_half_type() {
     };
     assert!(state.contains(half), "{state}");
 }
+
+#[test]
+fn activation_checkpointing_trains_the_same_bits_and_resumes_across_it() {
+    // Checkpointing keeps fewer activations and computes them again in the backward pass:
+    // the gradients, so the weights, are the same bits (ALiBi's slopes too).
+    let short = ["--max-duration", "40ba", "--algorithms", "alibi"];
+    let plain = summary(tiny(&short));
+    let ck = summary(tiny(&[&short[..], &["--activation-checkpointing"]].concat()));
+    assert_eq!(ck["activation_checkpointing"], true);
+    assert_eq!(plain["params_sha256"], ck["params_sha256"]);
+    assert_eq!(plain["val_loss"], ck["val_loss"]);
+    // A run saved without it resumes with it, to the same bits.
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().to_str().unwrap();
+    summary(tiny(
+        &[&short[..], &["--save-folder", folder, "--stop-after", "15ba"]].concat(),
+    ));
+    let resumed = summary(tiny(
+        &[
+            &short[..],
+            &["--save-folder", folder, "--autoresume", "--activation-checkpointing"],
+        ]
+        .concat(),
+    ));
+    assert_eq!(resumed["params_sha256"], plain["params_sha256"]);
+}
