@@ -12,7 +12,7 @@ use anyhow::Context;
 use burn::optim::Optimizer;
 use clap::Parser;
 use flashover::core::precision::LossScaling;
-use flashover::distributed::{Distributed, Options as DistOptions};
+use flashover::distributed::Distributed;
 use flashover::models::TrainBackend;
 use flashover::prelude::*;
 use flashover_examples::cli::{self, WithOptimizer};
@@ -66,26 +66,13 @@ struct Args {
     /// Evaluate on only the first N test digits.
     #[arg(long)]
     test_limit: Option<usize>,
-    /// The number of processes this run expects (started by `cargo xtask launch -n N` or
-    /// `mpirun -n N`); an error if the launcher started another number, or none.
-    #[arg(long)]
-    processes: Option<usize>,
+    #[command(flatten)]
+    processes: cli::ProcessArgs,
     /// Train on N devices of this process, one thread each (burn-collective's local mode):
     /// the GPUs 0..N of a GPU backend, or N threads on the CPU backends' one device.
     /// `--batch-size` is divided over them as over processes.
     #[arg(long, default_value_t = 1)]
     devices: usize,
-    /// With several processes or devices: how the optimizer step is divided over them.
-    /// no_shard: every rank holds the whole gradient and optimizer state; shard_grad_op: each
-    /// rank keeps the averaged gradients and optimizer state of the parameters it owns only
-    /// (ZeRO stages 1 and 2, Composer's SHARD_GRAD_OP), with the same weights bit for bit,
-    /// and checkpoints hold one optimizer file per rank. One process shards nothing.
-    #[arg(long, default_value = "no_shard")]
-    sharding: flashover::core::shard::Sharding,
-    /// In a multi-process run: how long a process waits for the others in one exchange
-    /// before it names the one that is lost and ends the job (a wall-clock time).
-    #[arg(long, default_value = "60s")]
-    peer_timeout: Time,
     /// Append the index of every training digit this process reads to FILE.<rank> (tests
     /// of sharding and resumption; use with --prefetch 0).
     #[arg(long, hide = true)]
@@ -118,7 +105,7 @@ fn main() {
     // Log lines on stderr, coloured only on a terminal (never ANSI codes in a log file).
     flashover::init_logging();
     let args = Args::parse();
-    let dist = match join(&args) {
+    let dist = match args.processes.join() {
         Ok(d) => d,
         Err(e) => {
             eprintln!("error: {}", flashover::core::error::report(e.as_ref()));
@@ -131,21 +118,7 @@ fn main() {
     match dispatch(&args, &dist, 0) {
         // Waits for every process, then MPI shuts down as `dist` is dropped.
         Ok(()) => dist.finish(None),
-        Err(e) => {
-            let line = flashover::core::error::report(e.as_ref());
-            let world = dist.world();
-            if world.size > 1 {
-                // One write per line: the ranks share stderr, and a line written in
-                // pieces interleaves with another rank's log lines.
-                let text = format!("error (rank {} of {}): {line}\n", world.rank, world.size);
-                let _ = std::io::Write::write_all(&mut std::io::stderr(), text.as_bytes());
-            } else {
-                eprintln!("error: {line}");
-            }
-            // In a multi-process run, tells the others (each prints it) and ends the job.
-            dist.finish(Some(&line));
-            std::process::exit(1);
-        }
+        Err(e) => cli::exit_with_error(&dist, &e),
     }
 }
 
@@ -166,7 +139,7 @@ fn local_devices(args: &Args) -> i32 {
             );
         }
     }
-    let Time::Wall(timeout) = args.peer_timeout else {
+    let Time::Wall(timeout) = args.processes.peer_timeout else {
         return fail(&"--peer-timeout must be a wall-clock time such as 60s");
     };
     let group = match flashover::distributed::LocalGroup::new(args.devices, timeout) {
@@ -200,20 +173,6 @@ fn local_devices(args: &Args) -> i32 {
             .fold(false, |a, b| a | b)
     });
     i32::from(failed)
-}
-
-/// Joins the multi-process job this process was started in, if any.
-fn join(args: &Args) -> anyhow::Result<Distributed> {
-    let Time::Wall(timeout) = args.peer_timeout else {
-        anyhow::bail!(
-            "invalid value {} for `peer_timeout`: expected a wall-clock time such as 60s or 2m",
-            args.peer_timeout
-        );
-    };
-    Ok(flashover::distributed::init(DistOptions {
-        timeout,
-        expected: args.processes,
-    })?)
 }
 
 fn dispatch(args: &Args, dist: &Distributed, device: usize) -> anyhow::Result<()> {
@@ -288,7 +247,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         .context("setting up the run")?
         .hyperparameter("model", args.model.name())
         .callback(curve.clone())
-        .sharding(args.sharding)
+        .sharding(args.processes.sharding)
         .boxed_collective(dist.collective(device.clone())?);
     let builder = session::attach(&args.run, builder)?;
     let (restore, resuming) = resume(args, dist, main)?;
@@ -482,7 +441,7 @@ fn summary<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         "params_sha256_by_rank": ended.digests,
         "world_size": state.world().size,
         "devices": args.devices,
-        "sharding": if state.is_sharded() { args.sharding.name() } else { "no_shard" },
+        "sharding": if state.is_sharded() { args.processes.sharding.name() } else { "no_shard" },
         "optimizer_state_bytes_by_rank": ended
             .optimizer_bytes
             .iter()

@@ -26,12 +26,13 @@ use flashover::callbacks::Generate;
 use flashover::checkpoint::remote::Location;
 use flashover::core::metric::{Accuracy, LossMetric};
 use flashover::core::trainer::Evaluator;
+use flashover::distributed::Distributed;
 use flashover::models::{Gpt, GptConfig, Sampling, TrainBackend};
 use flashover::prelude::*;
 use flashover_examples::cli::{self, OptimizerKind, WithOptimizer};
 use flashover_examples::shakespeare::{
-    bigram_loss, bundled_shakespeare, read_text, window_loader, ShakespeareSplit, TokenizerChoice,
-    Windows,
+    bigram_loss, bundled_shakespeare, rank_window_loader, read_text, ShakespeareSplit,
+    TokenizerChoice, Windows,
 };
 use flashover_examples::tokenizer::{Tokenizer, TOKENIZER_FILE};
 use flashover_examples::{session, MetricCurve};
@@ -77,6 +78,12 @@ struct Args {
     /// little more time, the same gradients bit for bit.
     #[arg(long)]
     activation_checkpointing: bool,
+    #[command(flatten)]
+    processes: cli::ProcessArgs,
+    /// Report each rank's optimizer state in bytes (`optimizer_state_bytes_by_rank`), by
+    /// serialising it as a checkpoint would, after the peak memory is read (the bench).
+    #[arg(long, hide = true)]
+    report_optimizer_state: bool,
     /// Evaluate on only the first N validation windows (default: all of them).
     #[arg(long)]
     val_windows: Option<usize>,
@@ -161,13 +168,21 @@ fn main() {
     // Log lines on stderr, coloured only on a terminal (never ANSI codes in a log file).
     flashover::init_logging();
     let args = Args::parse();
-    if let Err(e) = flashover_examples::with_backend!(
+    let dist = match args.processes.join() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {}", flashover::core::error::report(e.as_ref()));
+            std::process::exit(1);
+        }
+    };
+    match flashover_examples::with_backend!(
         args.run.backend.as_str(),
         checkpointing = args.activation_checkpointing,
-        run(&args)
+        run(&args, &dist)
     ) {
-        eprintln!("error: {}", flashover::core::error::report(e.as_ref()));
-        std::process::exit(1);
+        // Waits for every process, then MPI shuts down as `dist` is dropped.
+        Ok(()) => dist.finish(None),
+        Err(e) => cli::exit_with_error(&dist, &e),
     }
 }
 
@@ -203,7 +218,7 @@ fn longest_input(algorithms: &[AlgorithmSpec], context: usize) -> anyhow::Result
     }
 }
 
-fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
+fn run<B: TrainBackend>(args: &Args, dist: &Distributed) -> anyhow::Result<()> {
     let started = Instant::now();
     args.run.logs.check()?;
     for (flag, value) in [
@@ -369,7 +384,11 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         text,
         started,
     };
-    let job = Job { args, prepared };
+    let job = Job {
+        args,
+        prepared,
+        dist,
+    };
     cli::with_optimizer(
         args.run.optimizer,
         args.run.weight_decay,
@@ -383,13 +402,14 @@ fn run<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
 struct Job<'a> {
     args: &'a Args,
     prepared: Prepared,
+    dist: &'a Distributed,
 }
 
 impl<B: TrainBackend> WithOptimizer<B, Gpt<B>> for Job<'_> {
     type Output = anyhow::Result<()>;
 
     fn run<O: Optimizer<Gpt<B>, B> + 'static>(self, model: Gpt<B>, optimizer: O) -> Self::Output {
-        train(self.args, self.prepared, model, optimizer)
+        train(self.args, self.prepared, model, optimizer, self.dist)
     }
 }
 
@@ -430,9 +450,12 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     p: Prepared,
     model: Gpt<B>,
     optimizer: O,
+    dist: &Distributed,
 ) -> anyhow::Result<()> {
     let device = B::Device::default();
-    let data = Data::<B>::load(args, &p, &device)?;
+    let world = dist.world();
+    let main = world.is_main();
+    let data = Data::<B>::load(args, &p, &device, world)?;
     let curve = MetricCurve::of("val", "loss");
     let mut builder = Trainer::builder(
         model,
@@ -449,7 +472,9 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     .skip_nonfinite_loss(args.run.skip_nonfinite_loss)
     .precision(args.run.precision)
     .callback(curve.clone())
-    .hyperparameter("model", format!("{:?}", p.config));
+    .hyperparameter("model", format!("{:?}", p.config))
+    .sharding(args.processes.sharding)
+    .boxed_collective(dist.collective(device.clone())?);
     for evaluator in data.evaluators {
         builder = builder.evaluator(evaluator);
     }
@@ -469,9 +494,9 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         builder = builder.callback(generate);
     }
     let builder = session::attach(&args.run, builder)?;
-    let (restore, resuming) = args.run.checkpoint.restore()?;
+    let (restore, resuming) = resume(args, dist, main)?;
     let (builder, outputs) =
-        session::observe(&args.run, builder, &device, None, restore, resuming, true)?;
+        session::observe(&args.run, builder, &device, None, restore, resuming, main)?;
     let mut trainer = builder.build()?;
     let tokens_before = trainer.state().timestamp().token;
     let report = session::fit_unless_done(&mut trainer)?;
@@ -493,7 +518,20 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
             Some(format!("{prompt}{new}"))
         }
     };
-    let summary = summary(
+    // Every rank's digest and optimizer state: the ranks must hold the same weights, and a
+    // sharded rank only its share of the state.
+    let digests = dist.all_gather_text(&params_sha256::<B, _>(trainer.model()))?;
+    let peak = flashover::callbacks::monitors::process_memory().map_or(0, |(_, peak)| peak);
+    let peaks = dist.all_gather_text(&peak.to_string())?;
+    let optimizer_bytes = match args.report_optimizer_state {
+        true => flashover_examples::optimizer_state_bytes::<B, Gpt<B>, O>(trainer.state())?,
+        false => 0,
+    };
+    let optimizer_bytes = dist.all_gather_text(&optimizer_bytes.to_string())?;
+    if !main {
+        return Ok(());
+    }
+    let mut summary = summary(
         args,
         &p,
         &data.measures,
@@ -504,6 +542,16 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         &curve,
         &generated,
     )?;
+    let numbers = |v: &[String]| -> Vec<u64> { v.iter().map(|b| b.parse().unwrap_or(0)).collect() };
+    summary["world_size"] = json!(world.size);
+    summary["sharding"] = json!(if trainer.state().is_sharded() {
+        args.processes.sharding.name()
+    } else {
+        "no_shard"
+    });
+    summary["params_sha256_by_rank"] = json!(digests);
+    summary["optimizer_state_bytes_by_rank"] = json!(numbers(&optimizer_bytes));
+    summary["peak_rss_bytes_by_rank"] = json!(numbers(&peaks));
     outputs.finish(trainer)?;
     session::print(generated.as_deref(), &summary)
 }
@@ -549,14 +597,24 @@ struct Measures {
 }
 
 impl<B: TrainBackend> Data<B> {
-    fn load(args: &Args, p: &Prepared, device: &B::Device) -> anyhow::Result<Self> {
-        let train = window_loader::<B>(
+    /// `--batch-size` is the global batch: each of `world`'s ranks reads its share of every
+    /// batch of training windows, and evaluates its share of the validation windows (the
+    /// metrics are summed over ranks).
+    fn load(
+        args: &Args,
+        p: &Prepared,
+        device: &B::Device,
+        world: flashover::core::state::World,
+    ) -> anyhow::Result<Self> {
+        let batch = flashover::distributed::per_rank("batch_size", args.run.batch_size, world)?;
+        let train = rank_window_loader::<B>(
             "shakespeare-train",
             Windows::over(p.split.train.clone(), args.seq_len, args.train_windows),
-            args.run.batch_size,
+            batch,
             true,
             args.run.seed,
             device,
+            world,
         )?
         .with_prefetch(args.run.prefetch)?;
         let val_windows =
@@ -580,22 +638,24 @@ impl<B: TrainBackend> Data<B> {
                 Box::new(Accuracy::default()),
             ]
         };
-        let (batch, seed) = (args.run.batch_size, args.run.seed);
-        let val = window_loader::<B::InnerBackend>(
+        let seed = args.run.seed;
+        let val = rank_window_loader::<B::InnerBackend>(
             "shakespeare-validation",
             val_windows,
             batch,
             false,
             seed,
             device,
+            world,
         )?;
         let mut evaluators = vec![Evaluator::new("val", val, metrics())];
         if let Some((path, tokens)) = &p.text {
             let windows = Windows::over(Arc::new(tokens.clone()), p.eval_seq_len, None);
             let name = path.display().to_string();
-            let loader =
-                window_loader::<B::InnerBackend>(&name, windows, batch, false, seed, device)
-                    .with_context(|| format!("--eval-text {}", path.display()))?;
+            let loader = rank_window_loader::<B::InnerBackend>(
+                &name, windows, batch, false, seed, device, world,
+            )
+            .with_context(|| format!("--eval-text {}", path.display()))?;
             evaluators.push(Evaluator::new("text", loader, metrics()));
         }
         Ok(Self {
@@ -698,4 +758,32 @@ fn bytes_per_target(tokenizer: &Tokenizer, tokens: &[u16], seq_len: usize, windo
         .map(|&t| tokenizer.token_len(t))
         .sum();
     bytes as f64 / (windows * seq_len).max(1) as f64
+}
+
+/// The checkpoint to start from, and whether the run continues an earlier one. Rank 0 looks
+/// first (it may move damaged checkpoints aside), then the others find the folder as rank 0
+/// left it.
+fn resume(
+    args: &Args,
+    dist: &Distributed,
+    main: bool,
+) -> anyhow::Result<(Option<flashover::checkpoint::CheckpointRestore>, bool)> {
+    if dist.world().size == 1 {
+        return args.run.checkpoint.restore();
+    }
+    let ck = &args.run.checkpoint;
+    let found = if main {
+        let r = ck.autoresume(true)?;
+        dist.barrier()?;
+        r
+    } else {
+        dist.barrier()?;
+        ck.autoresume(false)?
+    };
+    let resuming = found.is_some() || (ck.load.is_some() && !ck.weights_only);
+    let restore = match found {
+        Some(r) => Some(r),
+        None => ck.load_restore()?,
+    };
+    Ok((restore, resuming))
 }

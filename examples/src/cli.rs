@@ -695,3 +695,58 @@ impl LogArgs {
         Ok(())
     }
 }
+
+/// The flags of a main job that may run as one rank of several processes (under `mpirun`
+/// or `cargo xtask launch`).
+#[derive(clap::Args, Debug, Clone)]
+pub struct ProcessArgs {
+    /// The number of processes this run expects (started by `cargo xtask launch -n N` or
+    /// `mpirun -n N`); an error if the launcher started another number, or none.
+    #[arg(long)]
+    pub processes: Option<usize>,
+    /// In a multi-process run: how long a process waits for the others in one exchange
+    /// before it names the one that is lost and ends the job (a wall-clock time).
+    #[arg(long, default_value = "60s")]
+    pub peer_timeout: Time,
+    /// With several processes or devices: how the optimizer step is divided over them.
+    /// no_shard: every rank holds the whole gradient and optimizer state; shard_grad_op: each
+    /// rank keeps the averaged gradients and optimizer state of the parameters it owns only
+    /// (ZeRO stages 1 and 2, Composer's SHARD_GRAD_OP), with the same weights bit for bit,
+    /// and checkpoints hold one optimizer file per rank. One process shards nothing.
+    #[arg(long, default_value = "no_shard")]
+    pub sharding: flashover::core::shard::Sharding,
+}
+
+impl ProcessArgs {
+    /// Joins the multi-process job this process was started in, if any.
+    pub fn join(&self) -> anyhow::Result<flashover::distributed::Distributed> {
+        let Time::Wall(timeout) = self.peer_timeout else {
+            anyhow::bail!(
+                "invalid value {} for `peer_timeout`: expected a wall-clock time such as 60s or 2m",
+                self.peer_timeout
+            );
+        };
+        Ok(flashover::distributed::init(
+            flashover::distributed::Options {
+                timeout,
+                expected: self.processes,
+            },
+        )?)
+    }
+}
+
+/// Ends a rank of a run that failed with `e`: the error on stderr (with the rank in a
+/// multi-process run, in one write: the ranks share stderr), the other processes told (each
+/// prints it), and the job ended with status 1.
+pub fn exit_with_error(dist: &flashover::distributed::Distributed, e: &anyhow::Error) -> ! {
+    let line = flashover::core::error::report(e.as_ref());
+    let world = dist.world();
+    if world.size > 1 {
+        let text = format!("error (rank {} of {}): {line}\n", world.rank, world.size);
+        let _ = std::io::Write::write_all(&mut std::io::stderr(), text.as_bytes());
+    } else {
+        eprintln!("error: {line}");
+    }
+    dist.finish(Some(&line));
+    std::process::exit(1);
+}

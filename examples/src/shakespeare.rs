@@ -20,6 +20,7 @@ use flashover::core::error::CoreError;
 use flashover::core::loss::cross_entropy;
 use flashover::core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainModel};
 use flashover::core::params::init_model;
+use flashover::core::state::World;
 use flashover::core::Result;
 
 pub use crate::tokenizer::CharTokenizer;
@@ -303,6 +304,29 @@ pub fn window_loader<B: Backend>(
     seed: u64,
     device: &B::Device,
 ) -> Result<DataLoader<B, Vec<u16>, TokenBatch<B>>> {
+    rank_window_loader(
+        name,
+        windows,
+        batch_size,
+        shuffle,
+        seed,
+        device,
+        World::default(),
+    )
+}
+
+/// [`window_loader`] for rank `world.rank` of a data-parallel run: a shuffled (training)
+/// order is shared out padded to equal shares (every rank takes the same number of steps),
+/// an unshuffled (evaluation) one exactly, so no window is scored twice.
+pub fn rank_window_loader<B: Backend>(
+    name: &str,
+    windows: Windows,
+    batch_size: usize,
+    shuffle: bool,
+    seed: u64,
+    device: &B::Device,
+    world: World,
+) -> Result<DataLoader<B, Vec<u16>, TokenBatch<B>>> {
     if windows.len() == 0 {
         return Err(CoreError::MalformedData {
             path: PathBuf::from(name),
@@ -314,6 +338,10 @@ pub fn window_loader<B: Backend>(
         });
     }
     let sampler = Sampler::new(windows.len(), batch_size, shuffle, seed)?;
+    let sampler = match shuffle {
+        true => sampler.sharded(world.rank, world.size)?,
+        false => sampler.sharded_exact(world.rank, world.size)?,
+    };
     DataLoader::new(
         name,
         Arc::new(windows),

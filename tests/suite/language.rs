@@ -591,7 +591,9 @@ fn activation_checkpointing_trains_the_same_bits_and_resumes_across_it() {
     // the gradients, so the weights, are the same bits (ALiBi's slopes too).
     let short = ["--max-duration", "40ba", "--algorithms", "alibi"];
     let plain = summary(tiny(&short));
-    let ck = summary(tiny(&[&short[..], &["--activation-checkpointing"]].concat()));
+    let ck = summary(tiny(
+        &[&short[..], &["--activation-checkpointing"]].concat(),
+    ));
     assert_eq!(ck["activation_checkpointing"], true);
     assert_eq!(plain["params_sha256"], ck["params_sha256"]);
     assert_eq!(plain["val_loss"], ck["val_loss"]);
@@ -599,12 +601,21 @@ fn activation_checkpointing_trains_the_same_bits_and_resumes_across_it() {
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().to_str().unwrap();
     summary(tiny(
-        &[&short[..], &["--save-folder", folder, "--stop-after", "15ba"]].concat(),
+        &[
+            &short[..],
+            &["--save-folder", folder, "--stop-after", "15ba"],
+        ]
+        .concat(),
     ));
     let resumed = summary(tiny(
         &[
             &short[..],
-            &["--save-folder", folder, "--autoresume", "--activation-checkpointing"],
+            &[
+                "--save-folder",
+                folder,
+                "--autoresume",
+                "--activation-checkpointing",
+            ],
         ]
         .concat(),
     ));

@@ -291,3 +291,36 @@ fn a_sharded_checkpoint_holds_one_optimizer_file_per_rank_under_one_manifest() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn without_sharding_the_saver_writes_on_rank_zero_unless_it_is_on_every_rank() {
+    use flashover::core::collective::OnEveryRank;
+    let dir = tempfile::tempdir().unwrap();
+    let root: PathBuf = dir.path().to_path_buf();
+    let r = root.clone();
+    ranks(2, move |rank, c| {
+        let mut t = builder(
+            World { rank, size: 2 },
+            burn::optim::AdamConfig::new().init(),
+            8,
+            "2ba",
+        )
+        .collective(c)
+        .callback(saver(&r.join(format!("main-{rank}")), Time::Batch(2)))
+        .callback(OnEveryRank(saver(
+            &r.join(format!("every-{rank}")),
+            Time::Batch(2),
+        )))
+        .build()
+        .unwrap();
+        t.fit().unwrap();
+    });
+    let saved = |name: &str| {
+        root.join(name)
+            .join("ep0-ba2")
+            .join("optimizer.mpk")
+            .exists()
+    };
+    assert!(saved("main-0") && !saved("main-1"));
+    assert!(saved("every-0") && saved("every-1"));
+}

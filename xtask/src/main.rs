@@ -95,8 +95,10 @@ enum Cmd {
         /// the bigram model (about 10 minutes); written to target/bench/<backend>-gpt.json.
         /// `s3`: only the object-storage section (needs s3s-fs), into
         /// target/bench/<backend>-s3.json. `precision`: only the precision rows, into
-        /// target/bench/<backend>-precision.json.
-        #[arg(long, value_parser = ["gpt", "s3", "precision"])]
+        /// target/bench/<backend>-precision.json. `memory`: only sharding and activation
+        /// checkpointing (the `sharding.*` and `activation_checkpointing.*` rows), into
+        /// target/bench/<backend>-memory.json.
+        #[arg(long, value_parser = ["gpt", "s3", "precision", "memory"])]
         only: Option<String>,
     },
 }
@@ -119,6 +121,12 @@ fn main() -> Result<()> {
                             .context("s3s-fs is not installed (cargo install s3s-fs --version 0.14.1 --locked --features binary)")?
                     } else if section == "precision" {
                         precision_bench(b, quick)?
+                    } else if section == "memory" {
+                        // The single-process rows run the example as the full bench builds it.
+                        let mut args = strings(&["build", "--release", "--example", "shakespeare"]);
+                        args.extend(b.cargo_args(bench_selection(), &[]));
+                        cargo(&args)?;
+                        memory_bench(b, quick)?
                     } else {
                         gpt_bench(b)?
                     };

@@ -573,8 +573,10 @@ impl Saver {
         if self.sharded(state) {
             return self.save_sharded(state, ctl);
         }
-        if !state.world().is_main() {
-            // A sharded run saving weights only: rank 0 writes them.
+        if state.is_sharded() && !state.world().is_main() {
+            // A sharded run saving weights only: rank 0 writes them (the weights are whole
+            // on every rank). Otherwise a saver runs on another rank only when the program
+            // wrapped it in `OnEveryRank`, and saves there.
             self.last_saved_batch = Some(state.timestamp().batch);
             return Ok(());
         }

@@ -155,7 +155,7 @@ pub trait Collective<S: Setup>: Send {
     /// [`Collective::all_reduce_sum_host`] (each value's bits as an integer, exact); a
     /// transport overrides it to send the values once.
     fn all_gather_f32(&mut self, mine: Vec<f32>, counts: &[usize]) -> Result<Vec<f32>> {
-        crate::shard::all_gather_by_sum(self, mine, counts)
+        all_gather_by_sum(self, mine, counts)
     }
 
     /// Every rank's `text`, in rank order (a sharded checkpoint's report of each rank's
@@ -217,14 +217,19 @@ pub trait Collective<S: Setup>: Send {
         } else {
             (0.0, 1.0)
         };
-        let grads = local.grads.as_ref().filter(|_| local.finite);
-        let Some(flat) = flatten_grads::<S::Backend, _>(model, grads) else {
+        let had_grads = local.grads.is_some();
+        let flat =
+            flatten_grads::<S::Backend, _>(model, local.grads.as_ref().filter(|_| local.finite));
+        // The gradients are in the buffer now: freed before the exchange, which would otherwise
+        // hold them twice.
+        drop(local.grads);
+        let Some(flat) = flat else {
             // Nothing trains; still agree on the loss and the skip flag.
             let mut v = [loss, n, flag];
             self.all_reduce_sum_host(&mut v)?;
             let skipped_ranks = v[2].round() as usize;
             return Ok(GlobalStep {
-                grads: (skipped_ranks == 0 && local.grads.is_some()).then(GradientsParams::new),
+                grads: (skipped_ranks == 0 && had_grads).then(GradientsParams::new),
                 loss: (skipped_ranks == 0).then(|| v[0] / v[1].max(1.0)),
                 skipped_ranks,
             });
@@ -257,7 +262,7 @@ pub trait Collective<S: Setup>: Send {
             });
         }
         let total = tail.get(1).copied().unwrap_or(1.0).max(1.0);
-        let grads = local.grads.as_ref().map(|_| {
+        let grads = had_grads.then(|| {
             let mean = sum.narrow(0, 0, len).div_scalar(total);
             unflatten_grads::<S::Backend, _>(model, mean, &|id| keep.contains(&id))
         });
@@ -334,6 +339,41 @@ impl<S: Setup> Peers for Box<dyn Collective<S>> {
     fn gather_text(&mut self, text: &str) -> Result<Vec<String>> {
         self.as_mut().all_gather_text(text)
     }
+}
+
+/// [`Collective::all_gather_f32`]'s provided form, on the host sum alone: each value's bits,
+/// as an integer below 2^32 (exact in an `f64`), in its rank's place and zeros elsewhere, so
+/// the sum is every rank's bits, exactly (adding floats would turn a `-0.0` into `0.0`).
+fn all_gather_by_sum<S: Setup>(
+    c: &mut (impl Collective<S> + ?Sized),
+    mine: Vec<f32>,
+    counts: &[usize],
+) -> Result<Vec<f32>> {
+    let world = c.world();
+    check_counts(counts, world, mine.len())?;
+    let start: usize = counts[..world.rank].iter().sum();
+    let total: usize = counts.iter().sum();
+    let mut all = vec![0.0f64; total];
+    for (slot, v) in all[start..start + mine.len()].iter_mut().zip(&mine) {
+        *slot = f64::from(v.to_bits());
+    }
+    c.all_reduce_sum_host(&mut all)?;
+    Ok(all.iter().map(|&b| f32::from_bits(b as u32)).collect())
+}
+
+/// `counts` has one entry per rank and this rank's is `mine`.
+fn check_counts(counts: &[usize], world: World, mine: usize) -> Result<()> {
+    if counts.len() != world.size.max(1) || counts.get(world.rank) != Some(&mine) {
+        return Err(CoreError::config(
+            "all-gather counts",
+            format!("{counts:?} with {mine} values on rank {}", world.rank),
+            format!(
+                "one count per rank ({}), this rank's equal to the values it brings",
+                world.size
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The error for a metric that cannot be summed over ranks.

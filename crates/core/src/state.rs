@@ -165,13 +165,7 @@ impl<S: Setup> State<S> {
 
     /// The model, the collective and the shard plan, borrowed together (the trainer's
     /// gradient seam).
-    pub(crate) fn model_and_collective(
-        &mut self,
-    ) -> (
-        &S::Model,
-        Option<&mut Box<dyn Collective<S>>>,
-        Option<&ShardPlan>,
-    ) {
+    pub(crate) fn model_and_collective(&mut self) -> GradientSeam<'_, S> {
         let model = present(&self.model);
         (model, self.collective.as_mut(), self.sharding.as_ref())
     }
@@ -617,6 +611,13 @@ impl<S: Setup> State<S> {
         self.checkpoint_requested
     }
 }
+
+/// The model, the collective and the shard plan (see [`State::model_and_collective`]).
+pub(crate) type GradientSeam<'a, S> = (
+    &'a <S as Setup>::Model,
+    Option<&'a mut Box<dyn Collective<S>>>,
+    Option<&'a ShardPlan>,
+);
 
 /// What an algorithm may change, each in its window of events (see [`State`]).
 impl<S: Setup> State<S> {

@@ -389,9 +389,15 @@ fn check_parts(parts: &[Range<usize>], world: usize, len: usize, tail: usize) ->
     Ok(())
 }
 
+/// A device buffer's values on the host: the data's own allocation when it is already
+/// `f32` (no second copy of a gradient buffer), converted otherwise.
 fn host_f32<B: burn::tensor::backend::Backend>(t: Tensor<B, 1>) -> Vec<f32> {
     let data = t.into_data().convert::<f32>();
-    data.iter::<f32>().collect()
+    match data.into_vec::<f32>() {
+        Ok(v) => v,
+        // Unreachable after `convert`; kept total.
+        Err(_) => Vec::new(),
+    }
 }
 
 /// Who a rank is, for messages: `rank 1 (pid 123 on node2)`.

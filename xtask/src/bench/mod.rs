@@ -11,12 +11,14 @@ use crate::process::*;
 mod cpu_fast_path;
 mod distributed;
 mod gpt;
+mod memory;
 mod object_store;
 mod precision;
 
 pub(crate) use cpu_fast_path::*;
 pub(crate) use distributed::*;
 pub(crate) use gpt::*;
+pub(crate) use memory::*;
 pub(crate) use object_store::*;
 pub(crate) use precision::*;
 
@@ -217,6 +219,8 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
         // About 10 minutes: full mode only.
         let gpt = if quick { None } else { Some(gpt_bench(b)?) };
         clock.done("gpt");
+        let memory = memory_bench(b, quick)?;
+        clock.done("memory");
         let report = serde_json::json!({
             "machine": machine(b),
             "quick": quick,
@@ -234,6 +238,8 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
             "precision": precision.0,
             "gpt_recipes": gpt.as_ref().map(|g| g.0["gpt_recipes"].clone()),
             "gpt": gpt.as_ref().map(|g| g.0["gpt"].clone()),
+            "sharding": memory.0["sharding"],
+            "activation_checkpointing": memory.0["activation_checkpointing"],
             "section_seconds": clock.json(),
         });
         let json_path = format!("target/bench/{}.json", b.name());
@@ -274,6 +280,10 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
             ),
             gpt.as_ref()
                 .map_or("not measured in quick mode".to_string(), |g| g.1.clone())
+        );
+        let md = format!(
+            "{md}\n## Memory: sharding and activation checkpointing\n\n{}\n",
+            memory.1
         );
         let md = format!(
             "{md}\n## Wall time of this run\n\n{}\n",
