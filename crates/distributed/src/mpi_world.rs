@@ -393,11 +393,8 @@ fn check_parts(parts: &[Range<usize>], world: usize, len: usize, tail: usize) ->
 /// `f32` (no second copy of a gradient buffer), converted otherwise.
 fn host_f32<B: burn::tensor::backend::Backend>(t: Tensor<B, 1>) -> Vec<f32> {
     let data = t.into_data().convert::<f32>();
-    match data.into_vec::<f32>() {
-        Ok(v) => v,
-        // Unreachable after `convert`; kept total.
-        Err(_) => Vec::new(),
-    }
+    // (An error is unreachable after `convert`.)
+    data.into_vec::<f32>().unwrap_or_default()
 }
 
 /// Who a rank is, for messages: `rank 1 (pid 123 on node2)`.
