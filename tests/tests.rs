@@ -40,7 +40,9 @@
 //!   SIGKILLed jobs resume to the same bits, a checkpoint of 2 ranks resumes on 1 and 3
 //!   seeing every sample once, a stopped rank is named and the job ends, one rank's error
 //!   ends all, bad launches are errors, and two ranks train across a veth pair between two
-//!   network namespaces.
+//!   network namespaces; sharded runs hold the data-parallel bits, re-shard on resumption
+//!   (1, 2, 3 processes), name a damaged shard, survive SIGKILLs during sharded saves, and
+//!   upload every rank's shard to an object store.
 //! - `sharding`: sharded optimizer state and gradients on ranks in threads: the weights of
 //!   data-parallel training bit for bit (Adam and AdamW over 300 steps; clipping, SAM, layer
 //!   freezing and EMA on three ranks), each rank's optimizer state its share, a sharded

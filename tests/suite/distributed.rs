@@ -4,7 +4,10 @@
 //! uninterrupted one; a checkpoint of two ranks resumes on one and on three, seeing every
 //! sample of the interrupted epoch exactly once; a stopped rank is named and the job ends;
 //! one rank's error ends every rank with that error; bad launches are clear errors; and two
-//! ranks in two network namespaces train across a veth pair.
+//! ranks in two network namespaces train across a veth pair. Sharded (`--sharding
+//! shard_grad_op`): the data-parallel bits on two and three processes, a sharded checkpoint
+//! resumed on one, two and three, a damaged or missing shard named, SIGKILLs during sharded
+//! saves, and every rank's shard uploaded to an object store and resumed from it.
 //!
 //! Every run has a deadline: a hang fails the test (and the job is killed), never the suite.
 //!
@@ -1104,4 +1107,70 @@ fn sharded_ranks_killed_during_saves_resume_to_the_uninterrupted_bits() {
         outcome(&straight),
         "after {kills} kills (checkpoints seen: {progress:?})"
     );
+}
+
+#[test]
+fn a_sharded_save_to_an_object_store_uploads_every_ranks_shard_and_resumes_from_the_bucket() {
+    if mpi::mnist().is_none() {
+        return;
+    }
+    let Some(server) = S3Server::start(&["runs"]) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let base = args_with(&args_with(DDP, SHARDED), &["--max-duration", "10ba"]);
+    let remote = |cache: &Path, extra: &[&str]| -> (serde_json::Value, String) {
+        let mut args = args_with(
+            &base,
+            &[
+                "--save-folder",
+                "s3://runs/sharded/ck",
+                "--checkpoint-cache",
+                cache.to_str().unwrap(),
+            ],
+        );
+        args.extend_from_slice(extra);
+        let mut c = mpirun_command(2, &args);
+        // (mpirun's local ranks inherit its environment.)
+        for (k, v) in server.env() {
+            c.env(k, &v);
+        }
+        let child = c
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mpirun starts");
+        let out = wait_with_deadline(child, Duration::from_secs(240), "a sharded remote save");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let summary = stdout
+            .lines()
+            .rev()
+            .find_map(|l| serde_json::from_str(l).ok())
+            .unwrap_or_else(|| panic!("no summary:\n{stdout}\n{stderr}"));
+        (summary, stderr.into_owned())
+    };
+    // Stopped at batch 4 of 10; its checkpoint is in the bucket with both shards.
+    remote(&dir.path().join("machine-a"), &["--stop-after", "4ba"]);
+    for file in [
+        "manifest.json",
+        "optimizer-rank0-of2.mpk",
+        "optimizer-rank1-of2.mpk",
+    ] {
+        let key = format!("sharded/ck/ep0-ba4/{file}");
+        assert!(
+            server.object("runs", &key).is_file(),
+            "{key} was not uploaded"
+        );
+    }
+    // A new machine (an empty cache) resumes from the bucket to the uninterrupted bits.
+    let (resumed, log) = remote(&dir.path().join("machine-b"), &["--autoresume"]);
+    assert!(
+        log.contains("downloaded and verified")
+            && log.contains("loading a sharded optimizer state"),
+        "{log}"
+    );
+    let straight = mpi_summary(2, &base);
+    assert_eq!(outcome(&resumed), outcome(&straight));
 }
