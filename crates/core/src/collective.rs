@@ -40,8 +40,10 @@
 //! host numbers, a broadcast of a device buffer); the seams are provided methods built on them,
 //! which an implementation may override (to bucket gradients, for example).
 
+use std::collections::HashSet;
 use std::time::Duration;
 
+use burn::module::ParamId;
 use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
@@ -206,71 +208,22 @@ pub trait Collective<S: Setup>: Send {
     /// correctly. If any rank's loss was not finite, no rank gets gradients. A rank gets back
     /// the parameters it had gradients for.
     fn sync_gradients(&mut self, model: &S::Model, local: LocalStep) -> Result<GlobalStep> {
-        let keep = local
-            .grads
-            .as_ref()
-            .map(|g| grad_ids::<S::Backend, _>(model, g))
-            .unwrap_or_default();
-        let n = local.samples as f64;
-        let (loss, flag) = if local.finite {
-            (local.loss * n, 0.0)
-        } else {
-            (0.0, 1.0)
+        let out = Outgoing::<S>::of(model, local);
+        let Some(buffer) = out.buffer else {
+            return nothing_trains(self, out.extras, out.had_grads);
         };
-        let had_grads = local.grads.is_some();
-        let flat =
-            flatten_grads::<S::Backend, _>(model, local.grads.as_ref().filter(|_| local.finite));
-        // The gradients are in the buffer now: freed before the exchange, which would otherwise
-        // hold them twice.
-        drop(local.grads);
-        let Some(flat) = flat else {
-            // Nothing trains; still agree on the loss and the skip flag.
-            let mut v = [loss, n, flag];
-            self.all_reduce_sum_host(&mut v)?;
-            let skipped_ranks = v[2].round() as usize;
-            return Ok(GlobalStep {
-                grads: (skipped_ranks == 0 && had_grads).then(GradientsParams::new),
-                loss: (skipped_ranks == 0).then(|| v[0] / v[1].max(1.0)),
-                skipped_ranks,
-            });
-        };
-        let len = flat.dims()[0];
-        let device = flat.device();
-        let weighted = if local.finite {
-            flat.mul_scalar(n)
-        } else {
-            flat
-        };
-        let extras = Tensor::from_data(
-            TensorData::new(vec![loss as f32, n as f32, flag as f32], [3]),
-            &device,
-        );
-        let sum = self.all_reduce_sum(Tensor::cat(vec![weighted, extras], 0))?;
-        let tail: Vec<f32> = sum
-            .clone()
-            .narrow(0, len, 3)
-            .into_data()
-            .iter::<f32>()
-            .map(|v| v.elem::<f32>())
-            .collect();
-        let skipped_ranks = tail.get(2).copied().unwrap_or(0.0).round() as usize;
-        if skipped_ranks > 0 {
-            return Ok(GlobalStep {
-                grads: None,
-                loss: None,
-                skipped_ranks,
-            });
+        let len = buffer.dims()[0] - 3;
+        let sum = self.all_reduce_sum(buffer)?;
+        let agreed = Agreed::read(&sum, len);
+        if agreed.skipped_ranks > 0 {
+            return Ok(agreed.skipped());
         }
-        let total = tail.get(1).copied().unwrap_or(1.0).max(1.0);
-        let grads = had_grads.then(|| {
-            let mean = sum.narrow(0, 0, len).div_scalar(total);
+        let keep = out.keep;
+        let grads = out.had_grads.then(|| {
+            let mean = sum.narrow(0, 0, len).div_scalar(agreed.total);
             unflatten_grads::<S::Backend, _>(model, mean, &|id| keep.contains(&id))
         });
-        Ok(GlobalStep {
-            grads,
-            loss: tail.first().map(|&l| f64::from(l) / f64::from(total)),
-            skipped_ranks: 0,
-        })
+        Ok(agreed.step(grads))
     }
 
     /// Agrees on the run's progress after a batch: the samples and tokens of every rank's
@@ -312,6 +265,122 @@ pub trait Collective<S: Setup>: Send {
         }
         self.all_reduce_sum_host(&mut flags)?;
         Ok(flags.iter().position(|&f| f > 0.0))
+    }
+}
+
+/// One rank's share of an optimizer step as the gradient seams send it (data-parallel and
+/// sharded alike, so both sum the same buffer): the batch's gradients (every trainable
+/// parameter in the model's order, zeros where one has none) times the rank's sample count,
+/// then its loss times its sample count, the count and the non-finite flag.
+pub(crate) struct Outgoing<S: Setup> {
+    /// The parameters this rank had gradients for.
+    pub(crate) keep: HashSet<ParamId>,
+    /// Whether the rank brought gradients at all.
+    pub(crate) had_grads: bool,
+    /// The buffer, `None` when nothing trains.
+    pub(crate) buffer: Option<Tensor<InnerBackendOf<S>, 1>>,
+    /// The three extras, for a model that trains nothing.
+    pub(crate) extras: [f64; 3],
+}
+
+impl<S: Setup> Outgoing<S> {
+    /// `local` laid out for the exchange; its gradients are freed once they are in the
+    /// buffer (the exchange would otherwise hold them twice).
+    pub(crate) fn of(model: &S::Model, local: LocalStep) -> Self {
+        let keep = local
+            .grads
+            .as_ref()
+            .map(|g| grad_ids::<S::Backend, _>(model, g))
+            .unwrap_or_default();
+        let n = local.samples as f64;
+        let (loss, flag) = if local.finite {
+            (local.loss * n, 0.0)
+        } else {
+            (0.0, 1.0)
+        };
+        let had_grads = local.grads.is_some();
+        let flat =
+            flatten_grads::<S::Backend, _>(model, local.grads.as_ref().filter(|_| local.finite));
+        drop(local.grads);
+        let buffer = flat.map(|flat| {
+            let device = flat.device();
+            let weighted = if local.finite {
+                flat.mul_scalar(n)
+            } else {
+                flat
+            };
+            let extras = Tensor::from_data(
+                TensorData::new(vec![loss as f32, n as f32, flag as f32], [3]),
+                &device,
+            );
+            Tensor::cat(vec![weighted, extras], 0)
+        });
+        Outgoing {
+            keep,
+            had_grads,
+            buffer,
+            extras: [loss, n, flag],
+        }
+    }
+}
+
+/// A model that trains nothing still agrees on the loss and the skip flag.
+pub(crate) fn nothing_trains<S: Setup>(
+    c: &mut (impl Collective<S> + ?Sized),
+    extras: [f64; 3],
+    had_grads: bool,
+) -> Result<GlobalStep> {
+    let mut v = extras;
+    c.all_reduce_sum_host(&mut v)?;
+    let skipped_ranks = v[2].round() as usize;
+    Ok(GlobalStep {
+        grads: (skipped_ranks == 0 && had_grads).then(GradientsParams::new),
+        loss: (skipped_ranks == 0).then(|| v[0] / v[1].max(1.0)),
+        skipped_ranks,
+    })
+}
+
+/// The summed extras of an exchanged buffer: the loss sum, the total sample count (at least
+/// 1) and how many ranks skipped.
+pub(crate) struct Agreed {
+    loss: Option<f32>,
+    pub(crate) total: f32,
+    pub(crate) skipped_ranks: usize,
+}
+
+impl Agreed {
+    /// Reads the three extras at `at` of the summed buffer `sum` (one read from the device).
+    pub(crate) fn read<B: burn::tensor::backend::Backend>(sum: &Tensor<B, 1>, at: usize) -> Self {
+        let tail: Vec<f32> = sum
+            .clone()
+            .narrow(0, at, 3)
+            .into_data()
+            .iter::<f32>()
+            .map(|v| v.elem::<f32>())
+            .collect();
+        Agreed {
+            loss: tail.first().copied(),
+            total: tail.get(1).copied().unwrap_or(1.0).max(1.0),
+            skipped_ranks: tail.get(2).copied().unwrap_or(0.0).round() as usize,
+        }
+    }
+
+    /// The step every rank skips.
+    pub(crate) fn skipped(&self) -> GlobalStep {
+        GlobalStep {
+            grads: None,
+            loss: None,
+            skipped_ranks: self.skipped_ranks,
+        }
+    }
+
+    /// The step with `grads`, its loss the mean over every sample.
+    pub(crate) fn step(&self, grads: Option<GradientsParams>) -> GlobalStep {
+        GlobalStep {
+            grads,
+            loss: self.loss.map(|l| f64::from(l) / f64::from(self.total)),
+            skipped_ranks: 0,
+        }
     }
 }
 

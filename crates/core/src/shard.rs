@@ -37,11 +37,10 @@ use std::str::FromStr;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 
-use crate::collective::{Collective, GlobalStep, LocalStep};
+use crate::collective::{nothing_trains, Agreed, Collective, GlobalStep, LocalStep, Outgoing};
 use crate::error::{CoreError, Result};
-use crate::params::{flatten_grads, grad_ids};
 use crate::setup::Setup;
 use crate::world::World;
 
@@ -298,35 +297,13 @@ pub(crate) fn sync_gradient_shards<S: Setup>(
     model: &S::Model,
     local: LocalStep,
 ) -> Result<(GlobalStep, HashSet<ParamId>)> {
-    let keep = local
-        .grads
-        .as_ref()
-        .map(|g| grad_ids::<S::Backend, _>(model, g))
-        .unwrap_or_default();
-    let n = local.samples as f64;
-    let (loss, flag) = if local.finite {
-        (local.loss * n, 0.0)
-    } else {
-        (0.0, 1.0)
-    };
-    let had_grads = local.grads.is_some();
-    let flat = flatten_grads::<S::Backend, _>(model, local.grads.as_ref().filter(|_| local.finite));
-    // The gradients are in the buffer now: freed before the exchange, which would otherwise
-    // hold them twice.
-    drop(local.grads);
-    let Some(flat) = flat else {
-        let mut v = [loss, n, flag];
-        c.all_reduce_sum_host(&mut v)?;
-        let skipped_ranks = v[2].round() as usize;
-        let step = GlobalStep {
-            grads: (skipped_ranks == 0 && had_grads).then(GradientsParams::new),
-            loss: (skipped_ranks == 0).then(|| v[0] / v[1].max(1.0)),
-            skipped_ranks,
-        };
-        return Ok((step, keep));
+    let out = Outgoing::<S>::of(model, local);
+    let keep = out.keep;
+    let Some(buffer) = out.buffer else {
+        return Ok((nothing_trains(c, out.extras, out.had_grads)?, keep));
     };
     let layout = plan.layout::<S::Backend, S::Model>(model)?;
-    let len = flat.dims()[0];
+    let len = buffer.dims()[0] - 3;
     if len != layout.len {
         return Err(CoreError::config(
             "sharding",
@@ -334,50 +311,21 @@ pub(crate) fn sync_gradient_shards<S: Setup>(
             format!("{} values, the model's trainable elements", layout.len),
         ));
     }
-    let device = flat.device();
-    let weighted = if local.finite {
-        flat.mul_scalar(n)
-    } else {
-        flat
-    };
-    let extras = Tensor::from_data(
-        TensorData::new(vec![loss as f32, n as f32, flag as f32], [3]),
-        &device,
-    );
-    let mine = layout.per_rank[layout.rank].clone();
-    let got = c.reduce_scatter_sum(Tensor::cat(vec![weighted, extras], 0), &layout.per_rank, 3)?;
-    let owned = mine.len();
-    let tail: Vec<f32> = got
-        .clone()
-        .narrow(0, owned, 3)
-        .into_data()
-        .iter::<f32>()
-        .map(|v| v.elem::<f32>())
-        .collect();
-    let skipped_ranks = tail.get(2).copied().unwrap_or(0.0).round() as usize;
-    if skipped_ranks > 0 {
-        let step = GlobalStep {
-            grads: None,
-            loss: None,
-            skipped_ranks,
-        };
-        return Ok((step, keep));
+    let owned = layout.per_rank[layout.rank].len();
+    let got = c.reduce_scatter_sum(buffer, &layout.per_rank, 3)?;
+    let agreed = Agreed::read(&got, owned);
+    if agreed.skipped_ranks > 0 {
+        return Ok((agreed.skipped(), keep));
     }
-    let total = tail.get(1).copied().unwrap_or(1.0).max(1.0);
-    let grads = had_grads.then(|| {
-        let mut out = GradientsParams::new();
+    let grads = out.had_grads.then(|| {
+        let mut grads = GradientsParams::new();
         if owned > 0 {
-            let mean = got.narrow(0, 0, owned).div_scalar(total);
-            register_pieces::<S::Backend, S::Model>(model, &layout, mean, &keep, &mut out);
+            let mean = got.narrow(0, 0, owned).div_scalar(agreed.total);
+            register_pieces::<S::Backend, S::Model>(model, &layout, mean, &keep, &mut grads);
         }
-        out
+        grads
     });
-    let step = GlobalStep {
-        grads,
-        loss: tail.first().map(|&l| f64::from(l) / f64::from(total)),
-        skipped_ranks: 0,
-    };
-    Ok((step, keep))
+    Ok((agreed.step(grads), keep))
 }
 
 /// Registers the pieces of `flat` (this rank's trainable parameters, in order) as the
