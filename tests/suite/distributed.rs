@@ -399,11 +399,21 @@ fn two_processes_killed_at_random_points_resume_to_the_uninterrupted_bits() {
         return;
     }
     // 960 digits: 20 batches of 48 per epoch, 120 in all (a few seconds on two ranks).
+    kill_and_resume(&["--max-duration", "6ep"], 4, 19, 3, 20261201);
+}
+
+/// The example on 960 digits in batches of 48 (20 an epoch) with `extra` flags, run to the
+/// end once; then `tries` times with a save after every batch and autoresume, a random rank
+/// SIGKILLed 2 to `2 + spread - 1` saved batches into each try (a random 0-30 ms after the
+/// last save seen: progress, not time, so that a fast machine does not finish first); at
+/// least `min_kills` tries must have been killed, and the resumed run must end with the
+/// uninterrupted run's outcome.
+fn kill_and_resume(extra: &[&str], tries: usize, spread: u64, min_kills: usize, seed: u64) {
     let mut base: Vec<&str> = DDP
         .iter()
         .map(|&a| if a == "480" { "960" } else { a })
         .collect();
-    base.extend(["--max-duration", "6ep"]);
+    base.extend(extra);
     let straight = mpi_summary(2, &base);
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().to_str().unwrap().to_string();
@@ -419,19 +429,17 @@ fn two_processes_killed_at_random_points_resume_to_the_uninterrupted_bits() {
             "--autoresume",
         ],
     );
-    let mut rng = Rng::new(20261201);
+    let mut rng = Rng::new(seed);
     let mut kills = 0;
     let mut progress = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..tries {
         let mut child = mpirun_command(2, &args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("mpirun starts");
-        // Kill a rank 2 to 20 saved batches into this try, a random 0-30 ms after the last
-        // save seen (progress, not time: a fast machine finished the run before the kills).
         let from = latest_batch(dir.path());
-        let batches = 2 + rng.below(19);
+        let batches = 2 + rng.below(spread);
         let extra = Duration::from_millis(rng.below(30));
         if wait_for_progress(
             &mut child,
@@ -453,7 +461,7 @@ fn two_processes_killed_at_random_points_resume_to_the_uninterrupted_bits() {
         progress.push(found.map(|p| p.file_name().unwrap().to_string_lossy().into_owned()));
     }
     assert!(
-        kills >= 3,
+        kills >= min_kills,
         "only {kills} runs were killed; progress {progress:?}"
     );
     let done = mpi_summary(2, &args);
@@ -1044,69 +1052,10 @@ fn sharded_ranks_killed_during_saves_resume_to_the_uninterrupted_bits() {
     if mpi::mnist().is_none() {
         return;
     }
-    // 960 digits in batches of 48: 20 batches an epoch, 60 in all, a save after every one,
-    // so most kills land in a sharded save (each rank writing its shard, rank 0 the rest).
-    let mut base: Vec<&str> = DDP
-        .iter()
-        .map(|&a| if a == "480" { "960" } else { a })
-        .collect();
-    base.extend(["--max-duration", "3ep"]);
-    base.extend(SHARDED);
-    let straight = mpi_summary(2, &base);
-    let dir = tempfile::tempdir().unwrap();
-    let folder = dir.path().to_str().unwrap().to_string();
-    let args = args_with(
-        &base,
-        &[
-            "--save-folder",
-            &folder,
-            "--save-interval",
-            "1ba",
-            "--keep",
-            "2",
-            "--autoresume",
-        ],
-    );
-    let mut rng = Rng::new(20261206);
-    let mut kills = 0;
-    let mut progress = Vec::new();
-    for _ in 0..3 {
-        let mut child = mpirun_command(2, &args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("mpirun starts");
-        let from = latest_batch(dir.path());
-        let batches = 2 + rng.below(12);
-        let extra = Duration::from_millis(rng.below(30));
-        if wait_for_progress(
-            &mut child,
-            dir.path(),
-            from,
-            batches,
-            extra,
-            Duration::from_secs(60),
-        ) {
-            let ranks = ranks_of(child.id());
-            if let Some(&victim) = ranks.get(rng.below(ranks.len().max(1) as u64) as usize) {
-                signal(victim, "-KILL");
-                kills += 1;
-            }
-        }
-        let _ = wait_with_deadline(child, Duration::from_secs(60), "mpirun after a kill");
-        let (found, _) = find_resumable(dir.path()).unwrap();
-        progress.push(found.map(|p| p.file_name().unwrap().to_string_lossy().into_owned()));
-    }
-    assert!(
-        kills >= 2,
-        "only {kills} runs were killed; progress {progress:?}"
-    );
-    let done = mpi_summary(2, &args);
-    assert_eq!(
-        outcome(&done),
-        outcome(&straight),
-        "after {kills} kills (checkpoints seen: {progress:?})"
-    );
+    // 60 batches in all, a save after every one, so most kills land in a sharded save (each
+    // rank writing its shard, rank 0 the rest).
+    let extra = [&["--max-duration", "3ep"][..], SHARDED].concat();
+    kill_and_resume(&extra, 3, 12, 2, 20261206);
 }
 
 #[test]
