@@ -250,7 +250,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         .sharding(args.processes.sharding)
         .boxed_collective(dist.collective(device.clone())?);
     let builder = session::attach(&args.run, builder)?;
-    let (restore, resuming) = resume(args, dist, main)?;
+    let (restore, resuming) = args.run.checkpoint.restore_on(dist)?;
     let out = args.out.as_deref();
     let (builder, outputs) =
         session::observe(&args.run, builder, &device, out, restore, resuming, main)?;
@@ -357,32 +357,6 @@ fn recipe(args: &Args, world: World) -> anyhow::Result<MnistRun> {
         recipe.scale_schedule_ratio = ssr;
     }
     Ok(recipe)
-}
-
-/// The checkpoint to start from, and whether the run continues an earlier one (its logs are
-/// appended to). Rank 0 looks first (it may move damaged checkpoints aside, or download from
-/// an object store), then the others find the folder as rank 0 left it; the trainer checks
-/// that every rank resumed alike.
-fn resume(
-    args: &Args,
-    dist: &Distributed,
-    main: bool,
-) -> anyhow::Result<(Option<CheckpointRestore>, bool)> {
-    let ck = &args.run.checkpoint;
-    let resume = if main {
-        let r = ck.autoresume(true)?;
-        dist.barrier()?;
-        r
-    } else {
-        dist.barrier()?;
-        ck.autoresume(false)?
-    };
-    let resuming = resume.is_some() || (ck.load.is_some() && !ck.weights_only);
-    let restore = match resume {
-        Some(r) => Some(r),
-        None => ck.load_restore()?,
-    };
-    Ok((restore, resuming))
 }
 
 /// The report of a run resumed from its final checkpoint: nothing trained.

@@ -494,7 +494,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
         builder = builder.callback(generate);
     }
     let builder = session::attach(&args.run, builder)?;
-    let (restore, resuming) = resume(args, dist, main)?;
+    let (restore, resuming) = args.run.checkpoint.restore_on(dist)?;
     let (builder, outputs) =
         session::observe(&args.run, builder, &device, None, restore, resuming, main)?;
     let mut trainer = builder.build()?;
@@ -758,32 +758,4 @@ fn bytes_per_target(tokenizer: &Tokenizer, tokens: &[u16], seq_len: usize, windo
         .map(|&t| tokenizer.token_len(t))
         .sum();
     bytes as f64 / (windows * seq_len).max(1) as f64
-}
-
-/// The checkpoint to start from, and whether the run continues an earlier one. Rank 0 looks
-/// first (it may move damaged checkpoints aside), then the others find the folder as rank 0
-/// left it.
-fn resume(
-    args: &Args,
-    dist: &Distributed,
-    main: bool,
-) -> anyhow::Result<(Option<flashover::checkpoint::CheckpointRestore>, bool)> {
-    if dist.world().size == 1 {
-        return args.run.checkpoint.restore();
-    }
-    let ck = &args.run.checkpoint;
-    let found = if main {
-        let r = ck.autoresume(true)?;
-        dist.barrier()?;
-        r
-    } else {
-        dist.barrier()?;
-        ck.autoresume(false)?
-    };
-    let resuming = found.is_some() || (ck.load.is_some() && !ck.weights_only);
-    let restore = match found {
-        Some(r) => Some(r),
-        None => ck.load_restore()?,
-    };
-    Ok((restore, resuming))
 }

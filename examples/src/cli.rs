@@ -499,17 +499,30 @@ impl CheckpointArgs {
         })
     }
 
-    /// The single-process restore: the newest intact checkpoint of `--save-folder` with
-    /// `--autoresume` (which wins when it finds one), else `--load`. Also returns whether
-    /// the run continues an earlier one (its logs are appended to).
-    pub fn restore(&self) -> anyhow::Result<(Option<CheckpointRestore>, bool)> {
-        if let Some(r) = self.autoresume(true)? {
-            return Ok((Some(r), true));
-        }
-        Ok(match self.load_restore()? {
-            Some(r) => (Some(r), !self.weights_only),
-            None => (None, false),
-        })
+    /// The checkpoint to start from on this rank of `dist`: the newest intact checkpoint of
+    /// `--save-folder` with `--autoresume` (which wins when it finds one), else `--load`; and
+    /// whether the run continues an earlier one (its logs are appended to). Rank 0 looks
+    /// first (it may move damaged checkpoints aside, or download from an object store), then
+    /// the others find the folder as rank 0 left it; the trainer checks that every rank
+    /// resumed alike.
+    pub fn restore_on(
+        &self,
+        dist: &flashover::distributed::Distributed,
+    ) -> anyhow::Result<(Option<CheckpointRestore>, bool)> {
+        let found = if dist.world().is_main() {
+            let r = self.autoresume(true)?;
+            dist.barrier()?;
+            r
+        } else {
+            dist.barrier()?;
+            self.autoresume(false)?
+        };
+        let resuming = found.is_some() || (self.load.is_some() && !self.weights_only);
+        let restore = match found {
+            Some(r) => Some(r),
+            None => self.load_restore()?,
+        };
+        Ok((restore, resuming))
     }
 }
 
