@@ -211,6 +211,21 @@ pub(crate) fn s3s_fs() -> Option<std::path::PathBuf> {
 }
 
 /// Whether OpenMPI's launcher is installed.
+/// Runs `mpirun` with `args` (from [`mpirun_args`] on), one compute thread per rank, and
+/// returns rank 0's JSON summary line; the job's stderr in the error when it fails.
+pub(crate) fn mpirun_summary(args: &[String]) -> Result<serde_json::Value> {
+    eprintln!("$ mpirun {}", args.join(" "));
+    let out = Command::new("mpirun")
+        .args(args)
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .context("running mpirun")?;
+    if !out.status.success() {
+        anyhow::bail!("mpirun failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    last_json(&String::from_utf8_lossy(&out.stdout))
+}
+
 pub(crate) fn have_mpirun() -> bool {
     Command::new("mpirun").arg("--version").output().is_ok()
 }

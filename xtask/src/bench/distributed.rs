@@ -1,8 +1,6 @@
 //! The bench's multi-process section: the main job on 1 and 2 processes under `mpirun`.
 
-use std::process::Command;
-
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 
 use super::*;
 use crate::backend::Backend;
@@ -23,29 +21,18 @@ pub(crate) fn distributed_bench(
     let run = |world: usize, extra: &[&str]| -> Result<serde_json::Value> {
         let mut a = strings(&["--no-progress"]);
         a.extend(strings(extra));
-        let out = if world == 1 {
-            run_binary(b, &bin, &a)?
-        } else {
-            let mut m = mpirun_args(world, None, &bin);
-            m.extend(strings(&[
-                "--processes",
-                &world.to_string(),
-                "--backend",
-                b.name(),
-            ]));
-            m.extend(a);
-            eprintln!("$ mpirun {}", m.join(" "));
-            let out = Command::new("mpirun")
-                .args(&m)
-                .env("RAYON_NUM_THREADS", "1")
-                .output()
-                .context("running mpirun")?;
-            if !out.status.success() {
-                bail!("mpirun failed:\n{}", String::from_utf8_lossy(&out.stderr));
-            }
-            String::from_utf8_lossy(&out.stdout).into_owned()
-        };
-        last_json(&out)
+        if world == 1 {
+            return last_json(&run_binary(b, &bin, &a)?);
+        }
+        let mut m = mpirun_args(world, None, &bin);
+        m.extend(strings(&[
+            "--processes",
+            &world.to_string(),
+            "--backend",
+            b.name(),
+        ]));
+        m.extend(a);
+        mpirun_summary(&m)
     };
     // Throughput: 100 batches of the default global batch (64), no evaluation inside the
     // timed fit; repetitions interleaved so that both sizes see the same machine.

@@ -2,9 +2,7 @@
 //! processes (the GPT example under `mpirun`), and activation checkpointing against the
 //! plain backward pass (the default GPT at a long context, one process).
 
-use std::process::Command;
-
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 use super::*;
 use crate::backend::Backend;
@@ -99,16 +97,7 @@ pub(crate) fn memory_bench(b: Backend, quick: bool) -> Result<(serde_json::Value
                 "--report-optimizer-state",
             ]));
             m.extend(strings(extra));
-            eprintln!("$ mpirun {}", m.join(" "));
-            let out = Command::new("mpirun")
-                .args(&m)
-                .env("RAYON_NUM_THREADS", "1")
-                .output()
-                .context("running mpirun")?;
-            if !out.status.success() {
-                bail!("mpirun failed:\n{}", String::from_utf8_lossy(&out.stderr));
-            }
-            last_json(&String::from_utf8_lossy(&out.stdout))
+            mpirun_summary(&m)
         };
         let (mut state, mut rss, mut time) = (vec![], vec![], vec![]);
         let (mut dp_state, mut dp_rss) = (vec![], vec![]);
