@@ -2,10 +2,12 @@
 //! the MNIST CNN and its loaders. Programs live next to this file (`mnist.rs`); this library
 //! holds nothing that only one program uses.
 #![warn(missing_docs)]
-#![forbid(unsafe_code)]
+// `unsafe` only in `allocator` (the `GlobalAlloc` wrapper), allowed there alone.
+#![deny(unsafe_code)]
 
-/// Makes mimalloc the program's allocator; every example program calls it once at the top
-/// level. A training step allocates and frees buffers of megabytes (activations,
+/// Makes mimalloc the program's allocator, watched for failure ([`allocator`]: a process
+/// that reaches its memory limit says so in plain words); every example program calls it
+/// once at the top level. A training step allocates and frees buffers of megabytes (activations,
 /// gradients); glibc's malloc hands such buffers back to the kernel and faults them in again
 /// the next step, which cost the main job about a sixth of its time in the kernel at two
 /// threads (page faults, zeroing, TLB shootdowns between the threads) and most of the
@@ -16,12 +18,13 @@
 macro_rules! use_mimalloc {
     () => {
         #[global_allocator]
-        static ALLOCATOR: $crate::MiMalloc = $crate::MiMalloc;
+        static ALLOCATOR: $crate::allocator::Allocator = $crate::allocator::Allocator;
     };
 }
 
 pub use mimalloc::MiMalloc;
 
+pub mod allocator;
 pub mod cli;
 pub mod fits;
 pub mod overhead;

@@ -43,12 +43,14 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use burn::module::ParamId;
+use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
 use crate::error::{CoreError, Result};
-use crate::params::{flatten_grads, flatten_params, grad_ids, load_flat_params, unflatten_grads};
+use crate::params::{
+    drain_grads_to_host, flatten_params, grad_ids, load_flat_params, unflatten_grads,
+};
 use crate::setup::{InnerBackendOf, Setup};
 
 use crate::world::World;
@@ -118,38 +120,43 @@ pub trait Collective<S: Setup>: Send {
         buffer: Tensor<InnerBackendOf<S>, 1>,
     ) -> Result<Tensor<InnerBackendOf<S>, 1>>;
 
-    /// Sums `buffer` element-wise over every rank, as [`Collective::all_reduce_sum`] does and
-    /// with the same bits, but returns only the elements this rank needs: its own range of
-    /// `parts` (one range per rank, in rank order, covering the buffer before the tail)
-    /// followed by the last `tail` elements, which every rank gets. A sharded run's gradient
-    /// seam ([`crate::shard`]). The provided form all-reduces and keeps the pieces; a
-    /// transport overrides it to send less (the MPI ring sends each element to its owner
-    /// only).
-    fn reduce_scatter_sum(
+    /// Sums a buffer given as consecutive `pieces` element-wise over every rank, as
+    /// [`Collective::all_reduce_sum`] sums their concatenation and with the same bits, and
+    /// returns only the pieces this rank needs: piece `p` goes to rank `r` where `needs[p]` is
+    /// `Some(r)`, to every rank where it is `None`; the others come back empty, their memory
+    /// freed. A sharded run's gradient seam ([`crate::shard`]): one piece per parameter, so a
+    /// rank never holds the whole gradient twice. The provided form concatenates the pieces
+    /// on `device` and all-reduces them; a transport overrides it to send each element to its
+    /// owner only (the MPI ring), piece by piece.
+    fn reduce_scatter_pieces(
         &mut self,
-        buffer: Tensor<InnerBackendOf<S>, 1>,
-        parts: &[std::ops::Range<usize>],
-        tail: usize,
-    ) -> Result<Tensor<InnerBackendOf<S>, 1>> {
-        let len = buffer.dims()[0];
+        pieces: Vec<Vec<f32>>,
+        needs: &[Option<usize>],
+        device: &burn::tensor::Device<InnerBackendOf<S>>,
+    ) -> Result<Vec<Vec<f32>>> {
+        check_needs(&pieces, needs)?;
         let rank = self.world().rank;
-        let mine = parts.get(rank).cloned().unwrap_or(0..0);
-        if mine.end > len.saturating_sub(tail) {
-            return Err(CoreError::config(
-                "reduce-scatter parts",
-                format!("{mine:?} of a buffer of {len} with a tail of {tail}"),
-                "ranges inside the buffer before its tail",
-            ));
+        let lens: Vec<usize> = pieces.iter().map(Vec::len).collect();
+        let total: usize = lens.iter().sum();
+        let mut flat = Vec::with_capacity(total);
+        for piece in pieces {
+            flat.extend_from_slice(&piece);
         }
-        let sum = self.all_reduce_sum(buffer)?;
-        let end = sum.clone().narrow(0, len - tail, tail);
-        if mine.is_empty() {
-            return Ok(end);
-        }
-        Ok(Tensor::cat(
-            vec![sum.narrow(0, mine.start, mine.len()), end],
-            0,
-        ))
+        let sum = self.all_reduce_sum(Tensor::from_data(TensorData::new(flat, [total]), device))?;
+        let all: Vec<f32> = sum.into_data().convert::<f32>().iter::<f32>().collect();
+        let mut at = 0;
+        Ok(lens
+            .iter()
+            .zip(needs)
+            .map(|(&n, need)| {
+                let piece = match need.is_none_or(|r| r == rank) {
+                    true => all[at..at + n].to_vec(),
+                    false => Vec::new(),
+                };
+                at += n;
+                piece
+            })
+            .collect())
     }
 
     /// Every rank's `mine` (rank `r` brings `counts[r]` values), concatenated in rank order,
@@ -158,6 +165,24 @@ pub trait Collective<S: Setup>: Send {
     /// transport overrides it to send the values once.
     fn all_gather_f32(&mut self, mine: Vec<f32>, counts: &[usize]) -> Result<Vec<f32>> {
         all_gather_by_sum(self, mine, counts)
+    }
+
+    /// Rank `root`'s `values` (`len` of them) on every rank, copies of its bits; the other
+    /// ranks' `values` are ignored (a sharded run's parameter gather sends each bucket of a
+    /// rank's parameters this way). The provided form is an all-gather in which only `root`
+    /// brings values; a transport overrides it to send them once from `root`.
+    fn broadcast_from(&mut self, root: usize, values: Vec<f32>, len: usize) -> Result<Vec<f32>> {
+        let world = self.world();
+        let mut counts = vec![0; world.size.max(1)];
+        if let Some(n) = counts.get_mut(root) {
+            *n = len;
+        }
+        let mine = if world.rank == root {
+            values
+        } else {
+            Vec::new()
+        };
+        self.all_gather_f32(mine, &counts)
     }
 
     /// Every rank's `text`, in rank order (a sharded checkpoint's report of each rank's
@@ -208,10 +233,12 @@ pub trait Collective<S: Setup>: Send {
     /// correctly. If any rank's loss was not finite, no rank gets gradients. A rank gets back
     /// the parameters it had gradients for.
     fn sync_gradients(&mut self, model: &S::Model, local: LocalStep) -> Result<GlobalStep> {
-        let out = Outgoing::<S>::of(model, local);
-        let Some(buffer) = out.buffer else {
+        let out = Outgoing::of::<S>(model, local);
+        let Some(pieces) = out.pieces else {
             return nothing_trains(self, out.extras, out.had_grads);
         };
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        let buffer = Outgoing::buffer::<InnerBackendOf<S>>(pieces, &device);
         let len = buffer.dims()[0] - 3;
         let sum = self.all_reduce_sum(buffer)?;
         let agreed = Agreed::read(&sum, len);
@@ -272,21 +299,22 @@ pub trait Collective<S: Setup>: Send {
 /// sharded alike, so both sum the same buffer): the batch's gradients (every trainable
 /// parameter in the model's order, zeros where one has none) times the rank's sample count,
 /// then its loss times its sample count, the count and the non-finite flag.
-pub(crate) struct Outgoing<S: Setup> {
+pub(crate) struct Outgoing {
     /// The parameters this rank had gradients for.
     pub(crate) keep: HashSet<ParamId>,
     /// Whether the rank brought gradients at all.
     pub(crate) had_grads: bool,
-    /// The buffer, `None` when nothing trains.
-    pub(crate) buffer: Option<Tensor<InnerBackendOf<S>, 1>>,
+    /// The buffer in pieces, one per trainable parameter (module order), then the three
+    /// extras; `None` when nothing trains.
+    pub(crate) pieces: Option<Vec<Vec<f32>>>,
     /// The three extras, for a model that trains nothing.
     pub(crate) extras: [f64; 3],
 }
 
-impl<S: Setup> Outgoing<S> {
-    /// `local` laid out for the exchange; its gradients are freed once they are in the
-    /// buffer (the exchange would otherwise hold them twice).
-    pub(crate) fn of(model: &S::Model, local: LocalStep) -> Self {
+impl Outgoing {
+    /// `local` laid out for the exchange, on the host one gradient at a time, each freed once
+    /// copied (the exchange never holds the gradient twice).
+    pub(crate) fn of<S: Setup>(model: &S::Model, local: LocalStep) -> Self {
         let keep = local
             .grads
             .as_ref()
@@ -299,28 +327,34 @@ impl<S: Setup> Outgoing<S> {
             (0.0, 1.0)
         };
         let had_grads = local.grads.is_some();
-        let flat =
-            flatten_grads::<S::Backend, _>(model, local.grads.as_ref().filter(|_| local.finite));
-        drop(local.grads);
-        let buffer = flat.map(|flat| {
-            let device = flat.device();
-            let weighted = if local.finite {
-                flat.mul_scalar(n)
-            } else {
-                flat
-            };
-            let extras = Tensor::from_data(
-                TensorData::new(vec![loss as f32, n as f32, flag as f32], [3]),
-                &device,
-            );
-            Tensor::cat(vec![weighted, extras], 0)
+        let (grads, weight) = match local.finite {
+            true => (local.grads, Some(n)),
+            false => (None, None),
+        };
+        let mut pieces = drain_grads_to_host::<S::Backend, _>(model, grads, weight);
+        let pieces = (!pieces.is_empty()).then(|| {
+            pieces.push(vec![loss as f32, n as f32, flag as f32]);
+            pieces
         });
         Outgoing {
             keep,
             had_grads,
-            buffer,
+            pieces,
             extras: [loss, n, flag],
         }
+    }
+
+    /// The pieces as one device buffer (each freed once copied in), for an all-reduce.
+    pub(crate) fn buffer<B: burn::tensor::backend::Backend>(
+        pieces: Vec<Vec<f32>>,
+        device: &B::Device,
+    ) -> Tensor<B, 1> {
+        let total = pieces.iter().map(Vec::len).sum();
+        let mut flat = Vec::with_capacity(total);
+        for piece in pieces {
+            flat.extend_from_slice(&piece);
+        }
+        Tensor::from_data(TensorData::new(flat, [total]), device)
     }
 }
 
@@ -358,6 +392,11 @@ impl Agreed {
             .iter::<f32>()
             .map(|v| v.elem::<f32>())
             .collect();
+        Agreed::from_values(&tail)
+    }
+
+    /// Reads the three summed extras from the host.
+    pub(crate) fn from_values(tail: &[f32]) -> Self {
         Agreed {
             loss: tail.first().copied(),
             total: tail.get(1).copied().unwrap_or(1.0).max(1.0),
@@ -428,6 +467,18 @@ fn all_gather_by_sum<S: Setup>(
     }
     c.all_reduce_sum_host(&mut all)?;
     Ok(all.iter().map(|&b| f32::from_bits(b as u32)).collect())
+}
+
+/// One entry of `needs` per piece.
+pub fn check_needs(pieces: &[Vec<f32>], needs: &[Option<usize>]) -> Result<()> {
+    if pieces.len() != needs.len() {
+        return Err(CoreError::config(
+            "reduce-scatter pieces",
+            format!("{} pieces with {} owners", pieces.len(), needs.len()),
+            "one owner (or every rank) per piece",
+        ));
+    }
+    Ok(())
 }
 
 /// `counts` has one entry per rank and this rank's is `mine`.

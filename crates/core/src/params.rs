@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::Tensor;
+use burn::tensor::{Tensor, TensorData};
 use sha2::{Digest, Sha256};
 
 /// Serialises every use of a backend's global random generator by Flashover.
@@ -163,6 +163,58 @@ pub fn flatten_grads<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     (!v.pieces.is_empty()).then(|| Tensor::cat(v.pieces, 0))
 }
 
+/// [`flatten_grads`]'s buffer on the host, one piece per trainable parameter (module order):
+/// each gradient is taken out of `grads`, multiplied by `weight` (in its own dtype, element by
+/// element, so the bits are those of multiplying the whole buffer), copied out and freed, so
+/// the gradients and their host copy never coexist whole. A parameter without a gradient
+/// brings zeros.
+pub fn drain_grads_to_host<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    grads: Option<GradientsParams>,
+    weight: Option<f64>,
+) -> Vec<Vec<f32>> {
+    struct Drain<AB> {
+        grads: Option<GradientsParams>,
+        weight: Option<f64>,
+        out: Vec<Vec<f32>>,
+        _b: std::marker::PhantomData<AB>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Drain<AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let value = param.val();
+            if !value.is_require_grad() {
+                return;
+            }
+            let n = value.shape().num_elements();
+            let grad = self
+                .grads
+                .as_mut()
+                .and_then(|g| g.remove::<AB::InnerBackend, D>(param.id));
+            let Some(grad) = grad else {
+                self.out.push(vec![0.0; n]);
+                return;
+            };
+            let grad = grad.reshape([n]);
+            let grad = match self.weight {
+                Some(w) => grad.mul_scalar(w),
+                None => grad,
+            };
+            let data = grad.into_data().convert::<f32>();
+            // The data's own allocation (no copy) where the backend hands it over whole. (An
+            // error is unreachable after `convert`; the exchange checks every piece's length.)
+            self.out.push(data.into_vec::<f32>().unwrap_or_default());
+        }
+    }
+    let mut v = Drain::<AB> {
+        grads,
+        weight,
+        out: Vec::new(),
+        _b: std::marker::PhantomData,
+    };
+    model.visit(&mut v);
+    v.out
+}
+
 /// Reads gradients back from a buffer laid out by [`flatten_grads`].
 struct UnflattenGrads<'a, AB: AutodiffBackend> {
     flat: Tensor<AB::InnerBackend, 1>,
@@ -252,20 +304,26 @@ pub fn flatten_params<AB: AutodiffBackend, M: AutodiffModule<AB>>(
     (!v.pieces.is_empty()).then(|| Tensor::cat(v.pieces, 0))
 }
 
-struct LoadFlat<B: Backend> {
-    flat: Tensor<B, 1>,
+struct LoadFlat {
+    values: Vec<f32>,
     offset: usize,
 }
 
-impl<AB: AutodiffBackend> ModuleMapper<AB> for LoadFlat<AB::InnerBackend> {
+impl<AB: AutodiffBackend> ModuleMapper<AB> for LoadFlat {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
         let (id, tensor, mapper) = param.consume();
         let shape: [usize; D] = tensor.dims();
         let n: usize = shape.iter().product();
-        let value = self.flat.clone().narrow(0, self.offset, n).reshape(shape);
+        let (dtype, device, trainable) =
+            (tensor.dtype(), tensor.device(), tensor.is_require_grad());
+        drop(tensor);
+        // Each parameter its own copy: a view of the buffer would keep all of it alive for
+        // as long as the parameter lives (an optimizer step may update a sole view in place).
+        let data = TensorData::new(self.values[self.offset..self.offset + n].to_vec(), shape);
         self.offset += n;
+        let value = Tensor::<AB::InnerBackend, D>::from_data(data, &device).cast(dtype);
         let value = Tensor::<AB, D>::from_inner(value);
-        let value = if tensor.is_require_grad() {
+        let value = if trainable {
             value.require_grad()
         } else {
             value
@@ -290,7 +348,19 @@ pub fn load_flat_params<AB: AutodiffBackend, M: AutodiffModule<AB>>(
             format!("{expected} values, one per parameter element of the model"),
         ));
     }
-    Ok(model.map(&mut LoadFlat::<AB::InnerBackend> { flat, offset: 0 }))
+    let values = flat
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap_or_default();
+    if values.len() != expected {
+        return Err(crate::CoreError::config(
+            "parameter buffer",
+            format!("{} float32 values", values.len()),
+            format!("{expected} values, one per parameter element of the model"),
+        ));
+    }
+    Ok(model.map(&mut LoadFlat { values, offset: 0 }))
 }
 
 #[cfg(test)]

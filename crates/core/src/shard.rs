@@ -19,8 +19,17 @@
 //! 3. the optimizer steps with the owned gradients only: Burn's `OptimizerAdaptor` updates
 //!    exactly the parameters present in the `GradientsParams` and keeps state only for them,
 //!    so a rank's optimizer state is its share;
-//! 4. the updated parameters are all-gathered ([`Collective::all_gather_f32`]): copies, no
-//!    arithmetic, so every rank holds every parameter with the owner's bits.
+//! 4. the updated parameters are gathered, each bucket of a rank's parameters sent from its
+//!    owner ([`Collective::broadcast_from`]) and written straight into the other ranks'
+//!    models: copies, no arithmetic, so every rank holds every parameter with the owner's
+//!    bits.
+//!
+//! Memory: the exchange never holds a whole second copy of anything. The gradient buffer is
+//! built on the host one gradient at a time, each freed as it is copied in; the MPI ring
+//! sends it in segments and hands back this rank's share in the buffer's own allocation; the
+//! gather holds one bucket ([`GATHER_BUCKET`]) at a time. So at world size `W` a rank holds
+//! the weights, one gradient and `1/W` of the optimizer state, against a single process's
+//! weights, gradient and whole optimizer state (for Adam, 3 copies against 4 at `W = 2`).
 //!
 //! Parameters themselves stay whole on every rank (stage 3, Composer's `FULL_SHARD`, is
 //! discussed in `docs/DESIGN.md`). A world of one shards nothing.
@@ -286,46 +295,123 @@ impl Layout {
     }
 }
 
-/// The sharded form of [`Collective::sync_gradients`]: the same buffer, reduce-scattered, so
-/// that this rank gets the averaged gradients of the parameters it owns (and had gradients
-/// for), bit for bit those the all-reduce gives, and the ranks agree on the loss and on
-/// skipping as they do there. Also returns the ids this rank had gradients for (the
-/// parameters [`gather_gradients`] fills in).
+/// The sharded form of [`Collective::sync_gradients`]: the same buffer, reduce-scattered in
+/// pieces of one parameter each ([`Collective::reduce_scatter_pieces`]), so that this rank
+/// gets the averaged gradients of the parameters it owns (and had gradients for), bit for bit
+/// those the all-reduce gives, and the ranks agree on the loss and on skipping as they do
+/// there. Each owned piece becomes its parameter's gradient without a copy. Also returns the
+/// ids this rank had gradients for (the parameters [`gather_gradients`] fills in).
 pub(crate) fn sync_gradient_shards<S: Setup>(
     c: &mut dyn Collective<S>,
     plan: &ShardPlan,
     model: &S::Model,
     local: LocalStep,
 ) -> Result<(GlobalStep, HashSet<ParamId>)> {
-    let out = Outgoing::<S>::of(model, local);
+    let out = Outgoing::of::<S>(model, local);
     let keep = out.keep;
-    let Some(buffer) = out.buffer else {
+    let Some(pieces) = out.pieces else {
         return Ok((nothing_trains(c, out.extras, out.had_grads)?, keep));
     };
     let layout = plan.layout::<S::Backend, S::Model>(model)?;
-    let len = buffer.dims()[0] - 3;
-    if len != layout.len {
+    let trainable: Vec<&Slot> = layout.slots.iter().filter(|s| s.trainable).collect();
+    let mut needs: Vec<Option<usize>> = layout
+        .slots
+        .iter()
+        .zip(&layout.owner)
+        .filter(|(s, _)| s.trainable)
+        .map(|(_, &o)| Some(o))
+        .collect();
+    needs.push(None);
+    let lengths_match =
+        pieces.len() == needs.len() && pieces.iter().zip(&trainable).all(|(p, s)| p.len() == s.len);
+    if !lengths_match {
+        let got: usize = pieces.iter().map(Vec::len).sum::<usize>().saturating_sub(3);
         return Err(CoreError::config(
             "sharding",
-            format!("a gradient buffer of {len} values"),
-            format!("{} values, the model's trainable elements", layout.len),
+            format!(
+                "a gradient buffer of {got} values in {} pieces",
+                pieces.len()
+            ),
+            format!(
+                "{} values in {} pieces, the model's trainable parameters",
+                layout.len,
+                trainable.len()
+            ),
         ));
     }
-    let owned = layout.per_rank[layout.rank].len();
-    let got = c.reduce_scatter_sum(buffer, &layout.per_rank, 3)?;
-    let agreed = Agreed::read(&got, owned);
+    let device = present_device::<S::Backend, S::Model>(model);
+    let mut got = c.reduce_scatter_pieces(pieces, &needs, &device)?;
+    let extras = got.pop().unwrap_or_default();
+    let agreed = Agreed::from_values(&extras);
     if agreed.skipped_ranks > 0 {
         return Ok((agreed.skipped(), keep));
     }
     let grads = out.had_grads.then(|| {
         let mut grads = GradientsParams::new();
-        if owned > 0 {
-            let mean = got.narrow(0, 0, owned).div_scalar(agreed.total);
-            register_pieces::<S::Backend, S::Model>(model, &layout, mean, &keep, &mut grads);
-        }
+        let mut owned = got.into_iter();
+        register_owned::<S::Backend, S::Model>(
+            model,
+            &layout,
+            &mut owned,
+            agreed.total,
+            &keep,
+            &mut grads,
+        );
         grads
     });
     Ok((agreed.step(grads), keep))
+}
+
+/// Registers this rank's summed pieces (one per trainable parameter in module order, empty
+/// for the ones other ranks own), divided by `total`, as the gradients of the parameters
+/// `keep` holds; each piece becomes its tensor without a copy, divided in place.
+fn register_owned<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    layout: &Layout,
+    pieces: &mut dyn Iterator<Item = Vec<f32>>,
+    total: f32,
+    keep: &HashSet<ParamId>,
+    out: &mut GradientsParams,
+) {
+    struct Register<'a, AB: AutodiffBackend> {
+        layout: &'a Layout,
+        index: usize,
+        pieces: &'a mut dyn Iterator<Item = Vec<f32>>,
+        total: f32,
+        keep: &'a HashSet<ParamId>,
+        out: &'a mut GradientsParams,
+        _b: std::marker::PhantomData<AB>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Register<'_, AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let i = self.index;
+            self.index += 1;
+            let value = param.val();
+            if !value.is_require_grad() {
+                return;
+            }
+            let piece = self.pieces.next().unwrap_or_default();
+            let mine = self.layout.owner.get(i) == Some(&self.layout.rank);
+            if !mine || !self.keep.contains(&param.id) {
+                return;
+            }
+            let shape: [usize; D] = value.dims();
+            let device = value.device();
+            let g =
+                Tensor::<AB::InnerBackend, D>::from_data(TensorData::new(piece, shape), &device)
+                    .div_scalar(self.total);
+            self.out.register::<AB::InnerBackend, D>(param.id, g);
+        }
+    }
+    model.visit(&mut Register::<AB> {
+        layout,
+        index: 0,
+        pieces,
+        total,
+        keep,
+        out,
+        _b: std::marker::PhantomData,
+    });
 }
 
 /// Registers the pieces of `flat` (this rank's trainable parameters, in order) as the
@@ -416,41 +502,212 @@ fn owned_values<AB: AutodiffBackend, M: AutodiffModule<AB>>(
         .collect()
 }
 
-/// After a sharded optimizer step: every rank's owned trainable parameters, all-gathered
-/// (what [`load_gathered`] then writes into the model).
+/// The most elements one bucket of the parameter gather carries (16 MiB of `f32`) unless a
+/// single parameter is larger: the gather holds one bucket at a time, never a copy of the
+/// model.
+const GATHER_BUCKET: usize = 1 << 22;
+
+/// One bucket of the parameter gather: consecutive trainable parameters of one owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Bucket {
+    owner: usize,
+    /// The parameters (indices in module order) it spans.
+    slots: Range<usize>,
+    /// Its element count.
+    len: usize,
+}
+
+/// Cuts the trainable parameters into buckets: runs of one owner, each at most `limit`
+/// elements or a single larger parameter. Every rank cuts the same buckets.
+fn buckets(layout: &Layout, limit: usize) -> Vec<Bucket> {
+    let mut out: Vec<Bucket> = Vec::new();
+    for (i, (slot, &owner)) in layout.slots.iter().zip(&layout.owner).enumerate() {
+        if !slot.trainable {
+            continue;
+        }
+        match out.last_mut() {
+            Some(b) if b.owner == owner && b.slots.end == i && b.len + slot.len <= limit => {
+                b.slots.end = i + 1;
+                b.len += slot.len;
+            }
+            _ => out.push(Bucket {
+                owner,
+                slots: i..i + 1,
+                len: slot.len,
+            }),
+        }
+    }
+    out
+}
+
+/// After a sharded optimizer step: every rank's owned trainable parameters, sent from their
+/// owners bucket by bucket ([`Collective::broadcast_from`]) and written straight into the
+/// other ranks' models (copies of the owners' bits; ids and dtypes kept). A rank holds one
+/// bucket beyond its model at a time. On an error the model comes back with the parameters
+/// gathered so far.
 pub(crate) fn gather_params<S: Setup>(
     c: &mut dyn Collective<S>,
     plan: &ShardPlan,
-    model: &S::Model,
-) -> Result<Gathered> {
-    let layout = plan.layout::<S::Backend, S::Model>(model)?;
-    let mine = owned_values::<S::Backend, S::Model>(model, &layout, None);
-    let all = c.all_gather_f32(mine, &layout.counts())?;
-    if all.len() != layout.len {
-        return Err(gathered_length(all.len(), layout.len));
+    model: S::Model,
+) -> (S::Model, Result<()>) {
+    let layout = match plan.layout::<S::Backend, S::Model>(&model) {
+        Ok(l) => l,
+        Err(e) => return (model, Err(e)),
+    };
+    let buckets = buckets(&layout, GATHER_BUCKET);
+    let mut bucket_of = vec![usize::MAX; layout.slots.len()];
+    for (b, bucket) in buckets.iter().enumerate() {
+        for i in bucket.slots.clone() {
+            bucket_of[i] = b;
+        }
     }
-    Ok(Gathered { layout, all })
-}
-
-/// Every rank's trainable parameters after a sharded step, as gathered.
-pub(crate) struct Gathered {
-    layout: Layout,
-    all: Vec<f32>,
-}
-
-/// Writes the gathered values of the parameters other ranks own into `model`, so that every
-/// rank holds the owners' values (copies of their bits; ids and dtypes kept).
-pub(crate) fn load_gathered<AB: AutodiffBackend, M: AutodiffModule<AB>>(
-    model: M,
-    gathered: &Gathered,
-) -> M {
-    model.map(&mut LoadOthers::<AB> {
-        layout: &gathered.layout,
-        all: &gathered.all,
+    let mine = owned_tensors::<S::Backend, S::Model>(&model, &layout);
+    let mut gather = GatherInto::<S> {
+        c,
+        buckets,
+        bucket_of,
+        mine,
+        rank: layout.rank,
+        received: Vec::new(),
+        at: 0,
         index: 0,
-        offset: 0,
-        _b: std::marker::PhantomData,
-    })
+        error: None,
+    };
+    let model = model.map(&mut gather);
+    let result = match gather.error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    };
+    (model, result)
+}
+
+/// This rank's trainable owned parameters (handles to the model's own tensors, flattened;
+/// no copies), by parameter index.
+fn owned_tensors<AB: AutodiffBackend, M: AutodiffModule<AB>>(
+    model: &M,
+    layout: &Layout,
+) -> Vec<Option<Tensor<AB::InnerBackend, 1>>> {
+    struct Mine<'a, AB: AutodiffBackend> {
+        layout: &'a Layout,
+        index: usize,
+        out: Vec<Option<Tensor<AB::InnerBackend, 1>>>,
+    }
+    impl<AB: AutodiffBackend> ModuleVisitor<AB> for Mine<'_, AB> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<AB, D>>) {
+            let i = self.index;
+            self.index += 1;
+            let value = param.val();
+            let owned = self.layout.owner.get(i) == Some(&self.layout.rank);
+            self.out.push((owned && value.is_require_grad()).then(|| {
+                let n = value.shape().num_elements();
+                value.inner().reshape([n])
+            }));
+        }
+    }
+    let mut v = Mine::<AB> {
+        layout,
+        index: 0,
+        out: Vec::new(),
+    };
+    model.visit(&mut v);
+    v.out
+}
+
+/// The mapper of [`gather_params`]: at the first parameter of each bucket it runs the
+/// bucket's broadcast (the owner packs its parameters' values; the others receive them),
+/// then writes the received values into the parameters the bucket spans.
+struct GatherInto<'a, S: Setup> {
+    c: &'a mut dyn Collective<S>,
+    buckets: Vec<Bucket>,
+    bucket_of: Vec<usize>,
+    mine: Vec<Option<Tensor<crate::setup::InnerBackendOf<S>, 1>>>,
+    rank: usize,
+    /// The current bucket's values, on a rank that does not own it.
+    received: Vec<f32>,
+    /// Where the next parameter's values start in `received`.
+    at: usize,
+    index: usize,
+    error: Option<CoreError>,
+}
+
+impl<S: Setup> GatherInto<'_, S> {
+    /// Runs bucket `b`'s broadcast.
+    fn exchange(&mut self, b: usize) -> Result<()> {
+        let bucket = &self.buckets[b];
+        let values = if bucket.owner == self.rank {
+            let mut values = Vec::with_capacity(bucket.len);
+            for t in self.mine[bucket.slots.clone()].iter().flatten() {
+                let data = t.clone().into_data().convert::<f32>();
+                match data.as_slice::<f32>() {
+                    Ok(v) => values.extend_from_slice(v),
+                    Err(_) => values.extend(data.iter::<f32>()),
+                }
+            }
+            values
+        } else {
+            Vec::new()
+        };
+        let got = self.c.broadcast_from(bucket.owner, values, bucket.len)?;
+        if got.len() != bucket.len {
+            return Err(CoreError::config(
+                "sharding",
+                format!("a parameter bucket of {} values", got.len()),
+                format!(
+                    "{} values, as its owner rank {} sent",
+                    bucket.len, bucket.owner
+                ),
+            ));
+        }
+        self.received = if bucket.owner == self.rank {
+            Vec::new()
+        } else {
+            got
+        };
+        self.at = 0;
+        Ok(())
+    }
+}
+
+impl<S: Setup> ModuleMapper<S::Backend> for GatherInto<'_, S> {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: Param<Tensor<S::Backend, D>>,
+    ) -> Param<Tensor<S::Backend, D>> {
+        let i = self.index;
+        self.index += 1;
+        let Some(&b) = self.bucket_of.get(i).filter(|&&b| b != usize::MAX) else {
+            return param;
+        };
+        if self.error.is_some() {
+            return param;
+        }
+        if self.buckets[b].slots.start == i {
+            if let Err(e) = self.exchange(b) {
+                self.error = Some(e);
+                return param;
+            }
+        }
+        let last = self.buckets[b].slots.end == i + 1;
+        if self.buckets[b].owner == self.rank {
+            return param;
+        }
+        let (id, tensor, mapper) = param.consume();
+        let shape: [usize; D] = tensor.dims();
+        let n: usize = shape.iter().product();
+        let dtype = tensor.dtype();
+        let device = tensor.device();
+        drop(tensor);
+        let values = self.received[self.at..self.at + n].to_vec();
+        self.at += n;
+        if last {
+            self.received = Vec::new();
+        }
+        let data = TensorData::new(values, shape);
+        let value =
+            Tensor::<crate::setup::InnerBackendOf<S>, D>::from_data(data, &device).cast(dtype);
+        let value = Tensor::<S::Backend, D>::from_inner(value).require_grad();
+        Param::from_mapped_value(id, value, mapper)
+    }
 }
 
 /// The whole averaged gradient on every rank (the parameters any rank kept gradients for
@@ -497,39 +754,6 @@ fn gathered_length(got: usize, expected: usize) -> CoreError {
         format!("an all-gather of {got} values"),
         format!("{expected} values, the model's trainable elements on every rank"),
     )
-}
-
-/// Writes the gathered values of the parameters other ranks own into `model`.
-struct LoadOthers<'a, B> {
-    layout: &'a Layout,
-    all: &'a [f32],
-    index: usize,
-    offset: usize,
-    _b: std::marker::PhantomData<B>,
-}
-
-impl<AB: AutodiffBackend> ModuleMapper<AB> for LoadOthers<'_, AB> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<AB, D>>) -> Param<Tensor<AB, D>> {
-        let i = self.index;
-        self.index += 1;
-        let (id, tensor, mapper) = param.consume();
-        if !tensor.is_require_grad() {
-            return Param::from_mapped_value(id, tensor, mapper);
-        }
-        let shape: [usize; D] = tensor.dims();
-        let n: usize = shape.iter().product();
-        let at = self.offset;
-        self.offset += n;
-        if self.layout.owner.get(i) == Some(&self.layout.rank) {
-            return Param::from_mapped_value(id, tensor, mapper);
-        }
-        let dtype = tensor.dtype();
-        let device = tensor.device();
-        let data = TensorData::new(self.all[at..at + n].to_vec(), shape);
-        let value = Tensor::<AB::InnerBackend, D>::from_data(data, &device).cast(dtype);
-        let value = Tensor::<AB, D>::from_inner(value).require_grad();
-        Param::from_mapped_value(id, value, mapper)
-    }
 }
 
 /// Gives `model`'s parameters rank 0's parameter ids (the weights are rank 0's already, from

@@ -297,9 +297,10 @@ impl<S: Setup> State<S> {
         let (Some(plan), Some(c)) = (self.sharding.as_ref(), self.collective.as_mut()) else {
             return Ok(());
         };
-        let gathered = crate::shard::gather_params(c.as_mut(), plan, present(&self.model))?;
-        self.map_model(|m| crate::shard::load_gathered::<S::Backend, S::Model>(m, &gathered));
-        Ok(())
+        let model = take_present(&mut self.model);
+        let (model, result) = crate::shard::gather_params(c.as_mut(), plan, model);
+        self.model = Some(model);
+        result
     }
 
     /// Whether this rank holds only its own share of the gradients and optimizer state

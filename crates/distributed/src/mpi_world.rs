@@ -27,6 +27,10 @@ use crate::{DistributedError, Options};
 
 /// Tag of the collectives' data messages (on the world communicator).
 const DATA: i32 = 11;
+/// The most elements one ring message carries: a chunk is sent in segments of this size, so
+/// a rank's receive buffer is at most this large (a chunk is a `1/W` share of the whole
+/// gradient, which a sharded run must not hold twice). 4 MiB of `f32`.
+const SEGMENT: usize = 1 << 20;
 /// Tag of control messages (on a communicator of their own).
 const CONTROL: i32 = 12;
 /// The exit status of a job this crate aborts.
@@ -81,18 +85,20 @@ impl Drop for Inner {
 
 enum Op {
     SumF32(Vec<f32>),
-    /// A sum whose every rank keeps only the ranges it needs (one list per rank).
-    ReduceScatterF32(Vec<f32>, Vec<Vec<Range<usize>>>),
+    /// A sum of a buffer in pieces whose every rank keeps only the pieces it needs.
+    ReduceScatterPieces(Vec<Vec<f32>>, Vec<Option<usize>>),
     /// Every rank's values (of the given counts), in rank order.
     AllGatherF32(Vec<f32>, Vec<usize>),
     SumF64(Vec<f64>),
-    Broadcast(Vec<f32>),
+    /// The root rank's values on every rank (the others bring a buffer of the same length).
+    Broadcast(usize, Vec<f32>),
     GatherText(Vec<u8>),
     Fail(String),
 }
 
 enum Done {
     F32(Vec<f32>),
+    Pieces(Vec<Vec<f32>>),
     F64(Vec<f64>),
     Texts(Vec<String>),
 }
@@ -205,16 +211,17 @@ impl Mpi {
         }
     }
 
-    /// The element-wise sum of `values` over every rank, with the all-reduce's bits, of which
-    /// this rank gets the ranges `needs[rank]` lists, concatenated.
-    pub fn reduce_scatter_f32(
+    /// The element-wise sum of a buffer given as `pieces` over every rank, with the
+    /// all-reduce's bits, of which this rank gets the pieces `needs` gives it (`Some(rank)`,
+    /// or `None` for every rank); the others come back empty.
+    pub fn reduce_scatter_pieces(
         &self,
-        values: Vec<f32>,
-        needs: Vec<Vec<Range<usize>>>,
+        pieces: Vec<Vec<f32>>,
+        needs: Vec<Option<usize>>,
         what: &'static str,
-    ) -> Vec<f32> {
-        match self.run(Op::ReduceScatterF32(values, needs), what) {
-            Done::F32(v) => v,
+    ) -> Vec<Vec<f32>> {
+        match self.run(Op::ReduceScatterPieces(pieces, needs), what) {
+            Done::Pieces(v) => v,
             _ => unreachable_reply(what),
         }
     }
@@ -242,7 +249,18 @@ impl Mpi {
 
     /// Rank 0's `values` on every rank.
     pub fn broadcast_f32(&self, values: Vec<f32>, what: &'static str) -> Vec<f32> {
-        match self.run(Op::Broadcast(values), what) {
+        self.broadcast_from_f32(0, values, what)
+    }
+
+    /// Rank `root`'s `values` on every rank; every other rank brings a buffer of the same
+    /// length, which receives them.
+    pub fn broadcast_from_f32(
+        &self,
+        root: usize,
+        values: Vec<f32>,
+        what: &'static str,
+    ) -> Vec<f32> {
+        match self.run(Op::Broadcast(root, values), what) {
             Done::F32(v) => v,
             _ => unreachable_reply(what),
         }
@@ -323,31 +341,60 @@ impl<S: Setup> Collective<S> for Mpi {
     }
 
     /// The ring's reduce-scatter, then each element straight to the rank that needs it: the
-    /// all-reduce's bits, a rank receiving its own share instead of the whole sum.
-    fn reduce_scatter_sum(
+    /// all-reduce's bits, a rank receiving its own pieces instead of the whole sum.
+    fn reduce_scatter_pieces(
         &mut self,
-        buffer: Tensor<InnerBackendOf<S>, 1>,
-        parts: &[Range<usize>],
-        tail: usize,
-    ) -> CoreResult<Tensor<InnerBackendOf<S>, 1>> {
+        pieces: Vec<Vec<f32>>,
+        needs: &[Option<usize>],
+        _device: &burn::tensor::Device<InnerBackendOf<S>>,
+    ) -> CoreResult<Vec<Vec<f32>>> {
+        flashover_core::collective::check_needs(&pieces, needs)?;
+        let size = self.inner.world.size.max(1);
+        if let Some(bad) = needs.iter().flatten().find(|&&r| r >= size) {
+            return Err(flashover_core::CoreError::config(
+                "reduce-scatter pieces",
+                format!("a piece for rank {bad}"),
+                format!("ranks below the world size {size}"),
+            ));
+        }
         let started = Instant::now();
-        let device = buffer.device();
-        let values = host_f32(buffer);
-        let len = values.len();
-        let w = self.inner.world.size.max(1);
-        check_parts(parts, w, len, tail)?;
-        let needs: Vec<Vec<Range<usize>>> = parts
-            .iter()
-            .map(|p| vec![p.clone(), len - tail..len])
-            .collect();
-        let got = self.reduce_scatter_f32(values, needs, "the gradient reduce-scatter");
-        let n = got.len();
-        let out = Tensor::from_data(TensorData::new(got, [n]), &device);
+        let got =
+            Mpi::reduce_scatter_pieces(self, pieces, needs.to_vec(), "the gradient reduce-scatter");
         let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.inner
             .allreduce_nanos
             .fetch_add(nanos, std::sync::atomic::Ordering::Relaxed);
-        Ok(out)
+        Ok(got)
+    }
+
+    fn broadcast_from(
+        &mut self,
+        root: usize,
+        values: Vec<f32>,
+        len: usize,
+    ) -> CoreResult<Vec<f32>> {
+        let world = self.inner.world;
+        let mine = if world.rank == root {
+            values.len()
+        } else {
+            len
+        };
+        if root >= world.size.max(1) || mine != len {
+            return Err(flashover_core::CoreError::config(
+                "broadcast root",
+                format!("rank {root} bringing {mine} values"),
+                format!(
+                    "a rank below {} that brings the {len} values it sends",
+                    world.size
+                ),
+            ));
+        }
+        let values = if world.rank == root {
+            values
+        } else {
+            vec![0.0; len]
+        };
+        Ok(self.broadcast_from_f32(root, values, "the parameter gather"))
     }
 
     fn all_gather_f32(&mut self, mine: Vec<f32>, counts: &[usize]) -> CoreResult<Vec<f32>> {
@@ -375,26 +422,60 @@ impl<S: Setup> Collective<S> for Mpi {
     }
 }
 
-/// `parts` has one range per rank, each inside the buffer before its tail.
-fn check_parts(parts: &[Range<usize>], world: usize, len: usize, tail: usize) -> CoreResult<()> {
-    let body = len.checked_sub(tail);
-    let fits = |p: &Range<usize>| body.is_some_and(|b| p.start <= p.end && p.end <= b);
-    if parts.len() != world || !parts.iter().all(fits) {
-        return Err(flashover_core::CoreError::config(
-            "reduce-scatter parts",
-            format!("{parts:?} of a buffer of {len} with a tail of {tail}"),
-            format!("one range per rank ({world}), each inside the buffer before its tail"),
-        ));
-    }
-    Ok(())
-}
-
 /// A device buffer's values on the host: the data's own allocation when it is already
 /// `f32` (no second copy of a gradient buffer), converted otherwise.
 fn host_f32<B: burn::tensor::backend::Backend>(t: Tensor<B, 1>) -> Vec<f32> {
     let data = t.into_data().convert::<f32>();
     // (An error is unreachable after `convert`.)
     data.into_vec::<f32>().unwrap_or_default()
+}
+
+/// The pieces (index, range within it) that the buffer range `range` spans, where piece `k`
+/// covers `starts[k]..starts[k + 1]`; empty pieces and an empty range give nothing.
+fn locate(starts: &[usize], range: Range<usize>) -> Vec<(usize, Range<usize>)> {
+    if range.is_empty() {
+        return Vec::new();
+    }
+    // The last piece starting at or before the range's start.
+    let first = starts
+        .partition_point(|&s| s <= range.start)
+        .saturating_sub(1);
+    let mut out = Vec::new();
+    for k in first..starts.len().saturating_sub(1) {
+        let (a, b) = (starts[k], starts[k + 1]);
+        if a >= range.end {
+            break;
+        }
+        let (lo, hi) = (range.start.max(a), range.end.min(b));
+        if lo < hi {
+            out.push((k, lo - a..hi - a));
+        }
+    }
+    out
+}
+
+/// How many segments of at most [`SEGMENT`] elements a chunk of `len` travels in. Every
+/// rank sends and receives as many messages per step as the largest chunk (chunk 0) needs,
+/// some of them empty, so the counts on both ends of a link always match.
+fn segments(len: usize) -> usize {
+    len.div_ceil(SEGMENT)
+}
+
+/// Segment `i` of `chunk` (empty past its end).
+fn segment(chunk: &Range<usize>, i: usize) -> Range<usize> {
+    let start = (chunk.start + i * SEGMENT).min(chunk.end);
+    start..(start + SEGMENT).min(chunk.end)
+}
+
+/// `data[out]` to read and `data[into]` to write, two disjoint ranges of one buffer.
+fn split_two<T>(data: &mut [T], out: Range<usize>, into: Range<usize>) -> (&[T], &mut [T]) {
+    if out.start < into.start {
+        let (a, b) = data.split_at_mut(into.start);
+        (&a[out], &mut b[..into.len()])
+    } else {
+        let (a, b) = data.split_at_mut(out.start);
+        (&b[..out.len()], &mut a[into])
+    }
 }
 
 /// Who a rank is, for messages: `rank 1 (pid 123 on node2)`.
@@ -491,15 +572,15 @@ impl Comm {
                 self.scratch_f64 = scratch;
                 Done::F64(v)
             }
-            Op::ReduceScatterF32(mut v, needs) => {
+            Op::ReduceScatterPieces(pieces, needs) => {
                 let mut scratch = std::mem::take(&mut self.scratch_f32);
-                let out = self.reduce_scatter(&mut v, &needs, &mut scratch, what);
+                let out = self.reduce_scatter_pieces(pieces, &needs, &mut scratch, what);
                 self.scratch_f32 = scratch;
-                Done::F32(out)
+                Done::Pieces(out)
             }
             Op::AllGatherF32(v, counts) => Done::F32(self.all_gather(v, &counts, what)),
-            Op::Broadcast(mut v) => {
-                self.broadcast(&mut v, what);
+            Op::Broadcast(root, mut v) => {
+                self.broadcast(root, &mut v, what);
                 Done::F32(v)
             }
             Op::GatherText(bytes) => Done::Texts(self.gather_text(bytes, what)),
@@ -508,7 +589,9 @@ impl Comm {
         let _ = job.reply.send(done);
     }
 
-    /// The ring all-reduce (see `ring`): the same bits on every rank, in a fixed order.
+    /// The ring all-reduce (see `ring`): the same bits on every rank, in a fixed order. The
+    /// all-gather half receives straight into place; only the reduce-scatter half needs a
+    /// receive buffer, of at most one segment.
     fn ring_sum<T>(&self, data: &mut [T], scratch: &mut Vec<T>, what: &'static str)
     where
         T: Equivalence + Copy + Default + std::ops::Add<Output = T>,
@@ -524,14 +607,17 @@ impl Comm {
         for step in 0..w - 1 {
             let (send, recv) = gather_step(r, step, w);
             let (sb, rb) = (chunk_bounds(len, w, send), chunk_bounds(len, w, recv));
-            let incoming = &mut scratch[..rb.len()];
-            self.exchange(&data[sb], right, incoming, left, what);
-            data[rb].copy_from_slice(incoming);
+            for i in 0..segments(chunk_bounds(len, w, 0).len()) {
+                let (s, t) = (segment(&sb, i), segment(&rb, i));
+                let (out, into) = split_two(data, s, t);
+                self.exchange(out, right, into, left, what);
+            }
         }
     }
 
     /// The ring's reduce-scatter half (see `ring`): afterwards this rank holds the whole
-    /// sum of chunk `(rank + 1) mod W`, summed in the documented order.
+    /// sum of chunk `(rank + 1) mod W`, summed in the documented order. Each chunk travels
+    /// in segments of at most [`SEGMENT`] elements (element-wise sums: the same bits).
     fn ring_scatter<T>(&self, data: &mut [T], scratch: &mut Vec<T>, what: &'static str)
     where
         T: Equivalence + Copy + Default + std::ops::Add<Output = T>,
@@ -543,99 +629,201 @@ impl Comm {
         let len = data.len();
         let right = (r + 1) % w;
         let left = back(r, 1, w);
-        scratch.resize(len.div_ceil(w), T::default());
+        scratch.resize(len.div_ceil(w).min(SEGMENT), T::default());
+        scratch.shrink_to(SEGMENT);
         for step in 0..w - 1 {
             let (send, recv) = scatter_step(r, step, w);
             let (sb, rb) = (chunk_bounds(len, w, send), chunk_bounds(len, w, recv));
-            let incoming = &mut scratch[..rb.len()];
-            self.exchange(&data[sb], right, incoming, left, what);
-            for (mine, theirs) in data[rb].iter_mut().zip(incoming.iter()) {
-                *mine = *theirs + *mine;
+            for i in 0..segments(chunk_bounds(len, w, 0).len()) {
+                let (s, t) = (segment(&sb, i), segment(&rb, i));
+                let incoming = &mut scratch[..t.len()];
+                self.exchange(&data[s], right, incoming, left, what);
+                for (mine, theirs) in data[t].iter_mut().zip(incoming.iter()) {
+                    *mine = *theirs + *mine;
+                }
             }
         }
     }
 
-    /// The ring's reduce-scatter, then each summed element sent from the rank that holds it
-    /// to every rank whose `needs` list it (one message per pair at most), so every element
-    /// a rank gets has the bits the all-reduce gives it; returns this rank's needs,
-    /// concatenated in their order.
-    fn reduce_scatter(
+    /// The ring's reduce-scatter over a buffer given as consecutive `pieces`, then each summed
+    /// piece sent from the ranks that hold its elements to every rank that `needs` it
+    /// (`Some(rank)`, or `None` for all), straight from and into the pieces; the pieces this
+    /// rank does not need come back empty. Every message lies inside one piece (both ends cut
+    /// a range at the same piece boundaries), so no piece is ever copied whole and the only
+    /// other buffer is the ring's one-segment scratch. The sums are the all-reduce's bits:
+    /// the ring adds element by element in its documented order whatever the cutting.
+    fn reduce_scatter_pieces(
         &self,
-        data: &mut [f32],
-        needs: &[Vec<Range<usize>>],
+        mut pieces: Vec<Vec<f32>>,
+        needs: &[Option<usize>],
         scratch: &mut Vec<f32>,
         what: &'static str,
-    ) -> Vec<f32> {
+    ) -> Vec<Vec<f32>> {
         let (w, r) = (self.size, self.rank);
-        let len = data.len();
-        self.ring_scatter(data, scratch, what);
+        let mut starts = Vec::with_capacity(pieces.len() + 1);
+        let mut len = 0;
+        for p in &pieces {
+            starts.push(len);
+            len += p.len();
+        }
+        starts.push(len);
         if w > 1 {
-            // Rank p holds the whole sum of chunk (p + 1) mod W.
-            let held = |p: usize| chunk_bounds(len, w, (p + 1) % w);
-            let overlaps = |p: usize, q: usize| -> Vec<Range<usize>> {
-                let h = held(p);
-                needs[q]
-                    .iter()
-                    .map(|n| n.start.max(h.start)..n.end.min(h.end))
-                    .filter(|o| o.start < o.end)
-                    .collect()
-            };
-            let outgoing: Vec<(usize, Vec<f32>)> = (0..w)
-                .filter(|&q| q != r)
-                .map(|q| {
-                    let v: Vec<f32> = overlaps(r, q)
-                        .into_iter()
-                        .flat_map(|o| data[o].to_vec())
-                        .collect();
-                    (q, v)
-                })
-                .filter(|(_, v)| !v.is_empty())
-                .collect();
-            let mut incoming: Vec<(usize, Vec<Range<usize>>, Vec<f32>)> = (0..w)
-                .filter(|&p| p != r)
-                .map(|p| {
-                    let o = overlaps(p, r);
-                    let n = o.iter().map(|o| o.len()).sum();
-                    (p, o, vec![0.0f32; n])
-                })
-                .filter(|(_, _, v)| !v.is_empty())
-                .collect();
-            let world = &self.world;
-            let peers: Vec<usize> = outgoing
-                .iter()
-                .map(|(q, _)| *q)
-                .chain(incoming.iter().map(|(p, _, _)| *p))
-                .collect();
-            scope(|sc| {
-                let mut reqs = Vec::new();
-                for (q, v) in &outgoing {
-                    reqs.push(world.process_at_rank(*q as i32).immediate_send_with_tag(
-                        sc,
-                        &v[..],
-                        DATA,
-                    ));
-                }
-                for (p, _, v) in incoming.iter_mut() {
-                    reqs.push(
-                        world
-                            .process_at_rank(*p as i32)
-                            .immediate_receive_into_with_tag(sc, &mut v[..], DATA),
-                    );
-                }
-                self.wait(reqs, &peers, what);
-            });
-            for (_, ranges, v) in &incoming {
+            self.ring_scatter_pieces(&mut pieces, &starts, scratch, what);
+            self.redistribute(&mut pieces, &starts, needs, what);
+        }
+        for (piece, need) in pieces.iter_mut().zip(needs) {
+            if need.is_some_and(|q| q != r) {
+                *piece = Vec::new();
+            }
+        }
+        pieces
+    }
+
+    /// [`Comm::ring_scatter`] over pieces: each segment travels as one message per piece it
+    /// touches.
+    fn ring_scatter_pieces(
+        &self,
+        pieces: &mut [Vec<f32>],
+        starts: &[usize],
+        scratch: &mut Vec<f32>,
+        what: &'static str,
+    ) {
+        let (w, r) = (self.size, self.rank);
+        let len = starts.last().copied().unwrap_or(0);
+        let right = (r + 1) % w;
+        let left = back(r, 1, w);
+        scratch.resize(len.div_ceil(w).min(SEGMENT), 0.0);
+        scratch.shrink_to(SEGMENT);
+        let world = &self.world;
+        for step in 0..w - 1 {
+            let (send, recv) = scatter_step(r, step, w);
+            let (sb, rb) = (chunk_bounds(len, w, send), chunk_bounds(len, w, recv));
+            for i in 0..segments(chunk_bounds(len, w, 0).len()) {
+                let (s, t) = (segment(&sb, i), segment(&rb, i));
+                let outgoing = locate(starts, s);
+                let incoming = locate(starts, t.clone());
+                let (into, _) = scratch.split_at_mut(t.len());
+                let pieces_ref: &[Vec<f32>] = pieces;
+                scope(|sc| {
+                    let mut reqs = Vec::new();
+                    for (p, part) in &outgoing {
+                        let buf: &[f32] = &pieces_ref[*p][part.clone()];
+                        reqs.push(
+                            world
+                                .process_at_rank(right as i32)
+                                .immediate_send_with_tag(sc, buf, DATA),
+                        );
+                    }
+                    let mut rest: &mut [f32] = into;
+                    for (_, part) in &incoming {
+                        let (head, tail) = std::mem::take(&mut rest).split_at_mut(part.len());
+                        rest = tail;
+                        reqs.push(
+                            world
+                                .process_at_rank(left as i32)
+                                .immediate_receive_into_with_tag(sc, head, DATA),
+                        );
+                    }
+                    self.wait(reqs, &[right, left], what);
+                });
                 let mut at = 0;
-                for o in ranges {
-                    data[o.clone()].copy_from_slice(&v[at..at + o.len()]);
-                    at += o.len();
+                for (p, part) in incoming {
+                    let n = part.len();
+                    for (mine, theirs) in pieces[p][part].iter_mut().zip(&scratch[at..at + n]) {
+                        *mine = *theirs + *mine;
+                    }
+                    at += n;
                 }
             }
         }
-        needs[r]
-            .iter()
-            .flat_map(|n| data[n.clone()].iter().copied())
-            .collect()
+    }
+
+    /// After the ring's reduce-scatter (rank `p` holds the whole sum of chunk `(p + 1) mod W`):
+    /// every element a rank needs and another holds, sent from the holder's piece into the
+    /// needing rank's piece, one message per (piece, holder, rank) range. Both ends list a
+    /// pair's ranges in ascending order, which MPI's in-order delivery matches.
+    fn redistribute(
+        &self,
+        pieces: &mut [Vec<f32>],
+        starts: &[usize],
+        needs: &[Option<usize>],
+        what: &'static str,
+    ) {
+        let (w, r) = (self.size, self.rank);
+        let len = starts.last().copied().unwrap_or(0);
+        let held = |p: usize| chunk_bounds(len, w, (p + 1) % w);
+        let needed_by = |k: usize, q: usize| needs[k].is_none_or(|o| o == q);
+        // (peer, piece, range within the piece), ascending.
+        let mut sends: Vec<(usize, usize, Range<usize>)> = Vec::new();
+        let mut receives: Vec<(usize, usize, Range<usize>)> = Vec::new();
+        for k in 0..pieces.len() {
+            let (a, b) = (starts[k], starts[k + 1]);
+            for p in (0..w).filter(|&p| p != r) {
+                // Held by this rank, needed by p: a send; held by p, needed here: a receive.
+                let h = held(r);
+                if needed_by(k, p) && h.start.max(a) < h.end.min(b) {
+                    sends.push((p, k, h.start.max(a) - a..h.end.min(b) - a));
+                }
+                let h = held(p);
+                if needed_by(k, r) && h.start.max(a) < h.end.min(b) {
+                    receives.push((p, k, h.start.max(a) - a..h.end.min(b) - a));
+                }
+            }
+        }
+        let mut peers: Vec<usize> = sends.iter().chain(&receives).map(|x| x.0).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        let mine = held(r);
+        let world = &self.world;
+        scope(|sc| {
+            let mut reqs = Vec::new();
+            for (k, piece) in pieces.iter_mut().enumerate() {
+                let (a, b) = (starts[k], starts[k + 1]);
+                // This rank's held part of the piece is read-only (sent, perhaps to several
+                // ranks); the parts before and after it are written (received).
+                let h0 = mine.start.clamp(a, b) - a;
+                let h1 = mine.end.clamp(a, b) - a;
+                let (h0, h1) = if h0 < h1 { (h0, h1) } else { (0, 0) };
+                let (before, rest) = piece.split_at_mut(h0);
+                let (held_part, after) = rest.split_at_mut(h1 - h0);
+                let held_part: &[f32] = held_part;
+                for (q, _, part) in sends.iter().filter(|s| s.1 == k) {
+                    let buf = &held_part[part.start - h0..part.end - h0];
+                    reqs.push(
+                        world
+                            .process_at_rank(*q as i32)
+                            .immediate_send_with_tag(sc, buf, DATA),
+                    );
+                }
+                let (mut low, mut high): (&mut [f32], &mut [f32]) = (before, after);
+                let (mut low_at, mut high_at) = (0, h1);
+                let mut mine_here: Vec<&(usize, usize, Range<usize>)> =
+                    receives.iter().filter(|x| x.1 == k).collect();
+                mine_here.sort_by_key(|x| x.2.start);
+                for (p, _, part) in mine_here {
+                    let buf = if part.end <= h0 {
+                        let (_, tail) = std::mem::take(&mut low).split_at_mut(part.start - low_at);
+                        let (buf, tail) = tail.split_at_mut(part.len());
+                        low = tail;
+                        low_at = part.end;
+                        buf
+                    } else {
+                        let (_, tail) =
+                            std::mem::take(&mut high).split_at_mut(part.start - high_at);
+                        let (buf, tail) = tail.split_at_mut(part.len());
+                        high = tail;
+                        high_at = part.end;
+                        buf
+                    };
+                    reqs.push(
+                        world
+                            .process_at_rank(*p as i32)
+                            .immediate_receive_into_with_tag(sc, buf, DATA),
+                    );
+                }
+            }
+            self.wait(reqs, &peers, what);
+        });
     }
 
     /// Every rank's values in rank order: each rank sends its own to every other directly.
@@ -703,11 +891,11 @@ impl Comm {
         });
     }
 
-    /// Rank 0's buffer to every rank, sent directly from rank 0.
-    fn broadcast(&self, data: &mut [f32], what: &'static str) {
+    /// Rank `root`'s buffer to every rank, sent directly from it.
+    fn broadcast(&self, root: usize, data: &mut [f32], what: &'static str) {
         let world = &self.world;
-        if self.rank == 0 {
-            let others: Vec<usize> = (1..self.size).collect();
+        if self.rank == root {
+            let others: Vec<usize> = (0..self.size).filter(|&p| p != root).collect();
             let buf: &[f32] = data;
             scope(|sc| {
                 let reqs = others
@@ -723,9 +911,9 @@ impl Comm {
         } else {
             scope(|sc| {
                 let r = world
-                    .process_at_rank(0)
+                    .process_at_rank(root as i32)
                     .immediate_receive_into_with_tag(sc, data, DATA);
-                self.wait(vec![r], &[0], what);
+                self.wait(vec![r], &[root], what);
             });
         }
     }

@@ -1,0 +1,183 @@
+//! The programs' allocator: mimalloc (see [`crate::use_mimalloc`]), watched for failure.
+//!
+//! When a process reaches its memory limit (`prlimit --data`, a container's), an allocation
+//! fails and the standard library prints `memory allocation of N bytes failed` and aborts,
+//! which tells a user neither that a limit was reached nor what to change. The hook the
+//! standard library has for that moment (`std::alloc::set_alloc_error_hook`) is unstable, so
+//! this module wraps the allocator instead: every request goes to mimalloc unchanged, and
+//! the first one it refuses is reported on standard error, in plain words, before the
+//! standard library aborts the process as it always does. The report names the request, the
+//! bytes the program held, the process's data limit and the flags that lower a process's
+//! memory.
+//!
+//! Hand-written because it has to be: the report is written from inside the allocator, so it
+//! may not allocate (it formats into a buffer on the stack and writes it with one system
+//! call), and counting the bytes held means wrapping every method. The `unsafe` here is the
+//! `GlobalAlloc` impl and the calls it forwards unchanged, plus `getrlimit` and `write`.
+
+use std::alloc::{GlobalAlloc, Layout};
+use std::io::Write;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use mimalloc::MiMalloc;
+
+/// Bytes the program holds through [`Allocator`] (requested sizes).
+static HELD: AtomicUsize = AtomicUsize::new(0);
+/// Whether a failure was reported already (one report per process).
+static REPORTED: AtomicBool = AtomicBool::new(false);
+
+/// mimalloc, with a plain-words report of the first allocation it refuses.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Allocator;
+
+/// Bytes the program holds through the allocator now (what it asked for, not what the
+/// allocator keeps from the system).
+pub fn held_bytes() -> usize {
+    HELD.load(Ordering::Relaxed)
+}
+
+/// The report for a refused request of `requested` bytes while the program held `held`,
+/// under a data limit of `limit` bytes (`None`: no limit set), written into `out`; returns
+/// the bytes written. Writes into a fixed buffer: the caller is the allocator.
+pub fn out_of_memory_report(
+    requested: usize,
+    held: usize,
+    limit: Option<u64>,
+    out: &mut [u8],
+) -> usize {
+    const MIB: f64 = 1024.0 * 1024.0;
+    let capacity = out.len();
+    let mut w: &mut [u8] = out;
+    let _ = write!(
+        w,
+        "error: out of memory: this process could not allocate {requested} more bytes ({:.1} MiB) while holding {:.1} MiB; ",
+        requested as f64 / MIB,
+        held as f64 / MIB,
+    );
+    let _ = match limit {
+        Some(l) => write!(
+            w,
+            "its data limit (RLIMIT_DATA, as `prlimit --data` sets it) is {l} bytes ({:.1} MiB). ",
+            l as f64 / MIB
+        ),
+        None => write!(
+            w,
+            "it has no data limit (RLIMIT_DATA), so the machine's or a container's memory ran out. "
+        ),
+    };
+    let _ = writeln!(
+        w,
+        "Each process must hold the model's weights, gradients and optimizer state and the batch's activations: `--sharding shard_grad_op` over several `--processes` divides the gradients and optimizer state among the processes; a smaller `--batch-size` or `--microbatch-size`, or `--activation-checkpointing` (the GPT example), lowers the activations."
+    );
+    capacity - w.len()
+}
+
+/// The process's data limit (`RLIMIT_DATA`), `None` when unlimited.
+fn data_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `getrlimit` writes one `rlimit` into the valid, exclusively borrowed `limit`.
+    #[allow(unsafe_code)]
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_DATA, &mut limit) };
+    (rc == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as u64)
+}
+
+/// Reports the first refused request; never allocates.
+fn report(requested: usize) {
+    if REPORTED.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let mut buf = [0u8; 1024];
+    let n = out_of_memory_report(requested, held_bytes(), data_limit(), &mut buf);
+    // SAFETY: writes the first `n` initialised bytes of `buf` to standard error; a failed
+    // write is ignored (the process aborts next either way).
+    #[allow(unsafe_code)]
+    let _ = unsafe { libc::write(2, buf.as_ptr().cast(), n) };
+}
+
+fn note(p: *mut u8, size: usize) -> *mut u8 {
+    if p.is_null() {
+        report(size);
+    } else {
+        HELD.fetch_add(size, Ordering::Relaxed);
+    }
+    p
+}
+
+// SAFETY: every method forwards to `MiMalloc` with the caller's own arguments (whose
+// contracts `GlobalAlloc` already imposes on the caller) and returns what it returns;
+// counting in an atomic and reporting (which writes to a stack buffer and makes one system
+// call) neither allocate nor unwind.
+#[allow(unsafe_code)]
+unsafe impl GlobalAlloc for Allocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded unchanged.
+        note(unsafe { MiMalloc.alloc(layout) }, layout.size())
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded unchanged.
+        note(unsafe { MiMalloc.alloc_zeroed(layout) }, layout.size())
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        HELD.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: forwarded unchanged; `ptr` came from `MiMalloc` through this allocator.
+        unsafe { MiMalloc.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded unchanged; `ptr` came from `MiMalloc` through this allocator.
+        let p = unsafe { MiMalloc.realloc(ptr, layout, new_size) };
+        if p.is_null() {
+            report(new_size);
+        } else {
+            HELD.fetch_sub(layout.size(), Ordering::Relaxed);
+            HELD.fetch_add(new_size, Ordering::Relaxed);
+        }
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(requested: usize, held: usize, limit: Option<u64>) -> String {
+        let mut buf = [0u8; 1024];
+        let n = out_of_memory_report(requested, held, limit, &mut buf);
+        String::from_utf8(buf[..n].to_vec()).unwrap()
+    }
+
+    #[test]
+    fn the_report_names_the_request_the_limit_and_what_lowers_memory() {
+        let t = text(16 << 20, 900 << 20, Some(1_000_000_000));
+        assert!(t.starts_with("error: out of memory: "), "{t}");
+        assert!(t.contains("16777216 more bytes (16.0 MiB)"), "{t}");
+        assert!(t.contains("holding 900.0 MiB"), "{t}");
+        assert!(t.contains("1000000000 bytes (953.7 MiB)"), "{t}");
+        assert!(t.contains("RLIMIT_DATA"), "{t}");
+        for flag in ["--sharding shard_grad_op", "--processes", "--batch-size"] {
+            assert!(t.contains(flag), "{t}");
+        }
+        assert!(t.ends_with('\n') && t.len() < 1024, "{t}");
+        let t = text(1, 0, None);
+        assert!(t.contains("no data limit"), "{t}");
+    }
+
+    #[test]
+    fn the_allocator_counts_what_it_hands_out() {
+        let before = held_bytes();
+        let layout = Layout::from_size_align(1 << 20, 8).unwrap();
+        // SAFETY: a non-zero layout; the block is freed with the same layout.
+        #[allow(unsafe_code)]
+        unsafe {
+            let p = Allocator.alloc(layout);
+            assert!(!p.is_null());
+            assert!(held_bytes() >= before + (1 << 20));
+            Allocator.dealloc(p, layout);
+        }
+    }
+}
