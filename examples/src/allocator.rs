@@ -81,7 +81,7 @@ fn data_limit() -> Option<u64> {
     // SAFETY: `getrlimit` writes one `rlimit` into the valid, exclusively borrowed `limit`.
     #[allow(unsafe_code)]
     let rc = unsafe { libc::getrlimit(libc::RLIMIT_DATA, &mut limit) };
-    (rc == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur as u64)
+    (rc == 0 && limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
 }
 
 /// Reports the first refused request; never allocates.

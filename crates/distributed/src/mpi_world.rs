@@ -730,7 +730,9 @@ impl Comm {
                 for (p, part) in incoming {
                     let n = part.len();
                     for (mine, theirs) in pieces[p][part].iter_mut().zip(&scratch[at..at + n]) {
-                        *mine = *theirs + *mine;
+                        // (IEEE addition commutes: the bits of `theirs + mine`, as
+                        // `ring_scatter` adds.)
+                        *mine += *theirs;
                     }
                     at += n;
                 }

@@ -239,6 +239,7 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
             "gpt_recipes": gpt.as_ref().map(|g| g.0["gpt_recipes"].clone()),
             "gpt": gpt.as_ref().map(|g| g.0["gpt"].clone()),
             "sharding": memory.0["sharding"],
+            "memory_limit": memory.0["memory_limit"],
             "activation_checkpointing": memory.0["activation_checkpointing"],
             "section_seconds": clock.json(),
         });
