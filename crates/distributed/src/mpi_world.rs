@@ -22,7 +22,7 @@ use mpi::request::{scope, Request, Scope, StaticScope};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::{Destination, Equivalence, Source};
 
-use crate::ring::{back, chunk_bounds, gather_step, scatter_step};
+use crate::ring::{back, chunk_bounds, gather_step, locate, scatter_step, segment, segments};
 use crate::{DistributedError, Options};
 
 /// Tag of the collectives' data messages (on the world communicator).
@@ -430,43 +430,6 @@ fn host_f32<B: burn::tensor::backend::Backend>(t: Tensor<B, 1>) -> Vec<f32> {
     data.into_vec::<f32>().unwrap_or_default()
 }
 
-/// The pieces (index, range within it) that the buffer range `range` spans, where piece `k`
-/// covers `starts[k]..starts[k + 1]`; empty pieces and an empty range give nothing.
-fn locate(starts: &[usize], range: Range<usize>) -> Vec<(usize, Range<usize>)> {
-    if range.is_empty() {
-        return Vec::new();
-    }
-    // The last piece starting at or before the range's start.
-    let first = starts
-        .partition_point(|&s| s <= range.start)
-        .saturating_sub(1);
-    let mut out = Vec::new();
-    for k in first..starts.len().saturating_sub(1) {
-        let (a, b) = (starts[k], starts[k + 1]);
-        if a >= range.end {
-            break;
-        }
-        let (lo, hi) = (range.start.max(a), range.end.min(b));
-        if lo < hi {
-            out.push((k, lo - a..hi - a));
-        }
-    }
-    out
-}
-
-/// How many segments of at most [`SEGMENT`] elements a chunk of `len` travels in. Every
-/// rank sends and receives as many messages per step as the largest chunk (chunk 0) needs,
-/// some of them empty, so the counts on both ends of a link always match.
-fn segments(len: usize) -> usize {
-    len.div_ceil(SEGMENT)
-}
-
-/// Segment `i` of `chunk` (empty past its end).
-fn segment(chunk: &Range<usize>, i: usize) -> Range<usize> {
-    let start = (chunk.start + i * SEGMENT).min(chunk.end);
-    start..(start + SEGMENT).min(chunk.end)
-}
-
 /// `data[out]` to read and `data[into]` to write, two disjoint ranges of one buffer.
 fn split_two<T>(data: &mut [T], out: Range<usize>, into: Range<usize>) -> (&[T], &mut [T]) {
     if out.start < into.start {
@@ -607,8 +570,8 @@ impl Comm {
         for step in 0..w - 1 {
             let (send, recv) = gather_step(r, step, w);
             let (sb, rb) = (chunk_bounds(len, w, send), chunk_bounds(len, w, recv));
-            for i in 0..segments(chunk_bounds(len, w, 0).len()) {
-                let (s, t) = (segment(&sb, i), segment(&rb, i));
+            for i in 0..segments(chunk_bounds(len, w, 0).len(), SEGMENT) {
+                let (s, t) = (segment(&sb, i, SEGMENT), segment(&rb, i, SEGMENT));
                 let (out, into) = split_two(data, s, t);
                 self.exchange(out, right, into, left, what);
             }
@@ -634,8 +597,8 @@ impl Comm {
         for step in 0..w - 1 {
             let (send, recv) = scatter_step(r, step, w);
             let (sb, rb) = (chunk_bounds(len, w, send), chunk_bounds(len, w, recv));
-            for i in 0..segments(chunk_bounds(len, w, 0).len()) {
-                let (s, t) = (segment(&sb, i), segment(&rb, i));
+            for i in 0..segments(chunk_bounds(len, w, 0).len(), SEGMENT) {
+                let (s, t) = (segment(&sb, i, SEGMENT), segment(&rb, i, SEGMENT));
                 let incoming = &mut scratch[..t.len()];
                 self.exchange(&data[s], right, incoming, left, what);
                 for (mine, theirs) in data[t].iter_mut().zip(incoming.iter()) {
@@ -698,8 +661,8 @@ impl Comm {
         for step in 0..w - 1 {
             let (send, recv) = scatter_step(r, step, w);
             let (sb, rb) = (chunk_bounds(len, w, send), chunk_bounds(len, w, recv));
-            for i in 0..segments(chunk_bounds(len, w, 0).len()) {
-                let (s, t) = (segment(&sb, i), segment(&rb, i));
+            for i in 0..segments(chunk_bounds(len, w, 0).len(), SEGMENT) {
+                let (s, t) = (segment(&sb, i, SEGMENT), segment(&rb, i, SEGMENT));
                 let outgoing = locate(starts, s);
                 let incoming = locate(starts, t.clone());
                 let (into, _) = scratch.split_at_mut(t.len());
