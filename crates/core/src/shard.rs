@@ -841,6 +841,45 @@ pub(crate) fn gather_host<S: Setup>(c: &mut dyn Collective<S>, mine: Vec<f32>) -
 mod tests {
     use super::*;
 
+    #[test]
+    fn gather_buckets_are_one_owners_runs_within_the_limit_or_one_larger_parameter() {
+        // (length, trainable, owner)
+        let params = [
+            (4, true, 0),
+            (3, true, 0),
+            (2, false, 0),
+            (5, true, 0),
+            (20, true, 1),
+            (1, true, 1),
+            (2, true, 1),
+        ];
+        let layout = Layout {
+            slots: params
+                .iter()
+                .map(|&(len, trainable, _)| Slot {
+                    id: ParamId::new(),
+                    len,
+                    trainable,
+                })
+                .collect(),
+            owner: params.iter().map(|p| p.2).collect(),
+            per_rank: vec![0..12, 12..35],
+            len: 35,
+            rank: 0,
+        };
+        let got: Vec<(usize, Range<usize>, usize)> = buckets(&layout, 8)
+            .into_iter()
+            .map(|b| (b.owner, b.slots, b.len))
+            .collect();
+        // The frozen parameter ends a run (it is never sent); the 20-element one goes alone.
+        assert_eq!(
+            got,
+            vec![(0, 0..2, 7), (0, 3..4, 5), (1, 4..5, 20), (1, 5..7, 3)]
+        );
+        let total: usize = buckets(&layout, 1 << 22).iter().map(|b| b.len).sum();
+        assert_eq!(total, 35, "every trainable element once");
+    }
+
     fn world(size: usize) -> World {
         World { rank: 0, size }
     }
