@@ -180,6 +180,25 @@ pub(crate) fn simulate(inputs: &[Vec<f32>]) -> Vec<Vec<f32>> {
 mod tests {
     use super::*;
 
+    /// `w` buffers of `len` values whose sum depends on the order in f32 (1e8 + 1 - 1e8 is 0
+    /// or 1), the pattern shifting by `stride` along a buffer.
+    fn order_sensitive(w: usize, len: usize, stride: usize) -> Vec<Vec<f32>> {
+        (0..w)
+            .map(|r| {
+                (0..len)
+                    .map(|i| {
+                        let v = match (r + stride * i) % 3 {
+                            0 => 1e8,
+                            1 => 1.0,
+                            _ => -1e8,
+                        };
+                        v * (1.0 + i as f32 * 0.001)
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     #[test]
     fn chunks_cover_the_buffer_in_order() {
         for len in 0..40 {
@@ -197,20 +216,9 @@ mod tests {
 
     #[test]
     fn every_rank_gets_the_sum_in_the_documented_order() {
-        // Values whose sum depends on the order in f32: 1e8 + 1 - 1e8 is 0 or 1.
         for w in 1..6 {
             let len = 13;
-            let inputs: Vec<Vec<f32>> = (0..w)
-                .map(|r| {
-                    (0..len)
-                        .map(|i| match (r + i) % 3 {
-                            0 => 1e8,
-                            1 => 1.0,
-                            _ => -1e8,
-                        } * (1.0 + i as f32 * 0.001))
-                        .collect()
-                })
-                .collect();
+            let inputs = order_sensitive(w, len, 1);
             let out = simulate(&inputs);
             for c in 0..w {
                 for i in chunk_bounds(len, w, c) {
@@ -277,20 +285,9 @@ mod tests {
 
     #[test]
     fn cutting_into_pieces_and_segments_keeps_every_bit_of_the_ring() {
-        // Values whose sum depends on the order in f32.
         for w in 1..5 {
             let len = 23;
-            let inputs: Vec<Vec<f32>> = (0..w)
-                .map(|r| {
-                    (0..len)
-                        .map(|i| match (r + 2 * i) % 3 {
-                            0 => 1e8,
-                            1 => 1.0,
-                            _ => -1e8,
-                        } * (1.0 + i as f32 * 0.001))
-                        .collect()
-                })
-                .collect();
+            let inputs = order_sensitive(w, len, 2);
             let whole = simulate(&inputs);
             for (cuts, size) in [
                 (vec![23], 100),
