@@ -137,12 +137,7 @@ pub trait Collective<S: Setup>: Send {
         check_needs(&pieces, needs)?;
         let rank = self.world().rank;
         let lens: Vec<usize> = pieces.iter().map(Vec::len).collect();
-        let total: usize = lens.iter().sum();
-        let mut flat = Vec::with_capacity(total);
-        for piece in pieces {
-            flat.extend_from_slice(&piece);
-        }
-        let sum = self.all_reduce_sum(Tensor::from_data(TensorData::new(flat, [total]), device))?;
+        let sum = self.all_reduce_sum(Outgoing::buffer::<InnerBackendOf<S>>(pieces, device))?;
         let all: Vec<f32> = sum.into_data().convert::<f32>().iter::<f32>().collect();
         let mut at = 0;
         Ok(lens
