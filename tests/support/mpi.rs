@@ -47,11 +47,41 @@ fn locations() -> (PathBuf, PathBuf, String) {
     (root, target, profile)
 }
 
+/// Whether `name` is one of the variables cargo sets for the program it runs (a test binary
+/// here): the package's `CARGO_PKG_*`, its manifest, crate and output directory, and the
+/// test-only ones. (`CARGO`, `CARGO_HOME` and cargo's own settings pass through.)
+fn is_cargo_test_variable(name: &str) -> bool {
+    name.starts_with("CARGO_PKG_")
+        || name.starts_with("CARGO_BIN_EXE_")
+        || matches!(
+            name,
+            "CARGO_MANIFEST_DIR"
+                | "CARGO_MANIFEST_PATH"
+                | "CARGO_MANIFEST_LINKS"
+                | "CARGO_CRATE_NAME"
+                | "CARGO_BIN_NAME"
+                | "CARGO_PRIMARY_PACKAGE"
+                | "CARGO_TARGET_TMPDIR"
+                | "OUT_DIR"
+        )
+}
+
 /// Builds the MPI example into `<target>/mpi`; its path, or the build's error output.
 fn build() -> Result<PathBuf, String> {
     let (root, target, profile) = locations();
     let dir = target.join("mpi");
     let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    // The variables `cargo test` sets for this process (its package, manifest, crate) must
+    // not reach the nested build: ring's build script watches several of them
+    // (`rerun-if-env-changed=CARGO_PKG_NAME`, `CARGO_MANIFEST_DIR`, ...), so with them the
+    // build here and CI's or `cargo xtask`'s plain build of the same example would each
+    // rerun it and rebuild ring, reqwest, object_store and everything above them (minutes
+    // of CI's two cores, twice). xtask's `is_cargo_run_variable` strips the same set.
+    for (name, _) in std::env::vars_os() {
+        if name.to_str().is_some_and(is_cargo_test_variable) {
+            c.env_remove(&name);
+        }
+    }
     c.current_dir(&root).arg("build");
     if profile == "release" {
         c.arg("--release");
