@@ -17,7 +17,7 @@ use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LinearConfig};
 use burn::tensor::activation::{gelu, relu, sigmoid, silu};
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 use flashover_core::loss::classification_loss;
 use flashover_core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainModel};
 use flashover_core::params::init_model;
@@ -201,6 +201,7 @@ impl GptConfig {
                 }),
                 context: self.context,
                 compute: None,
+                burn_ops: false,
             }
         })
     }
@@ -225,15 +226,31 @@ impl<B: ChannelsLastBackend> Attention<B> {
     /// Attention over `x: [batch, seq, width]`, each position seeing itself and the ones
     /// before it (through [`ChannelsLastBackend::causal_attention`]).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.forward_with(x, B::CHANNELS_LAST_IS_FAST)
+    }
+
+    /// [`forward`](Self::forward) through the fast path's kernels when `fast`, else through
+    /// Burn's tensor ops alone.
+    pub fn forward_with(&self, x: Tensor<B, 3>, fast: bool) -> Tensor<B, 3> {
         let [b, t, w] = x.dims();
-        let fast = B::CHANNELS_LAST_IS_FAST;
         let qkv = self
             .qkv
             .forward(x.reshape([b * t, w]), fast, false)
             .reshape([b, t, 3 * w]);
         let alibi = self.variant.alibi_slopes.as_deref();
-        let y = causal_attention(qkv, self.heads, alibi).reshape([b * t, w]);
-        self.proj.forward(y, fast, false).reshape([b, t, w])
+        let y = if fast {
+            causal_attention(qkv, self.heads, alibi)
+        } else {
+            let (out, _) = crate::ops::burn_causal_attention::<B>(
+                qkv.into_primitive().tensor(),
+                self.heads,
+                alibi,
+            );
+            Tensor::from_primitive(TensorPrimitive::Float(out))
+        };
+        self.proj
+            .forward(y.reshape([b * t, w]), fast, false)
+            .reshape([b, t, w])
     }
 }
 
@@ -266,9 +283,14 @@ pub struct Mlp<B: Backend> {
 impl<B: ChannelsLastBackend> Mlp<B> {
     /// The MLP on `x: [rows, width]`.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let fast = B::CHANNELS_LAST_IS_FAST;
+        self.forward_with(x, B::CHANNELS_LAST_IS_FAST)
+    }
+
+    /// [`forward`](Self::forward) through the fast path's kernels (the first layer's GELU
+    /// fused into its product) when `fast`, else through Burn's tensor ops alone.
+    pub fn forward_with(&self, x: Tensor<B, 2>, fast: bool) -> Tensor<B, 2> {
         let hidden = match &self.gate {
-            None => gelu(self.fc.forward(x, fast, false)),
+            None => self.fc.forward_gelu(x, fast),
             Some(gate) => {
                 let g = gate.forward(x.clone(), fast, false);
                 let g = match self.activation.unwrap_or(GluActivation::Gelu) {
@@ -346,11 +368,21 @@ pub struct Block<B: Backend> {
 impl<B: ChannelsLastBackend> Block<B> {
     /// The block on `x: [batch, seq, width]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.forward_with(x, B::CHANNELS_LAST_IS_FAST)
+    }
+
+    /// [`forward`](Self::forward) through the fast path's kernels when `fast`, else through
+    /// Burn's tensor ops alone.
+    pub fn forward_with(&self, x: Tensor<B, 3>, fast: bool) -> Tensor<B, 3> {
         let [b, t, w] = x.dims();
-        let x = x.clone() + self.attention.forward(self.norm1.forward(x));
-        let y = self
-            .mlp
-            .forward(self.norm2.forward(x.clone()).reshape([b * t, w]));
+        let x = x.clone()
+            + self
+                .attention
+                .forward_with(self.norm1.forward_with(x, fast), fast);
+        let y = self.mlp.forward_with(
+            self.norm2.forward_with(x.clone(), fast).reshape([b * t, w]),
+            fast,
+        );
         x + y.reshape([b, t, w])
     }
 }
@@ -374,6 +406,10 @@ pub struct Gpt<B: Backend> {
     pub context: usize,
     /// The type the forward pass computes in (`None`: the parameters'); see [`Autocast`].
     pub compute: Option<FloatDType>,
+    /// Whether the forward pass uses Burn's tensor ops even where the backend has the fast
+    /// path's kernels (`ChannelsLastBackend::CHANNELS_LAST_IS_FAST`): for comparisons of the
+    /// two (`--kernels burn` on the shakespeare example). Default `false`.
+    pub burn_ops: bool,
 }
 
 /// Surgery (`flashover_surgery`) reaches, in each block, the layer norms, the attention
@@ -494,12 +530,12 @@ impl<B: ChannelsLastBackend> Gpt<B> {
         if let Some(dtype) = self.compute {
             x = cast_to(x, dtype);
         }
+        let fast = B::CHANNELS_LAST_IS_FAST && !self.burn_ops;
         for block in &self.blocks {
-            x = block.forward(x);
+            x = block.forward_with(x, fast);
         }
         let w = x.dims()[2];
-        let x = self.final_norm.forward(x).reshape([b * t, w]);
-        let fast = B::CHANNELS_LAST_IS_FAST;
+        let x = self.final_norm.forward_with(x, fast).reshape([b * t, w]);
         let logits = match &self.head {
             Some(head) => head.forward(x, fast, false),
             None => {
@@ -1347,6 +1383,78 @@ mod tests {
             let checkpointed = grads_of::<Autodiff<B, BalancedCheckpointing>>(&start, alibi);
             assert!(!plain.is_empty() && plain.iter().any(|&g| g != 0.0));
             assert!(plain == checkpointed, "alibi {alibi}: the gradients differ");
+        }
+    }
+
+    /// The fast path (fused dense layers with GELU, fused layer norms, the attention kernel)
+    /// and Burn's tensor ops (`burn_ops`) compute the same model: the same loss and every
+    /// parameter's gradient to float32 rounding, with and without ALiBi, tied and untied.
+    #[test]
+    fn the_fast_path_and_burns_ops_give_the_same_loss_and_gradients() {
+        use burn::backend::autodiff::grads::Gradients;
+        use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor};
+        type AB = Autodiff<B>;
+        struct Trainable;
+        impl ModuleMapper<AB> for Trainable {
+            fn map_float<const D: usize>(
+                &mut self,
+                p: Param<Tensor<AB, D>>,
+            ) -> Param<Tensor<AB, D>> {
+                p.set_require_grad(true)
+            }
+        }
+        struct All<'a>(&'a Gradients, Vec<f32>);
+        impl ModuleVisitor<AB> for All<'_> {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<AB, D>>) {
+                let g = p
+                    .val()
+                    .grad(self.0)
+                    .expect("every parameter has a gradient");
+                self.1.extend(g.into_data().to_vec::<f32>().unwrap());
+            }
+        }
+        for (alibi, tie) in [(false, true), (true, true), (false, false)] {
+            let start = GptConfig::new(13, 24, 2, 3, 12)
+                .unwrap()
+                .with_tied_weights(tie)
+                .init::<B>(&Default::default(), 9);
+            let run = |burn_ops: bool| -> (f32, Vec<f32>) {
+                let mut m = Gpt::<AB>::from_inner(start.clone()).map(&mut Trainable);
+                m.burn_ops = burn_ops;
+                if alibi {
+                    m.remove_position_embeddings(24);
+                    m.for_each_attention(&mut |_, v| v.alibi_slopes = Some(vec![0.5, 0.25, 0.125]));
+                }
+                let d = Default::default();
+                let ids: Vec<i64> = (0..3 * 21).map(|i| (i * 5 + 2) % 13).collect();
+                let tokens = Tensor::<AB, 2, Int>::from_data(TensorData::new(ids, [3, 21]), &d);
+                let targets: Vec<i64> = (0..3 * 21).map(|i| (i * 3 + 1) % 13).collect();
+                let targets = Tensor::<AB, 1, Int>::from_data(TensorData::new(targets, [63]), &d);
+                let logits = m.logits(tokens);
+                let loss = flashover_core::loss::cross_entropy(logits, targets);
+                let value = loss.clone().into_scalar();
+                let grads = loss.backward();
+                let mut all = All(&grads, Vec::new());
+                m.visit(&mut all);
+                (value, all.1)
+            };
+            let (fast_loss, fast) = run(false);
+            let (burn_loss, burn) = run(true);
+            assert!(
+                (fast_loss - burn_loss).abs() < 1e-5,
+                "alibi {alibi}, tied {tie}: loss {fast_loss} vs {burn_loss}"
+            );
+            assert_eq!(fast.len(), burn.len());
+            let worst = fast
+                .iter()
+                .zip(&burn)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 1e-5,
+                "alibi {alibi}, tied {tie}: gradients differ by up to {worst}"
+            );
+            assert!(fast.iter().any(|&g| g != 0.0));
         }
     }
 }

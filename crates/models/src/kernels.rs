@@ -53,7 +53,7 @@ thread_local! {
 }
 
 /// Runs `f` on this thread's scratch buffer, at least `len` long (grown if needed, then kept).
-fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     SCRATCH.with(|cell| {
         let mut buf = cell.borrow_mut();
         if buf.len() < len {
@@ -102,7 +102,7 @@ fn helpers() -> Option<&'static rayon::ThreadPool> {
 /// elsewhere over the caller and the [`helpers`], which take items from one shared queue.
 /// Which thread runs an item never changes what it computes, so the results do not depend
 /// on the thread count.
-fn for_each_item<I, F>(items: I, f: F)
+pub(crate) fn for_each_item<I, F>(items: I, f: F)
 where
     I: Iterator + Send,
     I::Item: Send,
@@ -139,7 +139,7 @@ where
 
 /// Calls `f(chunk_index, chunk)` for consecutive `chunk_len`-sized pieces of `data`, in
 /// parallel when there are threads for it.
-fn for_each_chunk<T: Send, F>(data: &mut [T], chunk_len: usize, f: F)
+pub(crate) fn for_each_chunk<T: Send, F>(data: &mut [T], chunk_len: usize, f: F)
 where
     F: Fn(usize, &mut [T]) + Sync + Send,
 {
@@ -152,8 +152,13 @@ where
 }
 
 /// Like [`for_each_chunk`] over two buffers cut at the same chunk indices.
-fn for_each_chunk2<T: Send, U: Send, F>(a: &mut [T], a_len: usize, b: &mut [U], b_len: usize, f: F)
-where
+pub(crate) fn for_each_chunk2<T: Send, U: Send, F>(
+    a: &mut [T],
+    a_len: usize,
+    b: &mut [U],
+    b_len: usize,
+    f: F,
+) where
     F: Fn(usize, &mut [T], &mut [U]) + Sync + Send,
 {
     let (a_len, b_len) = (a_len.max(1), b_len.max(1));
@@ -166,7 +171,7 @@ where
 /// (`T::default()`) by the thread that then computes it. Zeroing the whole output on the
 /// calling thread first (`vec![0.0; len]`) was 5% of a two-thread training step spent on
 /// one thread, with the page faults of fresh memory on top, while the others waited.
-fn zeroed_chunks<T, F>(len: usize, chunk_len: usize, f: F) -> Vec<T>
+pub(crate) fn zeroed_chunks<T, F>(len: usize, chunk_len: usize, f: F) -> Vec<T>
 where
     T: Copy + Default + Send,
     F: Fn(usize, &mut [T]) + Sync + Send,
@@ -189,7 +194,7 @@ where
 
 /// Like [`zeroed_chunks`] for two buffers cut at the same chunk indices (as
 /// [`for_each_chunk2`]).
-fn zeroed_chunks2<T, U, F>(
+pub(crate) fn zeroed_chunks2<T, U, F>(
     (a_len, a_chunk): (usize, usize),
     (b_len, b_chunk): (usize, usize),
     f: F,
@@ -749,8 +754,8 @@ pub struct DenseShape {
 }
 
 /// A dense layer `x · weight + bias`, then ReLU when `relu`. The batch is cut into chunks of
-/// 16 rows, each one matrix product against the whole weight; so results do not depend on
-/// the thread count.
+/// rows fixed by the shape ([`dense_chunk_rows`]), each one matrix product against the whole
+/// weight; so results do not depend on the thread count.
 pub fn dense_forward(
     s: &DenseShape,
     x: &[f32],
@@ -767,11 +772,12 @@ pub fn dense_forward(
     if d_out == 0 {
         return Vec::new();
     }
-    let out = zeroed_chunks(s.rows * d_out, DENSE_ROWS * d_out, |ci, dst| {
-        let rows = dst.len() / d_out;
+    let rows = dense_chunk_rows(s);
+    let out = zeroed_chunks(s.rows * d_out, rows * d_out, |ci, dst| {
+        let rows_here = dst.len() / d_out;
         matmul(
-            MatMut::row_major(dst, rows, d_out),
-            MatRef::row_major(&x[ci * DENSE_ROWS * d_in..][..rows * d_in], rows, d_in),
+            MatMut::row_major(dst, rows_here, d_out),
+            MatRef::row_major(&x[ci * rows * d_in..][..rows_here * d_in], rows_here, d_in),
             MatRef::row_major(weight, d_in, d_out),
         );
         bias_relu(dst, d_out, bias, relu);
@@ -791,20 +797,33 @@ pub fn dense_backward(
     grad: &[f32],
     needs: [bool; 3],
 ) -> LayerGrads {
-    let (n, d_in, d_out) = (s.rows, s.d_in, s.d_out);
-    assert_eq!(grad.len(), n * d_out, "output gradient of {s:?}");
+    assert_eq!(grad.len(), s.rows * s.d_out, "output gradient of {s:?}");
     let mut masked = Vec::new();
     let gout = relu_masked(grad, relu_output, &mut masked);
+    dense_backward_linear(s, x, weight, gout, needs)
+}
+
+/// The gradients of the linear part of a dense layer, `x · weight + bias`, for the gradient
+/// `gout` of its (pre-activation) output.
+fn dense_backward_linear(
+    s: &DenseShape,
+    x: &[f32],
+    weight: &[f32],
+    gout: &[f32],
+    needs: [bool; 3],
+) -> LayerGrads {
+    let (n, d_in, d_out) = (s.rows, s.d_in, s.d_out);
     let mut grads = LayerGrads::default();
     if needs[0] {
         assert_eq!(weight.len(), d_in * d_out, "weight of {s:?}");
-        let dx = zeroed_chunks(n * d_in, DENSE_ROWS * d_in, |ci, dst| {
-            let rows = dst.len() / d_in;
+        let rows = dense_chunk_rows(s);
+        let dx = zeroed_chunks(n * d_in, rows * d_in, |ci, dst| {
+            let rows_here = dst.len() / d_in;
             matmul(
-                MatMut::row_major(dst, rows, d_in),
+                MatMut::row_major(dst, rows_here, d_in),
                 MatRef::row_major(
-                    &gout[ci * DENSE_ROWS * d_out..][..rows * d_out],
-                    rows,
+                    &gout[ci * rows * d_out..][..rows_here * d_out],
+                    rows_here,
                     d_out,
                 ),
                 // The transposed weight: element (j, i) is weight[i][j].
@@ -827,15 +846,189 @@ pub fn dense_backward(
         grads.weight = Some(dw);
     }
     if needs[2] {
-        let mut db = vec![0.0f32; d_out];
-        for row in gout.chunks_exact(d_out.max(1)) {
-            for (d, v) in db.iter_mut().zip(row) {
+        grads.bias = Some(column_sums(gout, n, d_out));
+    }
+    grads
+}
+
+/// The sums of the columns of the row-major `rows x width` matrix `m`, rows added in order
+/// (each column its own sum, so the columns are split between threads in fixed groups).
+pub(crate) fn column_sums(m: &[f32], rows: usize, width: usize) -> Vec<f32> {
+    assert_eq!(m.len(), rows * width, "a {rows}x{width} matrix");
+    // Columns per piece: the rows of a piece stay in cache and each piece is long enough to
+    // vectorise; a narrow matrix is one piece.
+    const COLUMNS: usize = 64;
+    if width <= COLUMNS || rows < 256 {
+        let mut sums = vec![0.0f32; width];
+        for row in m.chunks_exact(width.max(1)) {
+            for (d, v) in sums.iter_mut().zip(row) {
                 *d += v;
             }
         }
-        grads.bias = Some(db);
+        return sums;
     }
-    grads
+    zeroed_chunks(width, COLUMNS, |ci, dst| {
+        let c0 = ci * COLUMNS;
+        for row in m.chunks_exact(width) {
+            for (d, v) in dst.iter_mut().zip(&row[c0..]) {
+                *d += v;
+            }
+        }
+    })
+}
+
+/// Rows per chunk of a dense layer's batch: 16 for the small batches of the image models
+/// (several chunks per thread), more for the thousands of rows of a language model's tokens,
+/// where 16-row products spent as long packing the weight as multiplying by it. A function
+/// of the shape alone, so results never depend on the thread count.
+fn dense_chunk_rows(s: &DenseShape) -> usize {
+    if s.rows >= DENSE_LARGE_BATCH {
+        DENSE_ROWS_LARGE
+    } else {
+        DENSE_ROWS
+    }
+}
+
+/// Batches of at least this many rows take [`DENSE_ROWS_LARGE`]-row chunks.
+const DENSE_LARGE_BATCH: usize = 1024;
+/// Rows per chunk of a large batch (see [`dense_chunk_rows`]).
+const DENSE_ROWS_LARGE: usize = 128;
+
+/// `e^x` in `f32` without branches or calls, so that loops over slices vectorise: `x`
+/// clamped to `[-87, 88]` (beyond, `f32`'s `e^x` is 0 or overflows), split as `n ln 2 + r`
+/// with `n` an integer (Cody and Waite's two-part `ln 2`) and `|r| <= ln 2 / 2`, `e^r` by
+/// its Taylor polynomial of degree 7 (truncation below `4e-9` relative), times `2^n` built
+/// in the exponent bits. Within about 2 ulp of the correctly rounded value.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0
+                    + r * (1.0 / 24.0
+                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    // A NaN `x` gives a NaN `p` (and `n` 0), so the NaN passes through.
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+/// `(erf(x), e^{-x²})` by Abramowitz and Stegun's 7.1.26, `erf(x) = 1 - t(a₁ + t(a₂ + t(a₃ +
+/// t(a₄ + t a₅)))) e^{-x²}` with `t = 1 / (1 + p|x|)` (odd in `x`), absolute error below
+/// `1.5e-7`: the formula PyTorch's vectorised CPU `erf` (under its GELU) uses. Branch-free,
+/// so that GELU's loops vectorise; `e^{-x²}` is returned for GELU's derivative, which needs
+/// it too.
+#[inline(always)]
+fn erf_and_gauss(x: f32) -> (f32, f32) {
+    const P: f32 = 0.327_591_1;
+    const A1: f32 = 0.254_829_6;
+    const A2: f32 = -0.284_496_74;
+    const A3: f32 = 1.421_413_7;
+    const A4: f32 = -1.453_152_1;
+    const A5: f32 = 1.061_405_4;
+    let a = x.abs();
+    let t = 1.0 / (1.0 + P * a);
+    let gauss = exp_f32(-(x * x));
+    let poly = t * (A1 + t * (A2 + t * (A3 + t * (A4 + t * A5))));
+    ((1.0 - poly * gauss).copysign(x), gauss)
+}
+
+/// GELU of `z` (Hendrycks and Gimpel, 2016), the exact form `z Φ(z) = 0.5 z (1 + erf(z /
+/// √2))` with `erf` from [`erf_and_gauss`] (as PyTorch's CPU GELU computes it): within about
+/// `1e-7 |z|` of the exact value. Burn's CPU backend uses `libm`'s `erff` instead, slower by
+/// a call per element; the two differ by float32 rounding.
+#[inline(always)]
+pub fn gelu(z: f32) -> f32 {
+    let (erf, _) = erf_and_gauss(z * std::f32::consts::FRAC_1_SQRT_2);
+    0.5 * z * (1.0 + erf)
+}
+
+/// GELU's derivative at `z` times `g`: `g (Φ(z) + z φ(z))`, `φ` the normal density, whose
+/// `e^{-z²/2}` [`erf_and_gauss`] computes once for both terms.
+#[inline(always)]
+pub fn gelu_grad(z: f32, g: f32) -> f32 {
+    // 1 / sqrt(2 pi).
+    const INV_SQRT_2PI: f32 = 0.398_942_3;
+    let (erf, gauss) = erf_and_gauss(z * std::f32::consts::FRAC_1_SQRT_2);
+    let cdf = 0.5 * (1.0 + erf);
+    g * (cdf + z * (INV_SQRT_2PI * gauss))
+}
+
+/// `y = gelu(z)` element by element. The loop is compiled for each vector extension the
+/// `pulp` crate knows (AVX-512, AVX2 with FMA) and the best one the CPU has is chosen at run
+/// time (the workspace builds for plain x86-64, whose SSE2 does 4 lanes where AVX-512 does
+/// 16); the arithmetic, and so the result, is the same in every variant (no fused multiply-
+/// adds are formed from separate `*` and `+`).
+fn gelu_slice(y: &mut [f32], z: &[f32]) {
+    pulp::Arch::new().dispatch(|| {
+        for (y, z) in y.iter_mut().zip(z) {
+            *y = gelu(*z);
+        }
+    });
+}
+
+/// A dense layer followed by GELU, `gelu(x · weight + bias)`, with the pre-activation
+/// `x · weight + bias` it keeps for the backward pass: `(output, pre_activation)`. Chunked
+/// as [`dense_forward`]; the bias and GELU are applied to each chunk while it is in cache.
+pub fn dense_gelu_forward(
+    s: &DenseShape,
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let (d_in, d_out) = (s.d_in, s.d_out);
+    assert_eq!(x.len(), s.rows * d_in, "input of {s:?}");
+    assert_eq!(weight.len(), d_in * d_out, "weight of {s:?}");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), d_out, "bias of {s:?}");
+    }
+    if d_out == 0 {
+        return (Vec::new(), Vec::new());
+    }
+    let rows = dense_chunk_rows(s);
+    let len = s.rows * d_out;
+    zeroed_chunks2((len, rows * d_out), (len, rows * d_out), |ci, y, z| {
+        let rows_here = z.len() / d_out;
+        matmul(
+            MatMut::row_major(z, rows_here, d_out),
+            MatRef::row_major(&x[ci * rows * d_in..][..rows_here * d_in], rows_here, d_in),
+            MatRef::row_major(weight, d_in, d_out),
+        );
+        bias_relu(z, d_out, bias, false);
+        gelu_slice(y, z);
+    })
+}
+
+/// Gradients of [`dense_gelu_forward`] for the output gradient `grad`, from the layer's
+/// input, weight and kept pre-activation `pre`. `needs`: input, weight, bias.
+pub fn dense_gelu_backward(
+    s: &DenseShape,
+    x: &[f32],
+    weight: &[f32],
+    pre: &[f32],
+    grad: &[f32],
+    needs: [bool; 3],
+) -> LayerGrads {
+    let len = s.rows * s.d_out;
+    assert_eq!(grad.len(), len, "output gradient of {s:?}");
+    assert_eq!(pre.len(), len, "pre-activation of {s:?}");
+    const CHUNK: usize = 1 << 14;
+    let gpre = zeroed_chunks(len, CHUNK, |ci, dst| {
+        let g = &grad[ci * CHUNK..][..dst.len()];
+        let z = &pre[ci * CHUNK..][..dst.len()];
+        // As in `gelu_slice`: compiled for the CPU's vector extensions, chosen at run time.
+        pulp::Arch::new().dispatch(|| {
+            for ((d, g), z) in dst.iter_mut().zip(g).zip(z) {
+                *d = gelu_grad(*z, *g);
+            }
+        });
+    });
+    dense_backward_linear(s, x, weight, &gpre, needs)
 }
 
 /// The shapes of one 2-D pooling over NHWC input `[batch, in_h, in_w, channels]`.
@@ -1178,11 +1371,12 @@ pub fn attention_forward(
                             .for_each(|(j, v)| *v = *v * scale + alibi_bias(m, i, j)),
                     }
                     let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                    let mut sum = 0.0f32;
-                    for v in seen.iter_mut() {
-                        *v = (*v - max).exp();
-                        sum += *v;
-                    }
+                    // The exponentials vectorised (`exp_f32`, the best vector extension
+                    // chosen at run time), then summed in order.
+                    pulp::Arch::new().dispatch(|| {
+                        seen.iter_mut().for_each(|v| *v = exp_f32(*v - max));
+                    });
+                    let sum: f32 = seen.iter().sum();
                     seen.iter_mut().for_each(|v| *v /= sum);
                     later.fill(0.0);
                 }

@@ -437,6 +437,27 @@ impl<B: ChannelsLastBackend> Linear<B> {
             y
         }
     }
+
+    /// The layer on `x: [rows, d_input]` followed by GELU: through the fast path's
+    /// [`ChannelsLastBackend::dense_gelu`] (bias and GELU fused into the product) when
+    /// `fast` and the layer is a plain one, else as [`forward`](Self::forward) and Burn's
+    /// `gelu`.
+    pub fn forward_gelu(&self, x: Tensor<B, 2>, fast: bool) -> Tensor<B, 2> {
+        if !(fast && self.factors.is_none() && self.input_dropout.gyro.is_none()) {
+            return burn::tensor::activation::gelu(self.forward(x, fast, false));
+        }
+        let dt = x.dtype();
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| cast_like(b.val(), dt).into_primitive().tensor());
+        let weight = cast_like(self.weight.val(), dt).into_primitive().tensor();
+        Tensor::from_primitive(TensorPrimitive::Float(B::dense_gelu(
+            x.into_primitive().tensor(),
+            weight,
+            bias,
+        )))
+    }
 }
 
 /// A 2-D convolution with Burn's parameters and initialisation that runs in either layout.

@@ -100,6 +100,7 @@ pub mod layers;
 pub mod lowrank;
 mod mnist;
 pub mod norm;
+pub mod norm_kernels;
 pub mod ops;
 mod resnet;
 mod surgical;

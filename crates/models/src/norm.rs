@@ -26,7 +26,7 @@
 use burn::module::{Module, Param, RunningState};
 use burn::nn::BatchNormConfig;
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor};
+use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 use flashover_core::precision::{cast_like, cast_to};
 
 use crate::ModelError;
@@ -443,9 +443,19 @@ impl<B: Backend> LayerNorm<B> {
             channels: self.width(),
         }
     }
+}
 
-    /// `x` normalised over its last axis.
+impl<B: crate::ChannelsLastBackend> LayerNorm<B> {
+    /// `x` normalised over its last axis: on the CPU fast path through the fused kernel
+    /// ([`ChannelsLastBackend::layer_norm_rows`](crate::ChannelsLastBackend::layer_norm_rows)), else
+    /// through Burn's tensor ops.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.forward_with(x, B::CHANNELS_LAST_IS_FAST)
+    }
+
+    /// [`forward`](Self::forward) through the fused kernel when `fast`, else through Burn's
+    /// tensor ops.
+    pub fn forward_with<const D: usize>(&self, x: Tensor<B, D>, fast: bool) -> Tensor<B, D> {
         let dims = x.dims();
         let w = self.width();
         assert_eq!(
@@ -462,11 +472,21 @@ impl<B: Backend> LayerNorm<B> {
             .variant
             .low_precision
             .map_or(FloatDType::F32, half_dtype);
-        let y = self.normalise(
+        let (x, gamma, beta) = (
             cast_to(x, compute),
             cast_to(self.gamma.val(), compute),
             cast_to(self.beta.val(), compute),
         );
+        let y = if fast && self.variant.low_precision.is_none() {
+            Tensor::from_primitive(TensorPrimitive::Float(B::layer_norm_rows(
+                x.into_primitive().tensor(),
+                gamma.into_primitive().tensor(),
+                beta.into_primitive().tensor(),
+                self.epsilon,
+            )))
+        } else {
+            self.normalise(x, gamma, beta)
+        };
         cast_like(y, dtype).reshape(dims)
     }
 

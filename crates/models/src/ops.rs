@@ -177,6 +177,74 @@ pub trait ChannelsLastBackend: Backend {
         burn_dense_backward::<Self>(x, weight, output, grad, needs)
     }
 
+    /// Dense layer `x · weight + bias` followed by GELU (the exact one, through the error
+    /// function) for `x: [rows, d_in]`. By default Burn's `linear` and `gelu`; the fast path
+    /// applies the bias and GELU to each chunk of the product while it is in cache.
+    fn dense_gelu(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        Self::dense_gelu_with_pre(x, weight, bias).0
+    }
+
+    /// [`dense_gelu`](Self::dense_gelu) and the pre-activation `x · weight + bias` its
+    /// backward pass needs.
+    fn dense_gelu_with_pre(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        burn_dense_gelu::<Self>(x, weight, bias)
+    }
+
+    /// Gradients of [`dense_gelu`](Self::dense_gelu) for the output gradient `grad`, from
+    /// the input, weight and pre-activation. `needs`: input, weight, bias.
+    fn dense_gelu_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        pre: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        needs: [bool; 3],
+    ) -> LayerGrads<Self> {
+        burn_dense_gelu_backward::<Self>(x, weight, pre, grad, needs)
+    }
+
+    /// Layer norm of the rows of `x: [rows, width]` (biased variance, `epsilon` added before
+    /// the square root), scaled by `gamma` and shifted by `beta` (both `[width]`). By default
+    /// Burn's tensor ops; the fast path is one fused pass per row (`crate::norm_kernels`).
+    fn layer_norm_rows(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        Self::layer_norm_rows_with_stats(x, gamma, beta, epsilon).0
+    }
+
+    /// [`layer_norm_rows`](Self::layer_norm_rows) and each row's mean and standard deviation
+    /// (`[rows, 2]`), which its backward pass needs.
+    fn layer_norm_rows_with_stats(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        burn_layer_norm::<Self>(x, gamma, beta, epsilon)
+    }
+
+    /// Gradients of [`layer_norm_rows`](Self::layer_norm_rows) for the output gradient `grad`:
+    /// `x` of the input, `weight` of `gamma`, `bias` of `beta`, each when `needs` asks.
+    fn layer_norm_rows_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        stats: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        needs: [bool; 3],
+    ) -> LayerGrads<Self> {
+        burn_layer_norm_backward::<Self>(x, gamma, stats, grad, needs)
+    }
+
     /// Causal multi-head self-attention of `qkv: [batch, seq, 3 * width]` (queries, keys
     /// and values, each `heads` heads side by side): per head `softmax(q kᵀ / sqrt(d))` over
     /// the positions at or before each query, times `v`; output `[batch, seq, width]`, the
@@ -414,6 +482,85 @@ pub fn burn_dense_backward<B: Backend>(
     }
 }
 
+/// [`ChannelsLastBackend::dense_gelu_with_pre`] through Burn's `linear` and `gelu`.
+pub fn burn_dense_gelu<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let pre = B::linear(x, weight, bias);
+    (B::gelu(pre.clone()), pre)
+}
+
+/// [`ChannelsLastBackend::dense_gelu_backward`] through Burn's `gelu_backward` and linear
+/// backward ops.
+pub fn burn_dense_gelu_backward<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    pre: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    needs: [bool; 3],
+) -> LayerGrads<B> {
+    let grad = B::gelu_backward(pre, grad);
+    burn_dense_backward::<B>(x, weight, None, grad, needs)
+}
+
+/// [`ChannelsLastBackend::layer_norm_rows_with_stats`] through Burn's tensor ops (the statistics
+/// as `[rows, 2]`: mean, standard deviation).
+pub fn burn_layer_norm<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: FloatTensor<B>,
+    epsilon: f64,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let x = tensor::<B, 2>(x);
+    let [n, w] = x.dims();
+    let mean = x.clone().mean_dim(1);
+    let centered = x.sub(mean.clone().repeat_dim(1, w));
+    let std = centered
+        .clone()
+        .square()
+        .mean_dim(1)
+        .add_scalar(epsilon)
+        .sqrt();
+    let gamma = tensor::<B, 1>(gamma).reshape([1, w]).repeat_dim(0, n);
+    let beta = tensor::<B, 1>(beta).reshape([1, w]).repeat_dim(0, n);
+    let y = centered
+        .div(std.clone().repeat_dim(1, w))
+        .mul(gamma)
+        .add(beta);
+    (primitive(y), primitive(Tensor::cat(vec![mean, std], 1)))
+}
+
+/// [`ChannelsLastBackend::layer_norm_rows_backward`] through Burn's tensor ops.
+pub fn burn_layer_norm_backward<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    stats: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    needs: [bool; 3],
+) -> LayerGrads<B> {
+    let x = tensor::<B, 2>(x);
+    let [n, w] = x.dims();
+    let stats = tensor::<B, 2>(stats);
+    let mean = stats.clone().narrow(1, 0, 1).repeat_dim(1, w);
+    let std = stats.narrow(1, 1, 1).repeat_dim(1, w);
+    let xhat = x.sub(mean).div(std.clone());
+    let dy = tensor::<B, 2>(grad);
+    let gamma = tensor::<B, 1>(gamma).reshape([1, w]).repeat_dim(0, n);
+    let gh = dy.clone().mul(gamma);
+    let dx = needs[0].then(|| {
+        let mean_g = gh.clone().mean_dim(1).repeat_dim(1, w);
+        let mean_gx = gh.clone().mul(xhat.clone()).mean_dim(1).repeat_dim(1, w);
+        primitive(gh.sub(mean_g).sub(xhat.clone().mul(mean_gx)).div(std))
+    });
+    LayerGrads {
+        x: dx,
+        weight: needs[1].then(|| primitive(dy.clone().mul(xhat).sum_dim(0).reshape([w]))),
+        bias: needs[2].then(|| primitive(dy.sum_dim(0).reshape([w]))),
+    }
+}
+
 /// [`ChannelsLastBackend::max_pool2d_nhwc_with_indices`] through Burn's own kernel.
 pub fn burn_max_pool2d_nhwc_with_indices<B: Backend>(
     x: FloatTensor<B>,
@@ -485,10 +632,12 @@ mod flex {
     use super::{
         burn_avg_pool2d_nhwc, burn_avg_pool2d_nhwc_backward, burn_causal_attention,
         burn_causal_attention_backward, burn_conv2d_nhwc, burn_conv2d_nhwc_backward, burn_dense,
-        burn_dense_backward, burn_max_pool2d_nhwc_backward, burn_max_pool2d_nhwc_with_indices,
+        burn_dense_backward, burn_dense_gelu, burn_dense_gelu_backward, burn_layer_norm,
+        burn_layer_norm_backward, burn_max_pool2d_nhwc_backward, burn_max_pool2d_nhwc_with_indices,
         ChannelsLastBackend, LayerGrads,
     };
     use crate::kernels::{self, AttentionShape, Conv2dShape, DenseShape, Pool2dShape};
+    use crate::norm_kernels::{self, RowsShape};
 
     fn is_f32(t: &FlexTensor) -> bool {
         t.dtype() == DType::F32
@@ -783,6 +932,99 @@ mod flex {
             }
         }
 
+        fn dense_gelu_with_pre(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            bias: Option<FloatTensor<Self>>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            let all_f32 = is_f32(&x) && is_f32(&weight) && bias.as_ref().is_none_or(is_f32);
+            let Some(s) = dense_shape(&x, &weight).filter(|_| all_f32) else {
+                return burn_dense_gelu::<Self>(x, weight, bias);
+            };
+            let (x, weight) = (contiguous(x), contiguous(weight));
+            let bias = bias.map(contiguous);
+            let (y, pre) =
+                kernels::dense_gelu_forward(&s, f32s(&x), f32s(&weight), bias.as_ref().map(f32s));
+            (float2(y, [s.rows, s.d_out]), float2(pre, [s.rows, s.d_out]))
+        }
+
+        fn dense_gelu_backward(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            pre: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            needs: [bool; 3],
+        ) -> LayerGrads<Self> {
+            let all_f32 = is_f32(&x) && is_f32(&weight) && is_f32(&grad) && is_f32(&pre);
+            let Some(s) = dense_shape(&x, &weight).filter(|_| all_f32) else {
+                return burn_dense_gelu_backward::<Self>(x, weight, pre, grad, needs);
+            };
+            let (x, weight) = (contiguous(x), contiguous(weight));
+            let (pre, grad) = (contiguous(pre), contiguous(grad));
+            let g = kernels::dense_gelu_backward(
+                &s,
+                f32s(&x),
+                f32s(&weight),
+                f32s(&pre),
+                f32s(&grad),
+                needs,
+            );
+            LayerGrads {
+                x: g.x.map(|v| float2(v, [s.rows, s.d_in])),
+                weight: g.weight.map(|v| float2(v, [s.d_in, s.d_out])),
+                bias: g.bias.map(vector),
+            }
+        }
+
+        fn layer_norm_rows_with_stats(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            beta: FloatTensor<Self>,
+            epsilon: f64,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            let all_f32 = is_f32(&x) && is_f32(&gamma) && is_f32(&beta);
+            let Some(s) = rows_shape(&x).filter(|_| all_f32) else {
+                return burn_layer_norm::<Self>(x, gamma, beta, epsilon);
+            };
+            let (x, gamma, beta) = (contiguous(x), contiguous(gamma), contiguous(beta));
+            let (y, stats) = norm_kernels::layer_norm_forward(
+                &s,
+                f32s(&x),
+                f32s(&gamma),
+                f32s(&beta),
+                epsilon as f32,
+            );
+            (float2(y, [s.rows, s.width]), float2(stats, [s.rows, 2]))
+        }
+
+        fn layer_norm_rows_backward(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            stats: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            needs: [bool; 3],
+        ) -> LayerGrads<Self> {
+            let all_f32 = is_f32(&x) && is_f32(&gamma) && is_f32(&stats) && is_f32(&grad);
+            let Some(s) = rows_shape(&x).filter(|_| all_f32) else {
+                return burn_layer_norm_backward::<Self>(x, gamma, stats, grad, needs);
+            };
+            let (x, gamma) = (contiguous(x), contiguous(gamma));
+            let (stats, grad) = (contiguous(stats), contiguous(grad));
+            let (dx, dg, db) = norm_kernels::layer_norm_backward(
+                &s,
+                f32s(&x),
+                f32s(&gamma),
+                f32s(&stats),
+                f32s(&grad),
+                needs,
+            );
+            LayerGrads {
+                x: dx.map(|v| float2(v, [s.rows, s.width])),
+                weight: dg.map(vector),
+                bias: db.map(vector),
+            }
+        }
+
         fn causal_attention_with_probs(
             qkv: FloatTensor<Self>,
             heads: usize,
@@ -813,6 +1055,15 @@ mod flex {
             let dx = kernels::attention_backward(&s, f32s(&qkv), f32s(&probs), f32s(&grad));
             FlexTensor::from_data(TensorData::new(dx, [s.batch, s.seq, 3 * s.width]))
         }
+    }
+
+    /// The rows and width of a 2-D `x`, if it is that.
+    fn rows_shape(x: &FlexTensor) -> Option<RowsShape> {
+        let shape = x.shape();
+        (shape.num_dims() == 2).then(|| {
+            let [rows, width] = shape.dims::<2>();
+            RowsShape { rows, width }
+        })
     }
 
     /// The attention shape of a 3-D `qkv` whose last axis is three times a multiple of
@@ -1000,6 +1251,82 @@ impl<B: ChannelsLastBackend> Backward<B, 2> for DenseNoBias {
         register::<B, _>(grads, [node_x, node_w, None], [g.x, g.weight, None], |n| {
             n.id
         });
+    }
+}
+
+/// What a dense layer with GELU needs for its backward pass: its input, weight and
+/// pre-activation.
+#[derive(Debug, Clone)]
+struct DenseGeluState<B: Backend> {
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    pre: FloatTensor<B>,
+}
+
+#[derive(Debug)]
+struct DenseGeluWithBias;
+#[derive(Debug)]
+struct DenseGeluNoBias;
+
+impl<B: ChannelsLastBackend> Backward<B, 3> for DenseGeluWithBias {
+    type State = DenseGeluState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w, node_b] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let needs = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
+        let s = ops.state;
+        let g = B::dense_gelu_backward(s.x, s.weight, s.pre, grad, needs);
+        register::<B, _>(
+            grads,
+            [node_x, node_w, node_b],
+            [g.x, g.weight, g.bias],
+            |n| n.id,
+        );
+    }
+}
+
+impl<B: ChannelsLastBackend> Backward<B, 2> for DenseGeluNoBias {
+    type State = DenseGeluState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let needs = [node_x.is_some(), node_w.is_some(), false];
+        let s = ops.state;
+        let g = B::dense_gelu_backward(s.x, s.weight, s.pre, grad, needs);
+        register::<B, _>(grads, [node_x, node_w, None], [g.x, g.weight, None], |n| {
+            n.id
+        });
+    }
+}
+
+/// What a layer norm needs for its backward pass: its input, scale and per-row statistics.
+#[derive(Debug, Clone)]
+struct LayerNormState<B: Backend> {
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    stats: FloatTensor<B>,
+}
+
+#[derive(Debug)]
+struct LayerNormOp;
+
+impl<B: ChannelsLastBackend> Backward<B, 3> for LayerNormOp {
+    type State = LayerNormState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_g, node_b] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let needs = [node_x.is_some(), node_g.is_some(), node_b.is_some()];
+        let s = ops.state;
+        let g = B::layer_norm_rows_backward(s.x, s.gamma, s.stats, grad, needs);
+        register::<B, _>(
+            grads,
+            [node_x, node_g, node_b],
+            [g.x, g.weight, g.bias],
+            |n| n.id,
+        );
     }
 }
 
@@ -1258,6 +1585,90 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
                     OpsKind::UnTracked(prep) => prep.finish(forward(None)),
                 }
             }
+        }
+    }
+
+    fn dense_gelu(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        let forward = |bias: Option<FloatTensor<B>>| {
+            B::dense_gelu_with_pre(x.primitive.clone(), weight.primitive.clone(), bias)
+        };
+        let state = |pre: FloatTensor<B>| DenseGeluState::<B> {
+            x: x.primitive.clone(),
+            weight: weight.primitive.clone(),
+            pre,
+        };
+        match &bias {
+            Some(b) => {
+                let nodes = [x.node.clone(), weight.node.clone(), b.node.clone()];
+                match DenseGeluWithBias
+                    .prepare::<C>(nodes)
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => {
+                        let (out, pre) = forward(Some(b.primitive.clone()));
+                        prep.finish(state(pre), out)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(B::dense_gelu(
+                        x.primitive.clone(),
+                        weight.primitive.clone(),
+                        Some(b.primitive.clone()),
+                    )),
+                }
+            }
+            None => {
+                let nodes = [x.node.clone(), weight.node.clone()];
+                match DenseGeluNoBias
+                    .prepare::<C>(nodes)
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => {
+                        let (out, pre) = forward(None);
+                        prep.finish(state(pre), out)
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(B::dense_gelu(
+                        x.primitive.clone(),
+                        weight.primitive.clone(),
+                        None,
+                    )),
+                }
+            }
+        }
+    }
+
+    fn layer_norm_rows(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node.clone(), gamma.node.clone(), beta.node.clone()];
+        match LayerNormOp.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (out, stats) = B::layer_norm_rows_with_stats(
+                    x.primitive.clone(),
+                    gamma.primitive.clone(),
+                    beta.primitive,
+                    epsilon,
+                );
+                let state = LayerNormState::<B> {
+                    x: x.primitive,
+                    gamma: gamma.primitive,
+                    stats,
+                };
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::layer_norm_rows(
+                x.primitive,
+                gamma.primitive,
+                beta.primitive,
+                epsilon,
+            )),
         }
     }
 
