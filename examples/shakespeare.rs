@@ -78,6 +78,12 @@ struct Args {
     /// little more time, the same gradients bit for bit.
     #[arg(long)]
     activation_checkpointing: bool,
+    /// The forward and backward passes' kernels on the CPU backend: fast (the fast path's
+    /// fused dense layers with GELU, layer norms and attention) or burn (Burn's tensor ops
+    /// alone, for comparison; the same model and results to float32 rounding). Other
+    /// backends always run Burn's.
+    #[arg(long, value_enum, default_value_t = Kernels::Fast)]
+    kernels: Kernels,
     #[command(flatten)]
     processes: cli::ProcessArgs,
     /// Report each rank's optimizer state in bytes (`optimizer_state_bytes_by_rank`), by
@@ -153,6 +159,15 @@ impl cli::RunDefaults for GptDefaults {
     const RECIPE_HELP: &'static str =
         "A preset stack of speed-up algorithms with its scale-schedule ratio: gpt-mild, gpt-medium or gpt-hot";
     const IMAGE: bool = false;
+}
+
+/// The kernels a CPU run uses (`--kernels`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Kernels {
+    /// The fast path's (flex only; other backends run Burn's).
+    Fast,
+    /// Burn's tensor ops.
+    Burn,
 }
 
 /// The tokenizers offered.
@@ -372,7 +387,8 @@ fn run<B: TrainBackend>(args: &Args, dist: &Distributed) -> anyhow::Result<()> {
         },
     )?;
     let device = B::Device::default();
-    let model = config.init::<B>(&device, args.run.seed);
+    let mut model = config.init::<B>(&device, args.run.seed);
+    model.burn_ops = args.kernels == Kernels::Burn;
     let prepared = Prepared {
         split,
         config,
@@ -708,6 +724,8 @@ fn summary<B: TrainBackend, O: Optimizer<Gpt<B>, B>>(
         "params_sha256": params_sha256::<B, _>(trainer.model()),
         "params": trainer.model().num_params(),
         "activation_checkpointing": args.activation_checkpointing,
+        // The kernels that ran: the fast path's only on a backend that has them.
+        "kernels": if B::CHANNELS_LAST_IS_FAST && !trainer.model().burn_ops { "fast" } else { "burn" },
         // Peak resident memory of the process so far (Linux; null elsewhere).
         "peak_rss_bytes": flashover::callbacks::monitors::process_memory().map(|(_, peak)| peak),
         "batches": ts.batch,

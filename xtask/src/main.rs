@@ -98,7 +98,9 @@ enum Cmd {
         /// target/bench/<backend>-precision.json. `memory`: only sharding and activation
         /// checkpointing (the `sharding.*` and `activation_checkpointing.*` rows), into
         /// target/bench/<backend>-memory.json.
-        #[arg(long, value_parser = ["gpt", "s3", "precision", "memory"])]
+        /// `gpt_fast_path`: only the GPT's CPU fast path against Burn's ops (the
+        /// `gpt_fast_path.*` rows), into target/bench/<backend>-gpt_fast_path.json.
+        #[arg(long, value_parser = ["gpt", "s3", "precision", "memory", "gpt_fast_path"])]
         only: Option<String>,
     },
 }
@@ -121,6 +123,12 @@ fn main() -> Result<()> {
                             .context("s3s-fs is not installed (cargo install s3s-fs --version 0.14.1 --locked --features binary)")?
                     } else if section == "precision" {
                         precision_bench(b, quick)?
+                    } else if section == "gpt_fast_path" {
+                        let mut args = strings(&["build", "--release", "--example", "shakespeare"]);
+                        args.extend(b.cargo_args(bench_selection(), &[]));
+                        cargo(&args)?;
+                        gpt_fast_path_bench(b, quick)?
+                            .context("the GPT's fast path is measured on the CPU backends only")?
                     } else if section == "memory" {
                         // The single-process rows run the example as the full bench builds it.
                         let mut args = strings(&["build", "--release", "--example", "shakespeare"]);

@@ -212,6 +212,8 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
         clock.done("distributed");
         let fast_path = cpu_fast_path_bench(b, quick)?;
         clock.done("cpu_fast_path");
+        let gpt_fast_path = gpt_fast_path_bench(b, quick)?;
+        clock.done("gpt_fast_path");
         let object_store = object_store_bench(b, quick)?;
         clock.done("object_store");
         let precision = precision_bench(b, quick)?;
@@ -234,6 +236,7 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
             "scaling": last_json(&scaling)?,
             "distributed": distributed.as_ref().map(|d| d.0.clone()),
             "cpu_fast_path": fast_path.as_ref().map(|d| d.0.clone()),
+            "gpt_fast_path": gpt_fast_path.as_ref().map(|d| d.0.clone()),
             "object_store": object_store.as_ref().map(|d| d.0.clone()),
             "precision": precision.0,
             "gpt_recipes": gpt.as_ref().map(|g| g.0["gpt_recipes"].clone()),
@@ -268,6 +271,13 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
             fast_path
                 .as_ref()
                 .map_or("not measured: a GPU backend keeps Burn's kernels".to_string(), |d| d.1.clone())
+        );
+        let md = format!(
+            "{md}\n## The GPT's CPU fast path\n\n{}\n",
+            gpt_fast_path.as_ref().map_or(
+                "not measured: a GPU backend keeps Burn's kernels".to_string(),
+                |d| d.1.clone()
+            )
         );
         let md = format!(
             "{md}\n## Precision (the main job's CNN)\n\n{}\n",
