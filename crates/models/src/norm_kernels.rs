@@ -14,7 +14,7 @@
 //! row's sums run in order, and the parameter gradients are summed per chunk and then over
 //! the chunks in order, so the results are bit-identical for any number of threads.
 
-use crate::kernels::{for_each_item, zeroed_chunks, zeroed_chunks2};
+use crate::kernels::{for_each_item, zeroed_chunks, zeroed_chunks2, LayerGrads};
 
 /// Rows per chunk: a few hundred kilobytes of a transformer's activations, and enough
 /// chunks for the threads.
@@ -75,8 +75,8 @@ pub fn layer_norm_forward(
 }
 
 /// Gradients of [`layer_norm_forward`] for the output gradient `grad`, from its input, scale
-/// and per-row statistics: `(dx, dgamma, dbeta)`, each only when `needs` asks (input, scale,
-/// shift).
+/// and per-row statistics: `x` of the input, `weight` of the scale and `bias` of the shift,
+/// each only when `needs` asks (input, scale, shift).
 pub fn layer_norm_backward(
     s: &RowsShape,
     x: &[f32],
@@ -84,7 +84,7 @@ pub fn layer_norm_backward(
     stats: &[f32],
     grad: &[f32],
     needs: [bool; 3],
-) -> (Option<Vec<f32>>, Option<Vec<f32>>, Option<Vec<f32>>) {
+) -> LayerGrads {
     let w = s.width;
     assert_eq!(x.len(), s.rows * w, "input of {s:?}");
     assert_eq!(grad.len(), s.rows * w, "output gradient of {s:?}");
@@ -122,7 +122,11 @@ pub fn layer_norm_backward(
             needs[2].then(|| vec![0.0; w]),
         )
     };
-    (dx.or_else(|| needs[0].then(Vec::new)), dgamma, dbeta)
+    LayerGrads {
+        x: dx.or_else(|| needs[0].then(Vec::new)),
+        weight: dgamma,
+        bias: dbeta,
+    }
 }
 
 /// `Σ_rows dy x̂` and `Σ_rows dy`: each chunk of rows sums its own (rows in order), then the
@@ -186,7 +190,7 @@ mod tests {
         // With dy = [1, 0, 0, 0] and gamma 2: ĝ = [2, 0, 0, 0], mean(ĝ) = 0.5,
         // mean(ĝ x̂) = -0.5: dx = (ĝ - 0.5 + 0.5 x̂) / 2 = [0.5, -0.375, -0.25, 0.125];
         // dgamma = dy x̂ = [-1, 0, 0, 0], dbeta = dy.
-        let (dx, dg, db) = layer_norm_backward(
+        let g = layer_norm_backward(
             &s,
             &[1.0, 2.0, 3.0, 6.0],
             &[2.0; 4],
@@ -194,9 +198,9 @@ mod tests {
             &[1.0, 0.0, 0.0, 0.0],
             [true; 3],
         );
-        assert_eq!(dx.unwrap(), vec![0.5, -0.375, -0.25, 0.125]);
-        assert_eq!(dg.unwrap(), vec![-1.0, 0.0, 0.0, 0.0]);
-        assert_eq!(db.unwrap(), vec![1.0, 0.0, 0.0, 0.0]);
+        assert_eq!(g.x.unwrap(), vec![0.5, -0.375, -0.25, 0.125]);
+        assert_eq!(g.weight.unwrap(), vec![-1.0, 0.0, 0.0, 0.0]);
+        assert_eq!(g.bias.unwrap(), vec![1.0, 0.0, 0.0, 0.0]);
     }
 
     #[test]
@@ -225,8 +229,8 @@ mod tests {
             let c: Vec<f32> = (0..rows * width)
                 .map(|i| ((i * 13 % 7) as f32 - 3.0) / 3.0)
                 .collect();
-            let (dx, dg, db) = layer_norm_backward(&s, &x, &gamma, &stats, &c, [true; 3]);
-            let (dx, dg, db) = (dx.unwrap(), dg.unwrap(), db.unwrap());
+            let g = layer_norm_backward(&s, &x, &gamma, &stats, &c, [true; 3]);
+            let (dx, dg, db) = (g.x.unwrap(), g.weight.unwrap(), g.bias.unwrap());
             let loss = |x: &[f64], g: &[f64], b: &[f64]| -> f64 {
                 (0..rows)
                     .map(|r| {
@@ -289,7 +293,7 @@ mod tests {
                 .install(|| {
                     let (y, stats) = layer_norm_forward(&s, &x, &gamma, &beta, 1e-5);
                     let g = layer_norm_backward(&s, &x, &gamma, &stats, &grad, [true; 3]);
-                    (y, stats, g)
+                    (y, stats, g.x, g.weight, g.bias)
                 })
         };
         let one = run(1);

@@ -1010,7 +1010,7 @@ mod flex {
             };
             let (x, gamma) = (contiguous(x), contiguous(gamma));
             let (stats, grad) = (contiguous(stats), contiguous(grad));
-            let (dx, dg, db) = norm_kernels::layer_norm_backward(
+            let g = norm_kernels::layer_norm_backward(
                 &s,
                 f32s(&x),
                 f32s(&gamma),
@@ -1019,9 +1019,9 @@ mod flex {
                 needs,
             );
             LayerGrads {
-                x: dx.map(|v| float2(v, [s.rows, s.width])),
-                weight: dg.map(vector),
-                bias: db.map(vector),
+                x: g.x.map(|v| float2(v, [s.rows, s.width])),
+                weight: g.weight.map(vector),
+                bias: g.bias.map(vector),
             }
         }
 
