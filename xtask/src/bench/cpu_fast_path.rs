@@ -45,11 +45,10 @@ pub(crate) fn cpu_fast_path_bench(
         Ok((sps, rss))
     };
     let reps = if quick { 3 } else { 5 };
-    let mut sps = vec![vec![]; 4];
-    let (mut s1, mut s2, mut scaling, mut rss) = (vec![], vec![], vec![], vec![]);
+    let mut runs = FourWay::default();
     for _ in 0..reps {
         // Burn 1 thread, fast 1 thread, Burn 2 threads, fast 2 threads.
-        let mut r = vec![];
+        let mut r = [(0.0, 0.0); 4];
         for (i, (format, threads)) in [
             ("channels-first", 1),
             ("channels-last", 1),
@@ -59,49 +58,19 @@ pub(crate) fn cpu_fast_path_bench(
         .into_iter()
         .enumerate()
         {
-            let (v, m) = run(format, threads)?;
-            sps[i].push(v);
-            r.push((v, m));
+            r[i] = run(format, threads)?;
         }
-        s1.push(r[1].0 / r[0].0);
-        s2.push(r[3].0 / r[2].0);
-        scaling.push(r[3].0 / r[1].0);
-        rss.push(r[1].1 / r[0].1);
+        runs.push(r);
     }
-    let ranges: Vec<(f64, f64, f64)> = sps.iter_mut().map(|v| median_range(v)).collect();
-    let (a_med, a_min, a_max) = median_range(&mut s1);
-    let (b_med, b_min, b_max) = median_range(&mut s2);
-    let (c_med, c_min, c_max) = median_range(&mut scaling);
-    let (d_med, d_min, d_max) = median_range(&mut rss);
-    let row = |r: &(f64, f64, f64)| serde_json::json!({"median": r.0, "min": r.1, "max": r.2});
-    let json = serde_json::json!({
-        "reps": reps,
-        "batches": 100,
-        "batch_size": 64,
-        "samples_per_second": {
-            "burn_1thread": row(&ranges[0]),
-            "fast_1thread": row(&ranges[1]),
-            "burn_2threads": row(&ranges[2]),
-            "fast_2threads": row(&ranges[3]),
-        },
-        "speedup_1thread": a_med,
-        "speedup_1thread_range": [a_min, a_max],
-        "speedup_2threads": b_med,
-        "speedup_2threads_range": [b_min, b_max],
-        "thread_scaling": c_med,
-        "thread_scaling_range": [c_min, c_max],
-        "peak_rss_ratio": d_med,
-        "peak_rss_ratio_range": [d_min, d_max],
-    });
-    let f = |r: &(f64, f64, f64)| format!("{:.0} ({:.0}-{:.0})", r.0, r.1, r.2);
+    let (mut json, cells, line) = runs.report("samples_per_second");
+    json.insert("reps".into(), reps.into());
+    json.insert("batches".into(), 100.into());
+    json.insert("batch_size".into(), 64.into());
     let md = format!(
-        "{reps} interleaved repetitions of 100 batches of 64 (the main job); median (min-max)\n\n| kernels | samples/s, 1 thread | samples/s, 2 threads |\n|---|---|---|\n| Burn's (channels-first) | {} | {} |\n| Flashover's (channels-last) | {} | {} |\n\nSpeed-up: {a_med:.2}x ({a_min:.2}-{a_max:.2}) at 1 thread, {b_med:.2}x ({b_min:.2}-{b_max:.2}) at 2 threads; fast path 2 threads over 1: {c_med:.2}x ({c_min:.2}-{c_max:.2}); peak RSS fast over Burn (1 thread): {d_med:.3} ({d_min:.3}-{d_max:.3})\n",
-        f(&ranges[0]),
-        f(&ranges[2]),
-        f(&ranges[1]),
-        f(&ranges[3]),
+        "{reps} interleaved repetitions of 100 batches of 64 (the main job); median (min-max)\n\n| kernels | samples/s, 1 thread | samples/s, 2 threads |\n|---|---|---|\n| Burn's (channels-first) | {} | {} |\n| Flashover's (channels-last) | {} | {} |\n\n{line}\n",
+        cells[0], cells[2], cells[1], cells[3],
     );
-    Ok(Some((json, md)))
+    Ok(Some((serde_json::Value::Object(json), md)))
 }
 
 /// The shakespeare example's default GPT (4 blocks, width 128, 4 heads, batches of 32
@@ -170,71 +139,108 @@ pub(crate) fn gpt_fast_path_bench(
         Ok((tps, rss, loss))
     };
     let reps = if quick { 1 } else { 5 };
-    let mut tps = vec![vec![]; 4];
-    let (mut s1, mut s2, mut scaling, mut rss) = (vec![], vec![], vec![], vec![]);
+    let mut runs = FourWay::default();
     let mut losses = (f64::NAN, f64::NAN);
     for _ in 0..reps {
         // Burn 1 thread, fast 1 thread, Burn 2 threads, fast 2 threads.
-        let mut r = vec![];
+        let mut r = [(0.0, 0.0); 4];
+        let mut loss = [0.0; 4];
         for (i, (kernels, threads)) in [("burn", 1), ("fast", 1), ("burn", 2), ("fast", 2)]
             .into_iter()
             .enumerate()
         {
-            let (v, m, loss) = run(kernels, threads)?;
-            tps[i].push(v);
-            r.push((v, m, loss));
+            let (v, m, l) = run(kernels, threads)?;
+            r[i] = (v, m);
+            loss[i] = l;
         }
         // The same model, data and steps: the validation losses agree to float32 rounding
         // (4 digits), whatever the kernels and threads.
-        let (burn_loss, fast_loss) = (r[0].2, r[1].2);
-        if r.iter().any(|x| (x.2 - burn_loss).abs() > 5e-4) {
-            bail!(
-                "the kernels changed the validation loss: {:?}",
-                r.iter().map(|x| x.2).collect::<Vec<_>>()
-            );
+        if loss.iter().any(|l| (l - loss[0]).abs() > 5e-4) {
+            bail!("the kernels changed the validation loss: {loss:?}");
         }
-        losses = (burn_loss, fast_loss);
-        s1.push(r[1].0 / r[0].0);
-        s2.push(r[3].0 / r[2].0);
-        scaling.push(r[3].0 / r[1].0);
-        rss.push(r[1].1 / r[0].1);
+        losses = (loss[0], loss[1]);
+        runs.push(r);
     }
-    let ranges: Vec<(f64, f64, f64)> = tps.iter_mut().map(|v| median_range(v)).collect();
-    let (a_med, a_min, a_max) = median_range(&mut s1);
-    let (b_med, b_min, b_max) = median_range(&mut s2);
-    let (c_med, c_min, c_max) = median_range(&mut scaling);
-    let (d_med, d_min, d_max) = median_range(&mut rss);
-    let row = |r: &(f64, f64, f64)| serde_json::json!({"median": r.0, "min": r.1, "max": r.2});
-    let json = serde_json::json!({
-        "reps": reps,
-        "batches": batches,
-        "model": "the shakespeare example's default GPT (4 blocks, width 128, 4 heads, 32 x 128 tokens per batch, AdamW)",
-        "pinned": pin,
-        "tokens_per_second": {
-            "burn_1thread": row(&ranges[0]),
-            "fast_1thread": row(&ranges[1]),
-            "burn_2threads": row(&ranges[2]),
-            "fast_2threads": row(&ranges[3]),
-        },
-        "val_loss": {"burn": losses.0, "fast": losses.1},
-        "speedup_1thread": a_med,
-        "speedup_1thread_range": [a_min, a_max],
-        "speedup_2threads": b_med,
-        "speedup_2threads_range": [b_min, b_max],
-        "thread_scaling": c_med,
-        "thread_scaling_range": [c_min, c_max],
-        "peak_rss_ratio": d_med,
-        "peak_rss_ratio_range": [d_min, d_max],
-    });
-    let f = |r: &(f64, f64, f64)| format!("{:.0} ({:.0}-{:.0})", r.0, r.1, r.2);
-    let md = format!(
-        "{reps} interleaved repetitions of {batches} batches of 32 x 128 tokens (the shakespeare example's default GPT); median (min-max)\n\n| kernels | tokens/s, 1 thread | tokens/s, 2 threads |\n|---|---|---|\n| Burn's tensor ops (`--kernels burn`) | {} | {} |\n| Flashover's fast path (`--kernels fast`) | {} | {} |\n\nSpeed-up: {a_med:.2}x ({a_min:.2}-{a_max:.2}) at 1 thread, {b_med:.2}x ({b_min:.2}-{b_max:.2}) at 2 threads; fast path 2 threads over 1: {c_med:.2}x ({c_min:.2}-{c_max:.2}); peak RSS fast over Burn (1 thread): {d_med:.3} ({d_min:.3}-{d_max:.3}); validation loss after the run {:.5} (Burn's ops) and {:.5} (fast path)\n",
-        f(&ranges[0]),
-        f(&ranges[2]),
-        f(&ranges[1]),
-        f(&ranges[3]),
-        losses.0,
-        losses.1,
+    let (mut json, cells, line) = runs.report("tokens_per_second");
+    json.insert("reps".into(), reps.into());
+    json.insert("batches".into(), batches.into());
+    json.insert(
+        "model".into(),
+        "the shakespeare example's default GPT (4 blocks, width 128, 4 heads, 32 x 128 tokens per batch, AdamW)".into(),
     );
-    Ok(Some((json, md)))
+    json.insert("pinned".into(), pin.into());
+    json.insert(
+        "val_loss".into(),
+        serde_json::json!({"burn": losses.0, "fast": losses.1}),
+    );
+    let md = format!(
+        "{reps} interleaved repetitions of {batches} batches of 32 x 128 tokens (the shakespeare example's default GPT); median (min-max)\n\n| kernels | tokens/s, 1 thread | tokens/s, 2 threads |\n|---|---|---|\n| Burn's tensor ops (`--kernels burn`) | {} | {} |\n| Flashover's fast path (`--kernels fast`) | {} | {} |\n\n{line}; validation loss after the run {:.5} (Burn's ops) and {:.5} (fast path)\n",
+        cells[0], cells[2], cells[1], cells[3], losses.0, losses.1,
+    );
+    Ok(Some((serde_json::Value::Object(json), md)))
+}
+
+/// The four interleaved runs of a fast-path comparison, repetition by repetition: Burn's
+/// kernels and the fast path, at 1 and 2 threads, each's throughput and peak RSS.
+#[derive(Default)]
+struct FourWay {
+    rates: [Vec<f64>; 4],
+    speedup_1thread: Vec<f64>,
+    speedup_2threads: Vec<f64>,
+    thread_scaling: Vec<f64>,
+    peak_rss_ratio: Vec<f64>,
+}
+
+impl FourWay {
+    /// One repetition: `(throughput, peak RSS)` of Burn at 1 thread, fast at 1, Burn at 2,
+    /// fast at 2.
+    fn push(&mut self, r: [(f64, f64); 4]) {
+        for (rates, (v, _)) in self.rates.iter_mut().zip(r) {
+            rates.push(v);
+        }
+        self.speedup_1thread.push(r[1].0 / r[0].0);
+        self.speedup_2threads.push(r[3].0 / r[2].0);
+        self.thread_scaling.push(r[3].0 / r[1].0);
+        self.peak_rss_ratio.push(r[1].1 / r[0].1);
+    }
+
+    /// The JSON fields (the four rates under `rate_key`, each ratio's median and range),
+    /// the four rates as table cells (`median (min-max)`, in push order) and the speed-up
+    /// sentence.
+    fn report(
+        mut self,
+        rate_key: &str,
+    ) -> (
+        serde_json::Map<String, serde_json::Value>,
+        [String; 4],
+        String,
+    ) {
+        let ranges = self.rates.each_mut().map(|v| median_range(v));
+        let row = |r: &(f64, f64, f64)| serde_json::json!({"median": r.0, "min": r.1, "max": r.2});
+        let mut json = serde_json::Map::new();
+        json.insert(
+            rate_key.into(),
+            serde_json::json!({
+                "burn_1thread": row(&ranges[0]),
+                "fast_1thread": row(&ranges[1]),
+                "burn_2threads": row(&ranges[2]),
+                "fast_2threads": row(&ranges[3]),
+            }),
+        );
+        let mut ratio = |name: &str, v: &mut Vec<f64>| {
+            let (med, min, max) = median_range(v);
+            json.insert(name.into(), med.into());
+            json.insert(format!("{name}_range"), serde_json::json!([min, max]));
+            (med, min, max)
+        };
+        let (a, a0, a1) = ratio("speedup_1thread", &mut self.speedup_1thread);
+        let (b, b0, b1) = ratio("speedup_2threads", &mut self.speedup_2threads);
+        let (c, c0, c1) = ratio("thread_scaling", &mut self.thread_scaling);
+        let (d, d0, d1) = ratio("peak_rss_ratio", &mut self.peak_rss_ratio);
+        let cells = ranges.map(|r| format!("{:.0} ({:.0}-{:.0})", r.0, r.1, r.2));
+        let line = format!(
+            "Speed-up: {a:.2}x ({a0:.2}-{a1:.2}) at 1 thread, {b:.2}x ({b0:.2}-{b1:.2}) at 2 threads; fast path 2 threads over 1: {c:.2}x ({c0:.2}-{c1:.2}); peak RSS fast over Burn (1 thread): {d:.3} ({d0:.3}-{d1:.3})"
+        );
+        (json, cells, line)
+    }
 }
