@@ -763,26 +763,37 @@ pub fn dense_forward(
     bias: Option<&[f32]>,
     relu: bool,
 ) -> Vec<f32> {
-    let (d_in, d_out) = (s.d_in, s.d_out);
-    assert_eq!(x.len(), s.rows * d_in, "input of {s:?}");
-    assert_eq!(weight.len(), d_in * d_out, "weight of {s:?}");
-    if let Some(b) = bias {
-        assert_eq!(b.len(), d_out, "bias of {s:?}");
-    }
+    check_dense(s, x, weight, bias);
+    let d_out = s.d_out;
     if d_out == 0 {
         return Vec::new();
     }
     let rows = dense_chunk_rows(s);
-    let out = zeroed_chunks(s.rows * d_out, rows * d_out, |ci, dst| {
-        let rows_here = dst.len() / d_out;
-        matmul(
-            MatMut::row_major(dst, rows_here, d_out),
-            MatRef::row_major(&x[ci * rows * d_in..][..rows_here * d_in], rows_here, d_in),
-            MatRef::row_major(weight, d_in, d_out),
-        );
+    zeroed_chunks(s.rows * d_out, rows * d_out, |ci, dst| {
+        dense_chunk(s, x, weight, ci * rows, dst);
         bias_relu(dst, d_out, bias, relu);
-    });
-    out
+    })
+}
+
+/// Panics, naming the shape, unless the input, weight and bias fit `s`.
+fn check_dense(s: &DenseShape, x: &[f32], weight: &[f32], bias: Option<&[f32]>) {
+    assert_eq!(x.len(), s.rows * s.d_in, "input of {s:?}");
+    assert_eq!(weight.len(), s.d_in * s.d_out, "weight of {s:?}");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), s.d_out, "bias of {s:?}");
+    }
+}
+
+/// One chunk of a dense layer's product: `dst` (whole output rows) gets the rows of
+/// `x · weight` from row `first` on.
+fn dense_chunk(s: &DenseShape, x: &[f32], weight: &[f32], first: usize, dst: &mut [f32]) {
+    let (d_in, d_out) = (s.d_in, s.d_out);
+    let rows = dst.len() / d_out;
+    matmul(
+        MatMut::row_major(dst, rows, d_out),
+        MatRef::row_major(&x[first * d_in..][..rows * d_in], rows, d_in),
+        MatRef::row_major(weight, d_in, d_out),
+    );
 }
 
 /// Gradients of [`dense_forward`] for the output gradient `grad`; `relu_output` is the
@@ -981,24 +992,15 @@ pub fn dense_gelu_forward(
     weight: &[f32],
     bias: Option<&[f32]>,
 ) -> (Vec<f32>, Vec<f32>) {
-    let (d_in, d_out) = (s.d_in, s.d_out);
-    assert_eq!(x.len(), s.rows * d_in, "input of {s:?}");
-    assert_eq!(weight.len(), d_in * d_out, "weight of {s:?}");
-    if let Some(b) = bias {
-        assert_eq!(b.len(), d_out, "bias of {s:?}");
-    }
+    check_dense(s, x, weight, bias);
+    let d_out = s.d_out;
     if d_out == 0 {
         return (Vec::new(), Vec::new());
     }
     let rows = dense_chunk_rows(s);
     let len = s.rows * d_out;
     zeroed_chunks2((len, rows * d_out), (len, rows * d_out), |ci, y, z| {
-        let rows_here = z.len() / d_out;
-        matmul(
-            MatMut::row_major(z, rows_here, d_out),
-            MatRef::row_major(&x[ci * rows * d_in..][..rows_here * d_in], rows_here, d_in),
-            MatRef::row_major(weight, d_in, d_out),
-        );
+        dense_chunk(s, x, weight, ci * rows, z);
         bias_relu(z, d_out, bias, false);
         gelu_slice(y, z);
     })
