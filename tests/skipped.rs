@@ -3,13 +3,19 @@
 //! s3s-fs, TensorBoard, network namespaces), names what each group needs and how to enable
 //! it; or says that none did. See `support/skip.rs`.
 
+// The suite's record of skips, shared with it as source (the suite writes, this reads; the
+// module's tests run in the suite).
+#[allow(dead_code, unused_imports)]
+#[path = "support/skip.rs"]
+mod skip;
+
 fn main() {
-    let Some(file) = flashover_tests::skip::record_file() else {
+    let Some(file) = skip::record_file() else {
         return;
     };
     let record = std::fs::read_to_string(&file).unwrap_or_default();
     let _ = std::fs::remove_file(&file);
-    match flashover_tests::skip::summary_line(&record) {
+    match skip::summary_line(&record) {
         Some(line) => println!("{line}"),
         None => println!(
             "flashover-tests: no test skipped for want of OpenMPI, s3s-fs, TensorBoard or network namespaces"

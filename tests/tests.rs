@@ -5,7 +5,9 @@
 //!   rate against the schedule's formula, each optimizer through the trainer.
 //! - `microbatch`: gradients with 1, 2, 4 (and uneven) microbatches equal the full batch's.
 //! - `resume`: a run stopped and resumed in a new process ends with the same bits (epoch
-//!   boundary, mid-epoch, after an epoch, microbatches, warmup, other schedules, async saves).
+//!   boundary, mid-epoch, after an epoch, microbatches, warmup, other schedules, async saves);
+//!   `resume::in_process`: the same through the library's saver in one process (the GPU
+//!   subset's form).
 //! - `precision`: every precision trains the CNN about as well as float32, keeps its weights
 //!   in the type it says, float16 overflow skips the step and lowers the scale, the scale
 //!   grows after clean steps, half and mixed runs resume bit for bit, checkpoints record
@@ -59,7 +61,10 @@
 //!   uploads and a dead one is an error at the end, SIGKILLs during uploads, logs continue,
 //!   bad settings are clear errors and the secret appears nowhere.
 //! - `tidy`: the architecture's rules, enforced: crate arrows from `cargo metadata`, a `//!`
-//!   opening every file, an invariant comment above every `unwrap`/`expect` in library code.
+//!   opening every file, an invariant comment above every `unwrap`/`expect` in library code;
+//!   the GPU backends' test subset matches tests and starts no example program.
+
+mod support;
 
 #[path = "suite/accuracy.rs"]
 mod accuracy;

@@ -1,8 +1,8 @@
 //! The main job's promise: the example's default recipe reaches 97% test accuracy on the
 //! bundled digits.
 
+use crate::support::*;
 use flashover_examples::MnistRun;
-use flashover_tests::*;
 
 #[test]
 fn default_recipe_reaches_97_percent_on_bundled_mnist() {

@@ -3,6 +3,7 @@
 //! defined order; bad lists are typed errors; sequence-length warmup trains a character model
 //! on the bundled Shakespeare text.
 
+use crate::support::*;
 use flashover::algorithms::label_smoothing::smooth_labels;
 use flashover::algorithms::mixup::{mix, mixing_coefficient};
 use flashover::algorithms::recipes::RECIPES;
@@ -13,7 +14,6 @@ use flashover::core::model::ClassTargets;
 use flashover::core::params::params_sha256;
 use flashover::core::time::Time;
 use flashover_examples::MnistRun;
-use flashover_tests::*;
 
 /// Every algorithm the `--algorithms` list knows, with settings that make it act within a
 /// short run (12 to 48 batches).
@@ -370,6 +370,17 @@ fn resume_with_the_stateful_algorithms_together() {
     );
 }
 
+/// The same algorithms resumed inside one process (the GPU subset's form of the test above).
+#[test]
+fn the_stateful_algorithms_together_resume_in_one_process() {
+    let mut run = short_example_run("3ep");
+    run.algorithms = parse_list(
+        "label_smoothing,ema:half_life=5ba,swa:swa_start=0.3:update_interval=4ba,layer_freezing:freeze_start=0,sam:interval=3",
+    )
+    .unwrap();
+    crate::resume::in_process::resumes(&run, Time::Batch(4), Time::Batch(20), false);
+}
+
 #[test]
 fn every_resnet_recipe_trains_and_resumes_exactly() {
     use flashover::algorithms::recipes::RESNET_RECIPES;
@@ -403,12 +414,12 @@ fn every_recipe_resumes_exactly() {
 mod sequence {
     use std::sync::{Arc, Mutex};
 
+    use crate::support::*;
     use flashover::algorithms::seq_length_warmup::{warmup_length, SeqLengthWarmup};
     use flashover::core::event::Event;
     use flashover::core::time::Time;
     use flashover::core::trainer::Trainer;
     use flashover_examples::shakespeare::{bundled_shakespeare, token_loader, CharCorpus, CharLm};
-    use flashover_tests::*;
 
     type Lm = CharLm<TB>;
 
@@ -476,6 +487,7 @@ mod sequence {
 mod schedules {
     use std::sync::{Arc, Mutex};
 
+    use crate::support::*;
     use burn::tensor::{Int, Tensor, TensorData};
     use flashover::algorithms::sam::Sam;
     use flashover::algorithms::spec::parse_list;
@@ -486,7 +498,6 @@ mod schedules {
     use flashover::core::setup::Setup;
     use flashover::core::state::State;
     use flashover_examples::MnistRun;
-    use flashover_tests::*;
 
     /// Records the samples each batch trained on.
     struct Samples(Arc<Mutex<Vec<u64>>>);

@@ -1,10 +1,10 @@
 //! Bad configurations are typed errors that name the value; none panics.
 
+use crate::support::*;
 use flashover::core::data::Sampler;
 use flashover::core::error::CoreError;
 use flashover::core::time::Time;
 use flashover_examples::{mnist_loaders, MnistRun};
-use flashover_tests::*;
 
 fn build_err(run: &MnistRun, lr: f64) -> CoreError {
     match run

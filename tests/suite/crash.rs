@@ -6,9 +6,9 @@
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::support::*;
 use flashover::checkpoint::find_resumable;
 use flashover::core::rng::Rng;
-use flashover_tests::*;
 
 #[test]
 fn killed_at_random_points_and_resumed_gives_the_uninterrupted_result() {

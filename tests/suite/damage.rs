@@ -6,12 +6,12 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use crate::support::*;
 use flashover::checkpoint::format::{
     sha256_hex, verify, Manifest, MANIFEST, MODEL, OPTIMIZER, TRAINER_STATE,
 };
 use flashover::checkpoint::{find_resumable, CheckpointRestore, LoadOptions};
 use flashover_examples::MnistRun;
-use flashover_tests::*;
 
 /// A save folder with two real checkpoints, after 4 and 8 batches.
 pub(crate) fn two_checkpoints() -> (tempfile::TempDir, PathBuf, PathBuf) {

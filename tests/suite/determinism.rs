@@ -1,8 +1,8 @@
 //! Same configuration and seed: bit-identical weights. Another seed: different weights.
 
+use crate::support::*;
 use flashover::core::params::params_sha256;
 use flashover_examples::MnistRun;
-use flashover_tests::*;
 
 fn digest(run: &MnistRun) -> String {
     params_sha256::<TB, _>(trained(run).model())

@@ -18,9 +18,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use flashover::checkpoint::find_resumable;
 use flashover::core::rng::Rng;
-use flashover_tests::*;
 
 /// 480 digits (divisible by 1, 2, 3 and 6: no padding at any world size tested) in global
 /// batches of 48: 10 batches per epoch. 200 test digits.

@@ -2,9 +2,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::support::*;
 use flashover::core::event::Event;
 use flashover_examples::MnistRun;
-use flashover_tests::*;
 
 fn run_recorded(run: &MnistRun, algorithms: bool) -> Vec<String> {
     let log = new_log();

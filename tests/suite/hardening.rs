@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use flashover::checkpoint::format::{sha256_hex, verify, MANIFEST, MODEL, TRAINER_STATE};
 use flashover::checkpoint::LOCK_FILE;
-use flashover_tests::*;
 
 use crate::damage::two_checkpoints;
 

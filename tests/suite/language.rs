@@ -3,7 +3,7 @@
 //! new process, generates the same text from the same seed, and refuses shapes and prompts it
 //! cannot take with an error naming them.
 
-use flashover_tests::*;
+use crate::support::*;
 
 /// A GPT small enough for a test: 2 blocks of width 32, windows of 32 characters, 16 per
 /// batch, 300 batches (over the first 2,000 training windows), 64 validation windows.

@@ -4,6 +4,7 @@
 //! MixUp or CutMix set is stopped at the first batch with an error naming the algorithm and
 //! the function to call, and the README's quickstart example runs.
 
+use crate::support::*;
 use burn::module::Module;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::Tensor;
@@ -17,7 +18,6 @@ use flashover::core::params::params_sha256;
 use flashover::core::time::Time;
 use flashover::core::trainer::Trainer;
 use flashover_examples::{mnist_loaders, MnistCnn, MnistRun};
-use flashover_tests::*;
 
 /// The example's run with `algorithms` and `--out`; then the written weights, loaded into a
 /// fresh CNN and evaluated on the same test digits, give exactly the reported metrics.

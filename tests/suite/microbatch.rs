@@ -3,9 +3,9 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::support::*;
 use flashover::core::event::Event;
 use flashover_examples::MnistRun;
-use flashover_tests::*;
 
 fn first_step_grads(microbatch: Option<usize>) -> Vec<f32> {
     let mut run = short_run(32, 32, 10, "1ba");

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use flashover_tests::*;
+use crate::support::*;
 
 /// The checkpoints under `prefix` of bucket `runs` that have a manifest, by batch.
 fn complete(server: &S3Server, prefix: &str) -> Vec<(u64, String)> {

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use burn::tensor::Tensor;
 use flashover::algorithms::params::{grads_of, set_grad};
 use flashover::callbacks::clock::ManualClock;
@@ -19,7 +20,6 @@ use flashover::core::event::Event;
 use flashover::core::logger::LoggerDestination;
 use flashover::core::time::{Time, Timestamp};
 use flashover_examples::{MnistCnn, MnistRun};
-use flashover_tests::*;
 use serde_json::Value;
 
 /// Every logged value: (batch, name, value), in order.
@@ -126,7 +126,7 @@ fn speed_and_runtime_monitors_match_a_fake_clock() {
         .unwrap();
     t.fit().unwrap();
     let flops =
-        MnistCnn::<flashover_tests::Inner>::new(&Default::default(), 1).forward_flops() * 3.0;
+        MnistCnn::<crate::support::Inner>::new(&Default::default(), 1).forward_flops() * 3.0;
     assert_eq!(
         flops,
         3.0 * 2.0 * (9.0 * 16.0 * 784.0 + 9.0 * 16.0 * 32.0 * 196.0 + 49.0 * 32.0 * 128.0 + 1280.0)
@@ -229,7 +229,7 @@ fn norm_monitor_matches_host_side_sums() {
     let log = Logged::default();
     let seen: Arc<Mutex<BTreeMap<(u64, &'static str), Norms>>> = Arc::default();
     let (g, p) = (seen.clone(), seen.clone());
-    let data = |t: Tensor<flashover_tests::Inner, 1>| t.into_data().to_vec::<f32>().unwrap();
+    let data = |t: Tensor<crate::support::Inner, 1>| t.into_data().to_vec::<f32>().unwrap();
     let mut t = run
         .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
         .unwrap()

@@ -9,6 +9,7 @@
 //! float16 kernels and bfloat16 through float32; wgpu needs shader-f16 and has no bfloat16),
 //! and says which precisions it skipped otherwise.
 
+use crate::support::*;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, FloatDType, Tensor};
@@ -16,7 +17,6 @@ use flashover::core::params::params_sha256;
 use flashover::core::precision::{params_dtype, LossScaling, Precision};
 use flashover::models::ResNetConfig;
 use flashover_examples::MnistRun;
-use flashover_tests::*;
 
 use crate::resume::{autoresume, resumed};
 
@@ -44,12 +44,22 @@ fn dtypes<B: Backend, M: Module<B>>(m: &M) -> Vec<DType> {
     v.0
 }
 
+/// In one process (the GPU subset runs it without an example program): the short run of the
+/// example's test arguments in each precision the backend computes.
 #[test]
 fn every_precision_trains_the_cnn_about_as_well_as_float32() {
-    let base = summary_of(&short_args(&[]));
-    let base_accuracy = base["test_accuracy"].as_f64().unwrap();
-    assert_eq!(base["precision"], "fp32");
-    assert!(base["loss_scale"].is_null());
+    let outcome = |p: Precision| {
+        let mut run = short_example_run("3ep");
+        run.precision = p;
+        let mut t = trained(&run);
+        let test = t.eval().unwrap()["test"].clone();
+        let scale = t.state().loss_scaler().map(|s| s.scale);
+        let batches = t.state().timestamp().batch;
+        (test, scale, batches, params_sha256::<TB, _>(t.model()))
+    };
+    let (base, base_scale, base_batches, base_digest) = outcome(Precision::Fp32);
+    assert!(base_scale.is_none());
+    assert_eq!(base_batches, 48);
     for p in [
         Precision::AmpBf16,
         Precision::AmpFp16,
@@ -59,21 +69,17 @@ fn every_precision_trains_the_cnn_about_as_well_as_float32() {
         if !runs(p) {
             continue;
         }
-        let s = summary_of(&short_args(&["--precision", p.name()]));
-        assert_eq!(s["precision"], p.name());
-        assert_eq!(s["batches"], base["batches"]);
-        assert!(s["test_loss"].as_f64().unwrap().is_finite(), "{p}: {s}");
-        let accuracy = s["test_accuracy"].as_f64().unwrap();
+        let (test, scale, batches, digest) = outcome(p);
+        assert_eq!(batches, base_batches, "{p}");
+        assert!(test["loss"].is_finite(), "{p}: {test:?}");
         // 200 test digits: 0.03 is six digits either way, on a run that reaches about 0.85.
+        let (accuracy, base_accuracy) = (test["accuracy"], base["accuracy"]);
         assert!(
             (accuracy - base_accuracy).abs() <= 0.03,
             "{p}: accuracy {accuracy} against float32's {base_accuracy}"
         );
-        assert_eq!(s["loss_scale"].is_null(), !p.scales_loss(), "{p}: {s}");
-        assert_ne!(
-            s["params_sha256"], base["params_sha256"],
-            "{p} trained in float32"
-        );
+        assert_eq!(scale.is_none(), !p.scales_loss(), "{p}: scale {scale:?}");
+        assert_ne!(digest, base_digest, "{p} trained in float32");
     }
 }
 
@@ -228,6 +234,21 @@ fn runs_in_each_kind_of_precision_resume_bit_for_bit() {
             &["--stop-after", "8ba"],
             autoresume,
         );
+    }
+}
+
+/// The test above inside one process (the GPU subset's form of it).
+#[test]
+fn runs_in_each_kind_of_precision_resume_bit_for_bit_in_one_process() {
+    use flashover::core::time::Time;
+    for p in [Precision::AmpFp16, Precision::Bf16] {
+        if !runs(p) {
+            continue;
+        }
+        let mut run = short_example_run("3ep");
+        run.precision = p;
+        run.loss_scaling.growth_interval = 5;
+        crate::resume::in_process::resumes(&run, Time::Batch(4), Time::Batch(8), false);
     }
 }
 

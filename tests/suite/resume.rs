@@ -1,7 +1,7 @@
 //! Exact resumption across processes: train straight; or train part way, save, start a new
 //! process that resumes, train to the end; both end with the same bits and the same metrics.
 
-use flashover_tests::*;
+use crate::support::*;
 
 pub(crate) fn resumed(extra: &[&str], first: &[&str], resume: impl Fn(&str) -> Vec<String>) {
     let straight = summary_of(&short_args(extra));
@@ -104,9 +104,78 @@ fn resuming_a_finished_run_evaluates_without_training() {
     assert_eq!(outcome(&again), outcome(&first));
 }
 
+/// Exact resumption inside one process, through the library's saver and autoresume: the
+/// backend's share of resuming (its tensors' bytes in a checkpoint and back) without an
+/// example program, so a GPU backend's test subset runs these without building one.
+pub(crate) mod in_process {
+    use crate::support::*;
+    use flashover::callbacks::StopAt;
+    use flashover::checkpoint::{autoresume, SaveInterval, Saver, SaverConfig};
+    use flashover::core::params::params_sha256;
+    use flashover::core::time::Time;
+    use flashover_examples::MnistRun;
+
+    /// Trains `run` straight; trains it again with a checkpoint every `interval` (written on
+    /// a background thread if `async_write`) and stops at `stop`; then a new trainer resumes
+    /// from the newest checkpoint and trains to the end. The weights, the final test metrics
+    /// and the batch count must equal the straight run's.
+    pub(crate) fn resumes(run: &MnistRun, interval: Time, stop: Time, async_write: bool) {
+        let outcome = |t: &mut MnistTrainer| {
+            let metrics = t.eval().unwrap();
+            (
+                params_sha256::<TB, _>(t.model()),
+                format!("{metrics:?}"),
+                t.state().timestamp().batch,
+            )
+        };
+        let straight = outcome(&mut trained(run));
+        let dir = tempfile::tempdir().unwrap();
+        let saver = || {
+            let mut config = SaverConfig::new(dir.path());
+            config.async_write = async_write;
+            Saver::new(config, SaveInterval::Every(interval)).unwrap()
+        };
+        let mut first = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(saver())
+            .callback(StopAt::new(stop))
+            .build()
+            .unwrap();
+        first.fit().unwrap();
+        let stopped = first.state().timestamp().batch;
+        assert!(stopped < straight.2, "the first part must stop early");
+        drop(first);
+        let checkpoint = autoresume(dir.path())
+            .unwrap()
+            .expect("a checkpoint to resume from");
+        let mut back = run
+            .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .callback(saver())
+            .restore(checkpoint)
+            .build()
+            .unwrap();
+        back.fit().unwrap();
+        assert_eq!(
+            outcome(&mut back),
+            straight,
+            "resumed after batch {stopped}, the run differs from the straight one"
+        );
+    }
+
+    #[test]
+    fn mid_epoch_and_from_an_asynchronous_save() {
+        let run = short_example_run("3ep");
+        resumes(&run, Time::Batch(4), Time::Batch(8), false);
+        resumes(&run, Time::Batch(4), Time::Batch(30), true);
+    }
+}
+
 mod components {
     use std::sync::{Arc, Mutex};
 
+    use crate::support::*;
     use flashover::callbacks::StopAt;
     use flashover::checkpoint::{autoresume, SaveInterval, Saver, SaverConfig};
     use flashover::core::callback::Callback;
@@ -116,7 +185,6 @@ mod components {
     use flashover::core::state::State;
     use flashover::core::time::Time;
     use flashover_examples::MnistRun;
-    use flashover_tests::*;
 
     /// Counts the batches it has seen, and saves the count in checkpoints.
     struct Counter(Arc<Mutex<u64>>);
@@ -270,10 +338,10 @@ fn weights_only_checkpoints_start_new_runs_but_do_not_resume() {
 }
 
 mod predicate {
+    use crate::support::*;
     use flashover::checkpoint::{list_checkpoints, SaveInterval, Saver, SaverConfig};
     use flashover::core::event::Event;
     use flashover_examples::MnistRun;
-    use flashover_tests::*;
 
     #[test]
     fn a_save_predicate_decides_when_to_save_and_rotation_keeps_the_newest() {

@@ -7,6 +7,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::threads::{two_ranks, Hub, ThreadCollective};
+use crate::support::*;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{Sgd, SgdConfig};
 use burn::tensor::Tensor;
@@ -25,8 +27,6 @@ use flashover::core::time::Time;
 use flashover::core::trainer::{Evaluator, Trainer, TrainerBuilder};
 use flashover::distributed::LocalGroup;
 use flashover_examples::{bundled_mnist_dir, MnistCnn};
-use flashover_tests::threads::{two_ranks, Hub, ThreadCollective};
-use flashover_tests::*;
 
 type Sgd32 = OptimizerAdaptor<Sgd<Inner>, MnistCnn<TB>, TB>;
 type Run = SetupOf<TB, MnistCnn<TB>, Sgd32>;

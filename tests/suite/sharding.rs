@@ -10,6 +10,8 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::support::threads::ranks;
+use crate::support::*;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{Optimizer, SimpleOptimizer};
 use flashover::algorithms::ema::Ema;
@@ -24,8 +26,6 @@ use flashover::core::state::World;
 use flashover::core::time::Time;
 use flashover::core::trainer::{Trainer, TrainerBuilder};
 use flashover_examples::{bundled_mnist_dir, MnistCnn};
-use flashover_tests::threads::ranks;
-use flashover_tests::*;
 
 /// A trainer for rank `world.rank` on the first 64 training digits, `batch` a rank per step,
 /// the CNN drawn from seed 5 (every rank takes rank 0's weights anyway).

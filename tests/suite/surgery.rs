@@ -3,13 +3,13 @@
 //! layers the model lacks is an error naming them; every surgery resumes bit-exactly in a new
 //! process; a checkpoint shaped by other surgery (or none) is refused with both descriptions.
 
+use crate::support::*;
 use flashover::algorithms::blurpool::{apply_blurpool, BlurPoolOptions};
 use flashover::algorithms::ghost_batchnorm::apply_ghost_batchnorm;
 use flashover::algorithms::spec::parse_list;
 use flashover::models::{MnistCnn, ResNetConfig};
 use flashover::surgery::{LayerMut, SurgicalExt};
 use flashover_examples::MnistModel;
-use flashover_tests::*;
 
 /// The suite's training backend (flex by default; the GPU backends' builds compile this too).
 type AB = TB;

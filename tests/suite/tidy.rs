@@ -2,8 +2,9 @@
 //! the model): the crate arrows (read from `cargo metadata`), a `//!` opening every `.rs` file,
 //! an invariant comment above every `unwrap()`/`expect(` in library code, no system library in
 //! the main job's build, ARCHITECTURE.md's code map naming every source file and nothing that
-//! does not exist, `unsafe` code only where the map says, and no import circle between a
-//! crate's files. Each rule is a pure function over
+//! does not exist, `unsafe` code only where the map says, no import circle between a crate's
+//! files, and a GPU backend's test subset that matches tests and starts no example program.
+//! Each rule is a pure function over
 //! text, tested on inputs that break it, then run over the repository.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -1003,5 +1004,66 @@ fn source_files_import_one_another_without_circles() {
         problems.is_empty(),
         "import circles (move what both sides use into a module of its own):\n{}",
         problems.join("\n")
+    );
+}
+
+/// The test filters of xtask's `GPU_SUBSET`, read from its source.
+fn gpu_subset(source: &str) -> Vec<String> {
+    let Some(start) = source.find("GPU_SUBSET: &[&str] = &[") else {
+        return Vec::new();
+    };
+    let list = &source[start..];
+    let list = &list[..list.find("];").unwrap_or(list.len())];
+    list.split('"')
+        .skip(1)
+        .step_by(2)
+        .map(String::from)
+        .collect()
+}
+
+#[test]
+fn the_subset_reader_finds_each_filter() {
+    let source = "const X: u8 = 1;\npub(crate) const GPU_SUBSET: &[&str] = &[\n    \"a::\",\n    \"b::c\",\n];\nconst Y: &str = \"d\";";
+    assert_eq!(gpu_subset(source), ["a::", "b::c"]);
+    assert!(gpu_subset("const Y: &str = \"d\";").is_empty());
+}
+
+/// The subset a GPU backend runs (`cargo xtask test --backend wgpu`) builds the test binary
+/// alone: run here, on the CPU backend, with example programs forbidden, each of its filters
+/// must match a test and every test it selects must pass. (A test that starts an example
+/// program fails at once, naming the program.)
+#[test]
+fn the_gpu_subset_matches_tests_and_starts_no_example_program() {
+    let source = std::fs::read_to_string(workspace_root().join("xtask/src/build.rs"))
+        .expect("xtask's build.rs");
+    let filters = gpu_subset(&source);
+    assert!(filters.len() >= 10, "GPU_SUBSET not found: {filters:?}");
+    let exe = std::env::current_exe().expect("the test binary knows its path");
+    let listed = std::process::Command::new(&exe)
+        .args(["--list", "--format", "terse"])
+        .output()
+        .expect("the test binary lists its tests");
+    let names: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+        .lines()
+        .filter_map(|l| l.strip_suffix(": test").map(String::from))
+        .collect();
+    let unmatched: Vec<&String> = filters
+        .iter()
+        .filter(|f| !names.iter().any(|n| n.contains(f.as_str())))
+        .collect();
+    assert!(
+        unmatched.is_empty(),
+        "GPU_SUBSET filters that match no test: {unmatched:?}"
+    );
+    let out = std::process::Command::new(&exe)
+        .args(&filters)
+        .env(crate::support::NO_EXAMPLE_PROGRAMS, "1")
+        .output()
+        .expect("the test binary runs");
+    assert!(
+        out.status.success(),
+        "the GPU subset, run on this backend without example programs:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
 }

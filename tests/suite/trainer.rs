@@ -1,12 +1,12 @@
 //! Trainer behaviour: repeated fits, stop requests, non-finite losses, eval and predict.
 
+use crate::support::*;
 use burn::tensor::Tensor;
 use flashover::core::error::CoreError;
 use flashover::core::event::Event;
 use flashover::core::params::params_sha256;
 use flashover::core::time::Time;
 use flashover_examples::{mnist_loaders, MnistRun};
-use flashover_tests::*;
 
 #[test]
 fn fit_in_two_calls_equals_one_call() {
@@ -359,6 +359,7 @@ mod wall_clock {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
+    use crate::support::*;
     use flashover::callbacks::StopAt;
     use flashover::checkpoint::{autoresume, SaveInterval, Saver, SaverConfig};
     use flashover::core::callback::Callback;
@@ -368,7 +369,6 @@ mod wall_clock {
     use flashover::core::state::State;
     use flashover::core::time::Time;
     use flashover_examples::MnistRun;
-    use flashover_tests::*;
 
     /// Sleeps at every batch end and records the run's wall time as the trainer saw it there.
     struct Slow(Arc<Mutex<Vec<Duration>>>);

@@ -1,7 +1,10 @@
 //! Shared test support for the cross-crate tests: the backend under test, recording
 //! callbacks, algorithms and loggers, and helpers to read gradients and build short MNIST
 //! runs. Tests import from here instead of copying these pieces.
-#![allow(missing_docs)]
+//!
+//! A module of the test binary, not a library of its own: a library would compile the trainer
+//! for the backend under test once for itself and again for the binary (release builds share
+//! no generic code between crates), about 3 of a 2-core machine's minutes per backend.
 
 use std::sync::{Arc, Mutex};
 
@@ -219,6 +222,25 @@ pub fn short_run(train: usize, batch_size: usize, test: usize, max_duration: &st
     }
 }
 
+/// In one process, the run the example makes of `SHORT` plus `--max-duration max_duration`
+/// (512 training and 200 test digits, batches of 32, the example's seed, warmup and cosine
+/// schedule): for tests that a GPU backend's subset runs without an example program.
+pub fn short_example_run(max_duration: &str) -> MnistRun {
+    let defaults = MnistRun::default();
+    let mut data = MnistData::bundled(32, defaults.seed);
+    data.train_limit = Some(512);
+    data.test_limit = Some(200);
+    MnistRun {
+        data,
+        max_duration: max_duration
+            .parse::<Time>()
+            .expect("test durations are valid"),
+        scheduler: flashover::core::schedule::Scheduler::cosine(Time::Duration(1.0), 0.0)
+            .with_warmup(Time::Batch(20)),
+        ..defaults
+    }
+}
+
 /// The example's optimizer (AdamW over the MNIST CNN) on the test backend.
 pub type MnistOptimizer = burn::optim::adaptor::OptimizerAdaptor<
     burn::optim::AdamW,
@@ -252,9 +274,20 @@ pub fn device() -> <TB as burn::tensor::backend::BackendTypes>::Device {
     Default::default()
 }
 
+/// Set (to anything) where no example program may be started: see [`example_bin`].
+pub const NO_EXAMPLE_PROGRAMS: &str = "FLASHOVER_NO_EXAMPLE_PROGRAMS";
+
 /// A built example program, next to this test binary (`cargo test --workspace` builds the
 /// examples; `cargo test -p flashover-tests` alone does not).
+/// `NO_EXAMPLE_PROGRAMS` set: the test is being run as one of a GPU backend's subset, which
+/// builds no example program, and fails at once saying so.
 pub fn example_bin(name: &str) -> std::path::PathBuf {
+    assert!(
+        std::env::var_os(NO_EXAMPLE_PROGRAMS).is_none(),
+        "this test starts the example program `{name}`, and the GPU backends' test subset \
+         (GPU_SUBSET in xtask/src/build.rs) builds none: put the test's in-process form in the \
+         subset instead"
+    );
     let exe = std::env::current_exe().expect("the test binary knows its path");
     let profile_dir = exe
         .parent()

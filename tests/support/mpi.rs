@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use crate::skip::{skipped, Need};
+use super::skip::{skipped, Need};
 
 /// Whether `mpirun` runs here.
 pub fn have_mpirun() -> bool {
@@ -95,7 +95,7 @@ fn build() -> Result<PathBuf, String> {
     ]);
     c.arg("--features").arg(format!(
         "flashover-examples/mpi,flashover-examples/{}",
-        crate::BACKEND
+        super::BACKEND
     ));
     c.arg("--target-dir").arg(&dir);
     use std::io::Write;
@@ -132,7 +132,7 @@ pub fn mnist() -> Option<PathBuf> {
         return None;
     }
     if cfg!(feature = "mpi") {
-        return Some(crate::example_bin("mnist"));
+        return Some(super::example_bin("mnist"));
     }
     static BUILT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     match BUILT.get_or_init(build) {

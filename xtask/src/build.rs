@@ -22,9 +22,12 @@ pub(crate) fn build(backend: Backend, check: bool) -> Result<()> {
 /// round trip, through two ranks in threads). The rest of the suite checks host code (files,
 /// parsing, locks, messages, timing, the source tree, the MPI transport, which moves host
 /// buffers whatever the backend) that is the same on every backend, or repeats these on more
-/// configurations; `cargo xtask test --backend wgpu --all` runs everything. (No test of the
-/// subset runs an example program: building the MPI example for a GPU backend cost CI's two
-/// cores minutes for one test whose device part the `seams::` tests already run.)
+/// configurations; `cargo xtask test --backend wgpu --all` runs everything.
+///
+/// Every test here runs inside the test process: none starts an example program, so the
+/// subset builds the test binary alone (each example program monomorphises the trainer for
+/// the backend anew, minutes of CI's two cores). The exact-resumption tests are the
+/// in-process forms (`resume::in_process`) of the flex suite's example-program ones.
 pub(crate) const GPU_SUBSET: &[&str] = &[
     "determinism::",
     "microbatch::",
@@ -32,15 +35,21 @@ pub(crate) const GPU_SUBSET: &[&str] = &[
     "trainer::eval_and_predict_report_sane_values",
     "trainer::sgd_with_momentum_adam_and_adamw_all_train_through_the_trainer",
     "trainer::non_finite_batches_can_be_skipped_and_counted",
-    "resume::resume_mid_epoch",
-    "resume::resume_from_an_asynchronous_save",
+    "resume::in_process::",
     "algorithms::every_algorithm_trains_and_changes_the_run",
-    "algorithms::resume_with_the_stateful_algorithms_together",
+    "algorithms::the_stateful_algorithms_together_resume_in_one_process",
     "seams::two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch",
     "seams::sam_steps_alike_on_every_rank",
     "observe::device_memory_is_read_where_the_backend_reports_it",
     "observe::nan_monitor_names_the_batch_of_a_bad_loss_or_gradient",
-    "precision::",
+    "precision::every_precision_trains_the_cnn_about_as_well_as_float32",
+    "precision::mixed_precision_keeps_float32_weights_and_pure_precision_the_half_type",
+    "precision::an_overflow_skips_the_step_lowers_the_scale_and_leaves_the_weights",
+    "precision::the_scale_doubles_after_each_interval_of_clean_steps",
+    "precision::runs_in_each_kind_of_precision_resume_bit_for_bit_in_one_process",
+    "precision::every_algorithm_trains_in_half_and_mixed_precision",
+    "precision::sams_second_pass_gradients_are_unscaled_under_loss_scaling",
+    "precision::an_overflow_in_sams_second_pass_skips_the_step_and_lowers_the_scale",
 ];
 
 pub(crate) fn test(backend: Backend, all: bool) -> Result<()> {
