@@ -845,7 +845,25 @@ fn dense_backward_linear(
     }
     if needs[1] {
         assert_eq!(x.len(), n * d_in, "input of {s:?}");
-        let dw = zeroed_chunks(d_in * d_out, DENSE_FEATURES * d_out, |ci, dst| {
+        grads.weight = Some(dense_weight_grad(s, x, gout));
+    }
+    if needs[2] {
+        grads.bias = Some(column_sums(gout, n, d_out));
+    }
+    grads
+}
+
+/// The weight gradient of a dense layer, `xᵀ · gout` (`d_in x d_out`), in blocks of
+/// [`DENSE_FEATURES`] input features by [`dense_grad_columns`] output columns: each block is a
+/// whole sum over the batch (one product), so no sum is split between threads, and the
+/// blocks are a function of the shape alone. A language model's `d_in` of 128 is one block
+/// of features; cutting the columns too gives the threads several blocks to share (one
+/// block per layer left the other threads idle for a fifth of the step's products).
+fn dense_weight_grad(s: &DenseShape, x: &[f32], gout: &[f32]) -> Vec<f32> {
+    let (n, d_in, d_out) = (s.rows, s.d_in, s.d_out);
+    let cols = dense_grad_columns(s);
+    if cols >= d_out {
+        return zeroed_chunks(d_in * d_out, DENSE_FEATURES * d_out, |ci, dst| {
             let features = dst.len() / d_out;
             matmul(
                 MatMut::row_major(dst, features, d_out),
@@ -854,13 +872,47 @@ fn dense_backward_linear(
                 MatRef::row_major(gout, n, d_out),
             );
         });
-        grads.weight = Some(dw);
     }
-    if needs[2] {
-        grads.bias = Some(column_sums(gout, n, d_out));
+    // Blocks (feature chunk, column chunk) in row-major order, each computed row-major into
+    // its own `DENSE_FEATURES x cols` slot (edge blocks use part of theirs), then placed.
+    let (feature_blocks, column_blocks) = (d_in.div_ceil(DENSE_FEATURES), d_out.div_ceil(cols));
+    let slot = DENSE_FEATURES * cols;
+    let blocks = zeroed_chunks(feature_blocks * column_blocks * slot, slot, |bi, dst| {
+        let (f0, c0) = ((bi / column_blocks) * DENSE_FEATURES, (bi % column_blocks) * cols);
+        let (features, width) = (DENSE_FEATURES.min(d_in - f0), cols.min(d_out - c0));
+        matmul(
+            MatMut::row_major(&mut dst[..features * width], features, width),
+            MatRef::new(&x[f0..], features, n, 1, d_in),
+            MatRef::new(&gout[c0..], n, width, d_out, 1),
+        );
+    });
+    let mut dw = vec![0.0f32; d_in * d_out];
+    for (bi, block) in blocks.chunks_exact(slot).enumerate() {
+        let (f0, c0) = ((bi / column_blocks) * DENSE_FEATURES, (bi % column_blocks) * cols);
+        let (features, width) = (DENSE_FEATURES.min(d_in - f0), cols.min(d_out - c0));
+        for (r, row) in block[..features * width].chunks_exact(width).enumerate() {
+            dw[(f0 + r) * d_out + c0..][..width].copy_from_slice(row);
+        }
     }
-    grads
+    dw
 }
+
+/// Output columns per block of a dense layer's weight gradient: all of them when the input
+/// features alone make [`DENSE_GRAD_BLOCKS`] blocks; otherwise as many as make about that
+/// many blocks, a multiple of 16 and at least 32 (narrower blocks would pack the input
+/// again for too little work each).
+fn dense_grad_columns(s: &DenseShape) -> usize {
+    let feature_blocks = s.d_in.div_ceil(DENSE_FEATURES).max(1);
+    if feature_blocks >= DENSE_GRAD_BLOCKS {
+        return s.d_out.max(1);
+    }
+    let column_blocks = DENSE_GRAD_BLOCKS.div_ceil(feature_blocks);
+    let cols = s.d_out.div_ceil(column_blocks).next_multiple_of(16).max(32);
+    cols.min(s.d_out).max(1)
+}
+
+/// Blocks a dense layer's weight gradient is cut into, at least (see [`dense_grad_columns`]).
+const DENSE_GRAD_BLOCKS: usize = 8;
 
 /// The sums of the columns of the row-major `rows x width` matrix `m`, rows added in order
 /// (each column its own sum, so the columns are split between threads in fixed groups).
