@@ -887,13 +887,20 @@ mod tests {
     }
 
     /// The fast path's attention (flex) against Burn's tensor ops: output, and the gradient
-    /// through autodiff, on odd sizes.
+    /// through autodiff, on odd sizes (70 and 33 positions: causal blocks of 32 with a short
+    /// last one).
     #[test]
     fn fast_attention_matches_burns_ops_and_their_gradient() {
         use crate::ops::burn_causal_attention;
         type AB = Autodiff<B>;
         let d = Default::default();
-        for (b, t, w, h) in [(2, 5, 6, 2), (1, 7, 12, 3), (3, 1, 4, 1)] {
+        for (b, t, w, h) in [
+            (2, 5, 6, 2),
+            (1, 7, 12, 3),
+            (3, 1, 4, 1),
+            (1, 70, 8, 2),
+            (2, 33, 6, 3),
+        ] {
             <B as burn::tensor::backend::Backend>::seed(&d, (b * 100 + t) as u64);
             let x = Tensor::<B, 3>::random([b, t, 3 * w], Distribution::Normal(0.0, 1.0), &d);
             let r = Tensor::<B, 3>::random([b, t, w], Distribution::Normal(0.0, 1.0), &d);
@@ -963,7 +970,8 @@ mod tests {
         use crate::ops::burn_causal_attention;
         type AB = Autodiff<B>;
         let d = Default::default();
-        let (b, t, w, h) = (2, 6, 8, 2);
+        // 40 positions: two causal blocks, the second short.
+        let (b, t, w, h) = (2, 40, 8, 2);
         let slopes = [0.5f32, 0.125];
         <B as burn::tensor::backend::Backend>::seed(&d, 17);
         let x = Tensor::<B, 3>::random([b, t, 3 * w], Distribution::Normal(0.0, 1.0), &d);

@@ -878,7 +878,10 @@ fn dense_weight_grad(s: &DenseShape, x: &[f32], gout: &[f32]) -> Vec<f32> {
     let (feature_blocks, column_blocks) = (d_in.div_ceil(DENSE_FEATURES), d_out.div_ceil(cols));
     let slot = DENSE_FEATURES * cols;
     let blocks = zeroed_chunks(feature_blocks * column_blocks * slot, slot, |bi, dst| {
-        let (f0, c0) = ((bi / column_blocks) * DENSE_FEATURES, (bi % column_blocks) * cols);
+        let (f0, c0) = (
+            (bi / column_blocks) * DENSE_FEATURES,
+            (bi % column_blocks) * cols,
+        );
         let (features, width) = (DENSE_FEATURES.min(d_in - f0), cols.min(d_out - c0));
         matmul(
             MatMut::row_major(&mut dst[..features * width], features, width),
@@ -888,7 +891,10 @@ fn dense_weight_grad(s: &DenseShape, x: &[f32], gout: &[f32]) -> Vec<f32> {
     });
     let mut dw = vec![0.0f32; d_in * d_out];
     for (bi, block) in blocks.chunks_exact(slot).enumerate() {
-        let (f0, c0) = ((bi / column_blocks) * DENSE_FEATURES, (bi % column_blocks) * cols);
+        let (f0, c0) = (
+            (bi / column_blocks) * DENSE_FEATURES,
+            (bi % column_blocks) * cols,
+        );
         let (features, width) = (DENSE_FEATURES.min(d_in - f0), cols.min(d_out - c0));
         for (r, row) in block[..features * width].chunks_exact(width).enumerate() {
             dw[(f0 + r) * d_out + c0..][..width].copy_from_slice(row);
@@ -1410,39 +1416,56 @@ pub fn attention_forward(
             let x = &qkv[b * t * 3 * w..][..t * 3 * w];
             for head in 0..h {
                 let p = &mut probs[head * t * t..][..t * t];
-                let q = MatRef::new(&x[head * dh..], t, dh, 3 * w, 1);
-                let k_t = MatRef::new(&x[w + head * dh..], dh, t, 1, 3 * w);
-                matmul(MatMut::row_major(p, t, t), q, k_t);
                 let slope = alibi.map(|a| a[head]);
-                for (i, row) in p.chunks_exact_mut(t).enumerate() {
-                    let (seen, later) = row.split_at_mut(i + 1);
-                    // Scaled scores plus the biases, in place.
-                    match slope {
-                        None => seen.iter_mut().for_each(|v| *v *= scale),
-                        Some(m) => seen
-                            .iter_mut()
-                            .enumerate()
-                            .for_each(|(j, v)| *v = *v * scale + alibi_bias(m, i, j)),
+                // Queries in blocks of rows: a block's scores and output need only the keys
+                // up to its last query (the causal mask's zeros are never computed).
+                for (r0, r1) in causal_blocks(t) {
+                    let rows = r1 - r0;
+                    let q = MatRef::new(&x[r0 * 3 * w + head * dh..], rows, dh, 3 * w, 1);
+                    let k_t = MatRef::new(&x[w + head * dh..], dh, r1, 1, 3 * w);
+                    matmul(MatMut::new(&mut p[r0 * t..], rows, r1, t, 1), q, k_t);
+                    for (i, row) in (r0..r1).zip(p[r0 * t..r1 * t].chunks_exact_mut(t)) {
+                        let (seen, later) = row.split_at_mut(i + 1);
+                        // Scaled scores plus the biases, in place.
+                        match slope {
+                            None => seen.iter_mut().for_each(|v| *v *= scale),
+                            Some(m) => seen
+                                .iter_mut()
+                                .enumerate()
+                                .for_each(|(j, v)| *v = *v * scale + alibi_bias(m, i, j)),
+                        }
+                        let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                        // The exponentials vectorised (`exp_f32`, the best vector extension
+                        // chosen at run time), then summed in order.
+                        pulp::Arch::new().dispatch(|| {
+                            seen.iter_mut().for_each(|v| *v = exp_f32(*v - max));
+                        });
+                        let sum: f32 = seen.iter().sum();
+                        seen.iter_mut().for_each(|v| *v /= sum);
+                        later.fill(0.0);
                     }
-                    let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                    // The exponentials vectorised (`exp_f32`, the best vector extension
-                    // chosen at run time), then summed in order.
-                    pulp::Arch::new().dispatch(|| {
-                        seen.iter_mut().for_each(|v| *v = exp_f32(*v - max));
-                    });
-                    let sum: f32 = seen.iter().sum();
-                    seen.iter_mut().for_each(|v| *v /= sum);
-                    later.fill(0.0);
+                    let v = MatRef::new(&x[2 * w + head * dh..], r1, dh, 3 * w, 1);
+                    matmul(
+                        MatMut::new(&mut out[r0 * w + head * dh..], rows, dh, w, 1),
+                        MatRef::new(&p[r0 * t..], rows, r1, t, 1),
+                        v,
+                    );
                 }
-                let v = MatRef::new(&x[2 * w + head * dh..], t, dh, 3 * w, 1);
-                matmul(
-                    MatMut::new(&mut out[head * dh..], t, dh, w, 1),
-                    MatRef::row_major(p, t, t),
-                    v,
-                );
             }
         },
     )
+}
+
+/// Rows per block of a causal attention's queries (and, in the backward pass, keys): with
+/// 128 positions, four blocks compute 10 of the 16 blocks of scores, 62.5% of the full
+/// products.
+const CAUSAL_BLOCK: usize = 32;
+
+/// The `[start, end)` blocks of [`CAUSAL_BLOCK`] positions that cover `0..t`, in order.
+fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t)
+        .step_by(CAUSAL_BLOCK)
+        .map(move |r0| (r0, (r0 + CAUSAL_BLOCK).min(t)))
 }
 
 /// The gradient of [`attention_forward`] with respect to `qkv`, for the output gradient
@@ -1470,35 +1493,53 @@ pub fn attention_backward(
         let mut ds = vec![0.0f32; t * t];
         for head in 0..h {
             let p = &probs[(b * h + head) * t * t..][..t * t];
-            let d_out = MatRef::new(&g[head * dh..], t, dh, w, 1);
-            // dV = Pᵀ dO.
-            matmul(
-                MatMut::new(&mut dx[2 * w + head * dh..], t, dh, 3 * w, 1),
-                MatRef::new(p, t, t, 1, t),
-                d_out,
-            );
-            // dP = dO Vᵀ, then dS in place.
-            let v_t = MatRef::new(&x[2 * w + head * dh..], dh, t, 1, 3 * w);
-            matmul(MatMut::row_major(&mut ds, t, t), d_out, v_t);
-            for (row, p_row) in ds.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-                let dot: f32 = row.iter().zip(p_row).map(|(d, p)| d * p).sum();
-                for (d, p) in row.iter_mut().zip(p_row) {
-                    *d = p * (*d - dot) * scale;
+            // Per block of queries `r0..r1`: dP = dO Vᵀ over the keys up to `r1`, then dS in
+            // place (zero after each row's query), then dQ = dS K over the same keys.
+            for (r0, r1) in causal_blocks(t) {
+                let rows = r1 - r0;
+                let d_out = MatRef::new(&g[r0 * w + head * dh..], rows, dh, w, 1);
+                let v_t = MatRef::new(&x[2 * w + head * dh..], dh, r1, 1, 3 * w);
+                matmul(MatMut::new(&mut ds[r0 * t..], rows, r1, t, 1), d_out, v_t);
+                for (i, (row, p_row)) in (r0..r1).zip(
+                    ds[r0 * t..r1 * t]
+                        .chunks_exact_mut(t)
+                        .zip(p[r0 * t..].chunks_exact(t)),
+                ) {
+                    let (seen, later) = row.split_at_mut(i + 1);
+                    let dot: f32 = seen.iter().zip(p_row).map(|(d, p)| d * p).sum();
+                    for (d, p) in seen.iter_mut().zip(p_row) {
+                        *d = p * (*d - dot) * scale;
+                    }
+                    later.fill(0.0);
                 }
+                let k = MatRef::new(&x[w + head * dh..], r1, dh, 3 * w, 1);
+                matmul(
+                    MatMut::new(&mut dx[r0 * 3 * w + head * dh..], rows, dh, 3 * w, 1),
+                    MatRef::new(&ds[r0 * t..], rows, r1, t, 1),
+                    k,
+                );
             }
-            // dQ = dS K; dK = dSᵀ Q.
-            let k = MatRef::new(&x[w + head * dh..], t, dh, 3 * w, 1);
-            matmul(
-                MatMut::new(&mut dx[head * dh..], t, dh, 3 * w, 1),
-                MatRef::row_major(&ds, t, t),
-                k,
-            );
-            let q = MatRef::new(&x[head * dh..], t, dh, 3 * w, 1);
-            matmul(
-                MatMut::new(&mut dx[w + head * dh..], t, dh, 3 * w, 1),
-                MatRef::new(&ds, t, t, 1, t),
-                q,
-            );
+            // Per block of keys `c0..c1`, over the queries from `c0` on (the earlier ones do
+            // not see these keys): dV = Pᵀ dO and dK = dSᵀ Q.
+            for (c0, c1) in causal_blocks(t) {
+                let (keys, queries) = (c1 - c0, t - c0);
+                matmul(
+                    MatMut::new(
+                        &mut dx[c0 * 3 * w + 2 * w + head * dh..],
+                        keys,
+                        dh,
+                        3 * w,
+                        1,
+                    ),
+                    MatRef::new(&p[c0 * t + c0..], keys, queries, 1, t),
+                    MatRef::new(&g[c0 * w + head * dh..], queries, dh, w, 1),
+                );
+                matmul(
+                    MatMut::new(&mut dx[c0 * 3 * w + w + head * dh..], keys, dh, 3 * w, 1),
+                    MatRef::new(&ds[c0 * t + c0..], keys, queries, 1, t),
+                    MatRef::new(&x[c0 * 3 * w + head * dh..], queries, dh, 3 * w, 1),
+                );
+            }
         }
     })
 }
