@@ -877,12 +877,16 @@ fn dense_weight_grad(s: &DenseShape, x: &[f32], gout: &[f32]) -> Vec<f32> {
     // its own `DENSE_FEATURES x cols` slot (edge blocks use part of theirs), then placed.
     let (feature_blocks, column_blocks) = (d_in.div_ceil(DENSE_FEATURES), d_out.div_ceil(cols));
     let slot = DENSE_FEATURES * cols;
-    let blocks = zeroed_chunks(feature_blocks * column_blocks * slot, slot, |bi, dst| {
+    // Block `bi`'s first feature and column, and its numbers of features and columns.
+    let block = |bi: usize| {
         let (f0, c0) = (
             (bi / column_blocks) * DENSE_FEATURES,
             (bi % column_blocks) * cols,
         );
-        let (features, width) = (DENSE_FEATURES.min(d_in - f0), cols.min(d_out - c0));
+        (f0, c0, DENSE_FEATURES.min(d_in - f0), cols.min(d_out - c0))
+    };
+    let blocks = zeroed_chunks(feature_blocks * column_blocks * slot, slot, |bi, dst| {
+        let (f0, c0, features, width) = block(bi);
         matmul(
             MatMut::row_major(&mut dst[..features * width], features, width),
             MatRef::new(&x[f0..], features, n, 1, d_in),
@@ -890,13 +894,9 @@ fn dense_weight_grad(s: &DenseShape, x: &[f32], gout: &[f32]) -> Vec<f32> {
         );
     });
     let mut dw = vec![0.0f32; d_in * d_out];
-    for (bi, block) in blocks.chunks_exact(slot).enumerate() {
-        let (f0, c0) = (
-            (bi / column_blocks) * DENSE_FEATURES,
-            (bi % column_blocks) * cols,
-        );
-        let (features, width) = (DENSE_FEATURES.min(d_in - f0), cols.min(d_out - c0));
-        for (r, row) in block[..features * width].chunks_exact(width).enumerate() {
+    for (bi, values) in blocks.chunks_exact(slot).enumerate() {
+        let (f0, c0, features, width) = block(bi);
+        for (r, row) in values[..features * width].chunks_exact(width).enumerate() {
             dw[(f0 + r) * d_out + c0..][..width].copy_from_slice(row);
         }
     }
