@@ -1208,16 +1208,41 @@ impl<B: ChannelsLastBackend> Backward<B, 1> for ToNhwc {
     }
 }
 
-/// What a dense layer's backward pass needs.
+/// What a dense layer's backward pass needs: its input and weight, and what its activation
+/// kept (ReLU's output, or GELU's input, the pre-activation).
 #[derive(Debug, Clone)]
 struct DenseState<B: Backend> {
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
-    output: Option<FloatTensor<B>>,
+    kept: Kept<B>,
 }
 
+/// What a dense layer's activation keeps for the backward pass.
+#[derive(Debug, Clone)]
+enum Kept<B: Backend> {
+    /// No activation.
+    Nothing,
+    /// ReLU: its output.
+    ReluOutput(FloatTensor<B>),
+    /// GELU: its input.
+    GeluInput(FloatTensor<B>),
+}
+
+impl<B: ChannelsLastBackend> DenseState<B> {
+    /// The layer's gradients for its output gradient `grad` (`needs`: input, weight, bias).
+    fn grads(self, grad: FloatTensor<B>, needs: [bool; 3]) -> LayerGrads<B> {
+        match self.kept {
+            Kept::Nothing => B::dense_backward(self.x, self.weight, None, grad, needs),
+            Kept::ReluOutput(out) => B::dense_backward(self.x, self.weight, Some(out), grad, needs),
+            Kept::GeluInput(pre) => B::dense_gelu_backward(self.x, self.weight, pre, grad, needs),
+        }
+    }
+}
+
+/// The autodiff node of a dense layer (with or without an activation) with a bias.
 #[derive(Debug)]
 struct DenseWithBias;
+/// The same without a bias.
 #[derive(Debug)]
 struct DenseNoBias;
 
@@ -1228,8 +1253,7 @@ impl<B: ChannelsLastBackend> Backward<B, 3> for DenseWithBias {
         let [node_x, node_w, node_b] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let needs = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
-        let s = ops.state;
-        let g = B::dense_backward(s.x, s.weight, s.output, grad, needs);
+        let g = ops.state.grads(grad, needs);
         register::<B, _>(
             grads,
             [node_x, node_w, node_b],
@@ -1246,55 +1270,7 @@ impl<B: ChannelsLastBackend> Backward<B, 2> for DenseNoBias {
         let [node_x, node_w] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let needs = [node_x.is_some(), node_w.is_some(), false];
-        let s = ops.state;
-        let g = B::dense_backward(s.x, s.weight, s.output, grad, needs);
-        register::<B, _>(grads, [node_x, node_w, None], [g.x, g.weight, None], |n| {
-            n.id
-        });
-    }
-}
-
-/// What a dense layer with GELU needs for its backward pass: its input, weight and
-/// pre-activation.
-#[derive(Debug, Clone)]
-struct DenseGeluState<B: Backend> {
-    x: FloatTensor<B>,
-    weight: FloatTensor<B>,
-    pre: FloatTensor<B>,
-}
-
-#[derive(Debug)]
-struct DenseGeluWithBias;
-#[derive(Debug)]
-struct DenseGeluNoBias;
-
-impl<B: ChannelsLastBackend> Backward<B, 3> for DenseGeluWithBias {
-    type State = DenseGeluState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_w, node_b] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let needs = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
-        let s = ops.state;
-        let g = B::dense_gelu_backward(s.x, s.weight, s.pre, grad, needs);
-        register::<B, _>(
-            grads,
-            [node_x, node_w, node_b],
-            [g.x, g.weight, g.bias],
-            |n| n.id,
-        );
-    }
-}
-
-impl<B: ChannelsLastBackend> Backward<B, 2> for DenseGeluNoBias {
-    type State = DenseGeluState<B>;
-
-    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [node_x, node_w] = ops.parents;
-        let grad = grads.consume::<B>(&ops.node);
-        let needs = [node_x.is_some(), node_w.is_some(), false];
-        let s = ops.state;
-        let g = B::dense_gelu_backward(s.x, s.weight, s.pre, grad, needs);
+        let g = ops.state.grads(grad, needs);
         register::<B, _>(grads, [node_x, node_w, None], [g.x, g.weight, None], |n| {
             n.id
         });
@@ -1560,7 +1536,10 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
         let state = |output: &FloatTensor<B>| DenseState::<B> {
             x: x.primitive.clone(),
             weight: weight.primitive.clone(),
-            output: relu.then(|| output.clone()),
+            kept: match relu {
+                true => Kept::ReluOutput(output.clone()),
+                false => Kept::Nothing,
+            },
         };
         match &bias {
             Some(b) => {
@@ -1596,19 +1575,15 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
         let forward = |bias: Option<FloatTensor<B>>| {
             B::dense_gelu_with_pre(x.primitive.clone(), weight.primitive.clone(), bias)
         };
-        let state = |pre: FloatTensor<B>| DenseGeluState::<B> {
+        let state = |pre: FloatTensor<B>| DenseState::<B> {
             x: x.primitive.clone(),
             weight: weight.primitive.clone(),
-            pre,
+            kept: Kept::GeluInput(pre),
         };
         match &bias {
             Some(b) => {
                 let nodes = [x.node.clone(), weight.node.clone(), b.node.clone()];
-                match DenseGeluWithBias
-                    .prepare::<C>(nodes)
-                    .compute_bound()
-                    .stateful()
-                {
+                match DenseWithBias.prepare::<C>(nodes).compute_bound().stateful() {
                     OpsKind::Tracked(prep) => {
                         let (out, pre) = forward(Some(b.primitive.clone()));
                         prep.finish(state(pre), out)
@@ -1622,11 +1597,7 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
             }
             None => {
                 let nodes = [x.node.clone(), weight.node.clone()];
-                match DenseGeluNoBias
-                    .prepare::<C>(nodes)
-                    .compute_bound()
-                    .stateful()
-                {
+                match DenseNoBias.prepare::<C>(nodes).compute_bound().stateful() {
                     OpsKind::Tracked(prep) => {
                         let (out, pre) = forward(None);
                         prep.finish(state(pre), out)
