@@ -279,7 +279,8 @@ pub const NO_EXAMPLE_PROGRAMS: &str = "FLASHOVER_NO_EXAMPLE_PROGRAMS";
 
 /// A built example program, next to this test binary (`cargo test --workspace` builds the
 /// examples; `cargo test -p flashover-tests` alone does not).
-/// `NO_EXAMPLE_PROGRAMS` set: the test is being run as one of a GPU backend's subset, which
+///
+/// With `NO_EXAMPLE_PROGRAMS` set: the test is being run as one of a GPU backend's subset, which
 /// builds no example program, and fails at once saying so.
 pub fn example_bin(name: &str) -> std::path::PathBuf {
     assert!(
