@@ -8,6 +8,42 @@ use anyhow::{bail, Context, Result};
 use super::*;
 use crate::backend::Backend;
 
+/// Runs `bin args` with `threads` compute threads (`RAYON_NUM_THREADS`), pinned to the first
+/// `threads` CPUs with `taskset` if `pin`, and returns its JSON summary line; its stderr in
+/// the error when it fails.
+fn run_on_threads(
+    bin: &str,
+    args: &[String],
+    threads: usize,
+    pin: bool,
+) -> Result<serde_json::Value> {
+    let cpus = (0..threads)
+        .map(|c| c.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut cmd = if pin {
+        eprintln!(
+            "$ RAYON_NUM_THREADS={threads} taskset -c {cpus} {bin} {}",
+            args.join(" ")
+        );
+        let mut c = Command::new("taskset");
+        c.args(["-c", &cpus, bin]);
+        c
+    } else {
+        eprintln!("$ RAYON_NUM_THREADS={threads} {bin} {}", args.join(" "));
+        Command::new(bin)
+    };
+    let out = cmd
+        .args(args)
+        .env("RAYON_NUM_THREADS", threads.to_string())
+        .output()
+        .with_context(|| format!("running {bin}"))?;
+    if !out.status.success() {
+        bail!("{bin} failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    last_json(&String::from_utf8_lossy(&out.stdout))
+}
+
 /// The main job's training throughput and peak memory with Burn's convolution and pooling
 /// kernels (`--memory-format channels-first`) against Flashover's channels-last fast path
 /// (`channels-last`), each at 1 and 2 threads (`RAYON_NUM_THREADS`), repetitions interleaved:
@@ -30,16 +66,7 @@ pub(crate) fn cpu_fast_path_bench(
             "--backend",
             b.name(),
         ]);
-        eprintln!("$ RAYON_NUM_THREADS={threads} {bin} {}", args.join(" "));
-        let out = Command::new(&bin)
-            .args(&args)
-            .env("RAYON_NUM_THREADS", threads.to_string())
-            .output()
-            .with_context(|| format!("running {bin}"))?;
-        if !out.status.success() {
-            bail!("{bin} failed:\n{}", String::from_utf8_lossy(&out.stderr));
-        }
-        let s = last_json(&String::from_utf8_lossy(&out.stdout))?;
+        let s = run_on_threads(&bin, &args, threads, false)?;
         let sps = s["samples_per_second"].as_f64().unwrap_or(f64::NAN);
         let rss = s["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN);
         Ok((sps, rss))
@@ -106,27 +133,7 @@ pub(crate) fn gpt_fast_path_bench(
             "--backend",
             b.name(),
         ]);
-        let cpus = if threads == 1 { "0" } else { "0,1" };
-        eprintln!(
-            "$ RAYON_NUM_THREADS={threads} taskset -c {cpus} {bin} {}",
-            args.join(" ")
-        );
-        let mut cmd = if pin {
-            let mut c = Command::new("taskset");
-            c.args(["-c", cpus, &bin]);
-            c
-        } else {
-            Command::new(&bin)
-        };
-        let out = cmd
-            .args(&args)
-            .env("RAYON_NUM_THREADS", threads.to_string())
-            .output()
-            .with_context(|| format!("running {bin}"))?;
-        if !out.status.success() {
-            bail!("{bin} failed:\n{}", String::from_utf8_lossy(&out.stderr));
-        }
-        let s = last_json(&String::from_utf8_lossy(&out.stdout))?;
+        let s = run_on_threads(&bin, &args, threads, pin)?;
         if s["kernels"] != kernels {
             bail!(
                 "asked for --kernels {kernels}, the run used {}",
