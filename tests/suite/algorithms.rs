@@ -58,9 +58,12 @@ pub const FOR_LANGUAGE_MODELS: &[&str] = &[
     "low_precision_layernorm",
 ];
 
-/// 128 digits in batches of 32, three epochs (12 batches), 100 test digits.
-fn tiny(algorithms: &str) -> MnistRun {
-    let mut run = short_run(128, 32, 100, "3ep");
+/// 48 digits in batches of 16, three epochs (9 batches), 48 test digits: enough batches for
+/// every algorithm's schedule to act (start and end fractions, intervals in batches, SAM's
+/// second pass, SWA's updates), small enough for a software GPU (`GPU_SUBSET` in
+/// `xtask/src/build.rs` runs these on wgpu, where each sample of a batch costs).
+pub(crate) fn tiny(algorithms: &str) -> MnistRun {
+    let mut run = short_run(48, 16, 48, "3ep");
     run.algorithms = parse_list(algorithms).unwrap();
     run
 }
@@ -98,7 +101,7 @@ fn every_algorithm_trains_and_changes_the_run() {
         "ACTIVE and the lists after it cover every algorithm of the registry, each once"
     );
     let (base_digest, base_loss, base_samples) = outcome_of(&tiny(""));
-    assert_eq!(base_samples, 3 * 128);
+    assert_eq!(base_samples, 3 * 48);
     let fast_by_default = <TB as flashover::models::ChannelsLastBackend>::CHANNELS_LAST_IS_FAST;
     if fast_by_default {
         // The default run on the CPU is the channels-last fast path: Burn's kernels
@@ -373,12 +376,15 @@ fn resume_with_the_stateful_algorithms_together() {
 /// The same algorithms resumed inside one process (the GPU subset's form of the test above).
 #[test]
 fn the_stateful_algorithms_together_resume_in_one_process() {
-    let mut run = short_example_run("3ep");
+    // 24 batches, stopped at 12: SWA averages from 0.3 of the run on, so the checkpoint holds
+    // its average beside EMA's and SAM's state, and the resumed part crosses the epoch
+    // boundary (16).
+    let mut run = short_example_run("24ba");
     run.algorithms = parse_list(
         "label_smoothing,ema:half_life=5ba,swa:swa_start=0.3:update_interval=4ba,layer_freezing:freeze_start=0,sam:interval=3",
     )
     .unwrap();
-    crate::resume::in_process::resumes(&run, Time::Batch(4), Time::Batch(20), false);
+    crate::resume::in_process::resumes(&run, Time::Batch(4), Time::Batch(12), false);
 }
 
 #[test]

@@ -10,7 +10,7 @@ fn digest(run: &MnistRun) -> String {
 
 #[test]
 fn same_seed_gives_identical_weights_and_another_seed_does_not() {
-    let mut run = short_run(512, 32, 50, "2ep");
+    let mut run = short_run(256, 32, 50, "2ep");
     run.microbatch_size = Some(16);
     let a = digest(&run);
     let b = digest(&run);

@@ -245,7 +245,9 @@ fn runs_in_each_kind_of_precision_resume_bit_for_bit_in_one_process() {
         if !runs(p) {
             continue;
         }
-        let mut run = short_example_run("3ep");
+        // An epoch and a half, stopped mid-epoch: the resumed part crosses the epoch boundary
+        // and at least one growth of the loss scale.
+        let mut run = short_example_run("24ba");
         run.precision = p;
         run.loss_scaling.growth_interval = 5;
         crate::resume::in_process::resumes(&run, Time::Batch(4), Time::Batch(8), false);
@@ -296,34 +298,43 @@ fn a_checkpoint_records_its_precision_and_resumes_in_another() {
     );
 }
 
+/// Every algorithm the CNN takes trains in `p`, to a finite loss with weights in the
+/// precision's type.
+fn every_algorithm_trains_in(p: Precision) {
+    if !runs(p) {
+        return;
+    }
+    for spec in crate::algorithms::ACTIVE {
+        let mut run = crate::algorithms::tiny(spec);
+        run.precision = p;
+        let mut t = trained(&run);
+        let loss = t.eval().unwrap()["test"]["loss"];
+        assert!(loss.is_finite(), "{p} {spec}: loss {loss}");
+        assert_eq!(
+            params_dtype::<TB, _>(t.model()),
+            Some(DType::from(p.parameter_dtype())),
+            "{p} {spec}"
+        );
+    }
+}
+
 /// Every algorithm the CNN takes trains in a pure half precision (weights in the half type,
-/// SAM's perturbation and second gradients included) and in mixed float16 (float32 weights,
-/// loss scaling), to a finite loss with weights in the precision's type.
+/// SAM's perturbation and second gradients included): bfloat16 where the backend computes
+/// it, else float16.
 #[test]
-fn every_algorithm_trains_in_half_and_mixed_precision() {
-    let pure = if runs(Precision::Bf16) {
+fn every_algorithm_trains_in_pure_half_precision() {
+    every_algorithm_trains_in(if runs(Precision::Bf16) {
         Precision::Bf16
     } else {
         Precision::Fp16
-    };
-    for p in [pure, Precision::AmpFp16] {
-        if !runs(p) {
-            continue;
-        }
-        for spec in crate::algorithms::ACTIVE {
-            let mut run = short_run(128, 32, 100, "3ep");
-            run.precision = p;
-            run.algorithms = flashover::algorithms::spec::parse_list(spec).unwrap();
-            let mut t = trained(&run);
-            let loss = t.eval().unwrap()["test"]["loss"];
-            assert!(loss.is_finite(), "{p} {spec}: loss {loss}");
-            assert_eq!(
-                params_dtype::<TB, _>(t.model()),
-                Some(DType::from(p.parameter_dtype())),
-                "{p} {spec}"
-            );
-        }
-    }
+    });
+}
+
+/// Every algorithm the CNN takes trains in mixed float16 (float32 weights, loss scaling).
+/// A test of its own so that a test runner's two threads run it beside the one above.
+#[test]
+fn every_algorithm_trains_in_mixed_float16() {
+    every_algorithm_trains_in(Precision::AmpFp16);
 }
 
 /// SAM's second forward and backward pass under float16 loss scaling: its loss is scaled

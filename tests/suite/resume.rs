@@ -164,11 +164,28 @@ pub(crate) mod in_process {
         );
     }
 
+    /// A run of an epoch and a half (epochs of 16 batches), stopped mid-epoch: the resumed
+    /// part crosses the epoch boundary.
     #[test]
-    fn mid_epoch_and_from_an_asynchronous_save() {
-        let run = short_example_run("3ep");
-        resumes(&run, Time::Batch(4), Time::Batch(8), false);
-        resumes(&run, Time::Batch(4), Time::Batch(30), true);
+    fn mid_epoch() {
+        resumes(
+            &short_example_run("24ba"),
+            Time::Batch(4),
+            Time::Batch(8),
+            false,
+        );
+    }
+
+    /// The same run stopped in its second epoch, its checkpoints written on a background
+    /// thread (host code: the GPU subset leaves it to the flex suite).
+    #[test]
+    fn from_an_asynchronous_save() {
+        resumes(
+            &short_example_run("24ba"),
+            Time::Batch(4),
+            Time::Batch(20),
+            true,
+        );
     }
 }
 

@@ -43,6 +43,19 @@ impl Backend {
     /// default features, so the CPU backend is not compiled in beside it (each program would
     /// otherwise monomorphise the whole trainer for both backends).
     pub(crate) fn cargo_args(self, flex_selection: &[&str], flex_features: &[&str]) -> Vec<String> {
+        self.cargo_args_mpi(flex_selection, flex_features, true)
+    }
+
+    /// [`Backend::cargo_args`], with a GPU backend's `mpi` feature only if `mpi`: the test
+    /// subset (`GPU_SUBSET`) runs no multi-process test, and leaving MPI out spares its build
+    /// the bindings to OpenMPI (a libclang run over `mpi.h`) at the cost of compiling the
+    /// example and test packages apart from `build`'s.
+    pub(crate) fn cargo_args_mpi(
+        self,
+        flex_selection: &[&str],
+        flex_features: &[&str],
+        mpi: bool,
+    ) -> Vec<String> {
         if self == Backend::Flex {
             let mut args: Vec<String> = flex_selection.iter().map(|s| s.to_string()).collect();
             if !flex_features.is_empty() {
@@ -59,10 +72,11 @@ impl Backend {
         args.push(format!("target/backend-{}", self.name()));
         args.push("--no-default-features".into());
         args.push("--features".into());
-        args.push(format!(
-            "flashover-examples/{0},flashover-tests/{0},flashover-tests/mpi",
-            self.name()
-        ));
+        let mut features = format!("flashover-examples/{0},flashover-tests/{0}", self.name());
+        if mpi {
+            features.push_str(",flashover-tests/mpi");
+        }
+        args.push(features);
         args
     }
 }
