@@ -81,8 +81,8 @@ enum Cmd {
     Bench {
         #[arg(long, value_enum, default_value_t = Backend::Flex)]
         backend: Backend,
-        /// Fewer steps and repetitions, one time-to-accuracy run (under 2 minutes on 2 cores,
-        /// once built).
+        /// Fewer steps, one repetition of each row and one time-to-accuracy run (CI's smoke
+        /// run: about 5 minutes on 2 cores, once built).
         #[arg(long)]
         quick: bool,
         /// Leave out the comparison with burn-train's Learner, whose own workspace costs a

@@ -71,7 +71,7 @@ pub(crate) fn cpu_fast_path_bench(
         let rss = s["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN);
         Ok((sps, rss))
     };
-    let reps = if quick { 3 } else { 5 };
+    let reps = if quick { 1 } else { 5 };
     let mut runs = FourWay::default();
     for _ in 0..reps {
         // Burn 1 thread, fast 1 thread, Burn 2 threads, fast 2 threads.

@@ -36,7 +36,7 @@ pub(crate) fn distributed_bench(
     };
     // Throughput: 100 batches of the default global batch (64), no evaluation inside the
     // timed fit; repetitions interleaved so that both sizes see the same machine.
-    let reps = if quick { 3 } else { 5 };
+    let reps = if quick { 1 } else { 5 };
     let (mut ratio, mut one, mut two, mut share, mut ms) = (vec![], vec![], vec![], vec![], vec![]);
     for _ in 0..reps {
         let s1 = run(1, &["--max-duration", "100ba"])?;

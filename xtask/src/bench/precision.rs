@@ -17,7 +17,7 @@ pub(crate) fn precision_bench(b: Backend, quick: bool) -> Result<(serde_json::Va
     // The quick run's epoch is 16 batches: shorter than the default 30-batch warmup, which the
     // example refuses, so it warms up over its first 4.
     let (reps, train_limit, warmup) = if quick {
-        (3, "1024", "4ba")
+        (1, "1024", "4ba")
     } else {
         (5, "2048", "30ba")
     };
