@@ -379,7 +379,7 @@ fn the_stateful_algorithms_together_resume_in_one_process() {
     // 24 batches, stopped at 12: SWA averages from 0.3 of the run on, so the checkpoint holds
     // its average beside EMA's and SAM's state, and the resumed part crosses the epoch
     // boundary (16).
-    let mut run = short_example_run("24ba");
+    let mut run = crate::resume::in_process::epoch_and_a_half();
     run.algorithms = parse_list(
         "label_smoothing,ema:half_life=5ba,swa:swa_start=0.3:update_interval=4ba,layer_freezing:freeze_start=0,sam:interval=3",
     )

@@ -245,9 +245,9 @@ fn runs_in_each_kind_of_precision_resume_bit_for_bit_in_one_process() {
         if !runs(p) {
             continue;
         }
-        // An epoch and a half, stopped mid-epoch: the resumed part crosses the epoch boundary
-        // and at least one growth of the loss scale.
-        let mut run = short_example_run("24ba");
+        // Stopped mid-epoch: the resumed part crosses the epoch boundary and at least one
+        // growth of the loss scale.
+        let mut run = crate::resume::in_process::epoch_and_a_half();
         run.precision = p;
         run.loss_scaling.growth_interval = 5;
         crate::resume::in_process::resumes(&run, Time::Batch(4), Time::Batch(8), false);

@@ -164,28 +164,24 @@ pub(crate) mod in_process {
         );
     }
 
-    /// A run of an epoch and a half (epochs of 16 batches), stopped mid-epoch: the resumed
-    /// part crosses the epoch boundary.
-    #[test]
-    fn mid_epoch() {
-        resumes(
-            &short_example_run("24ba"),
-            Time::Batch(4),
-            Time::Batch(8),
-            false,
-        );
+    /// The example's short run for an epoch and a half (24 batches, epochs of 16): long enough
+    /// to stop mid-epoch and resume across the epoch boundary, short enough for a software
+    /// GPU.
+    pub(crate) fn epoch_and_a_half() -> MnistRun {
+        short_example_run("24ba")
     }
 
-    /// The same run stopped in its second epoch, its checkpoints written on a background
-    /// thread (host code: the GPU subset leaves it to the flex suite).
+    /// Stopped mid-epoch: the resumed part crosses the epoch boundary.
+    #[test]
+    fn mid_epoch() {
+        resumes(&epoch_and_a_half(), Time::Batch(4), Time::Batch(8), false);
+    }
+
+    /// Stopped in the second epoch, the checkpoints written on a background thread (host
+    /// code: the GPU subset leaves it to the flex suite).
     #[test]
     fn from_an_asynchronous_save() {
-        resumes(
-            &short_example_run("24ba"),
-            Time::Batch(4),
-            Time::Batch(20),
-            true,
-        );
+        resumes(&epoch_and_a_half(), Time::Batch(4), Time::Batch(20), true);
     }
 }
 
