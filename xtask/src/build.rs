@@ -31,14 +31,15 @@ pub(crate) fn build(backend: Backend, check: bool) -> Result<()> {
 /// Every test here runs inside the test process: none starts an example program, so the
 /// subset builds the test binary alone (each example program monomorphises the trainer for
 /// the backend anew, minutes of CI's two cores), and without MPI. The exact-resumption tests
-/// are the in-process forms (`resume::in_process`) of the flex suite's example-program ones.
+/// are in-process forms (`resume::in_process::resumes`) of the flex suite's example-program
+/// ones: the stateful algorithms' (float32 with five algorithms' state, a superset of the
+/// plain run's `resume::in_process::mid_epoch`) and each mixed precision's.
 pub(crate) const GPU_SUBSET: &[&str] = &[
     "determinism::",
     "microbatch::",
     "events::short_run_trace_matches_the_snapshot",
     "trainer::eval_and_predict_report_sane_values",
     "trainer::non_finite_batches_can_be_skipped_and_counted",
-    "resume::in_process::mid_epoch",
     "algorithms::every_algorithm_trains_and_changes_the_run",
     "algorithms::the_stateful_algorithms_together_resume_in_one_process",
     "seams::two_ranks_on_half_batches_train_like_one_process_on_the_whole_batch",
