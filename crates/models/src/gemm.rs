@@ -2,12 +2,16 @@
 //! candle and faer use). `gemm::gemm` takes raw pointers and strides; this module checks that
 //! every element the product reads or writes lies inside the slices it was given, and that
 //! the destination's strides never map two elements to one place, then makes the one call.
-//! With `zeroed_chunks` (and its helpers `zeroed_chunks2`, `fill_default`) in `kernels.rs`, it
-//! is the crate's only `unsafe`.
+//! [`matmul_into`] writes a fresh output's uninitialised slots and hands them back as
+//! values. With `written_chunks`, `written_chunks2` and `write_each` in `kernels.rs`, these
+//! two are the crate's only `unsafe`.
 //!
 //! The product always runs on the calling thread (`Parallelism::None`): the kernels split
 //! their work into pieces fixed by the shapes alone and run the pieces on rayon, so that a
 //! result never depends on how many threads there are.
+
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
 
 /// A read-only matrix view: element `(i, j)` is `data[i * row_stride + j * col_stride]`.
 #[derive(Debug, Clone, Copy)]
@@ -116,6 +120,76 @@ impl<'a> MatMut<'a> {
 
 /// `dst = lhs * rhs` (what `dst` held is never read). Panics if the shapes disagree.
 pub fn matmul(dst: MatMut<'_>, lhs: MatRef<'_>, rhs: MatRef<'_>) {
+    let MatMut {
+        data,
+        rows,
+        cols,
+        row_stride,
+        col_stride,
+    } = dst;
+    product(
+        Dst {
+            ptr: data.as_mut_ptr(),
+            rows,
+            cols,
+            row_stride,
+            col_stride,
+            _borrow: PhantomData,
+        },
+        lhs,
+        rhs,
+    );
+}
+
+/// `lhs * rhs` written into `dst`, a row-major `lhs.rows x rhs.cols` destination not yet
+/// initialised (a fresh output's chunk: no zero fill before the product overwrites it);
+/// returns `dst` as the initialised values. Panics if the shapes disagree.
+pub fn matmul_into<'a>(
+    dst: &'a mut [MaybeUninit<f32>],
+    lhs: MatRef<'_>,
+    rhs: MatRef<'_>,
+) -> &'a mut [f32] {
+    let (rows, cols) = (lhs.rows, rhs.cols);
+    assert_eq!(
+        dst.len(),
+        rows * cols,
+        "a {rows}x{cols} product into {} values",
+        dst.len()
+    );
+    product(
+        Dst {
+            ptr: dst.as_mut_ptr().cast::<f32>(),
+            rows,
+            cols,
+            row_stride: cols,
+            col_stride: 1,
+            _borrow: PhantomData,
+        },
+        lhs,
+        rhs,
+    );
+    // SAFETY: `product` wrote every element of the `rows x cols` row-major view, which with
+    // row stride `cols` covers the `rows * cols` slots of `dst` (asserted above) one each;
+    // `MaybeUninit<f32>` has the layout of `f32`.
+    #[allow(unsafe_code)]
+    unsafe {
+        &mut *(dst as *mut [MaybeUninit<f32>] as *mut [f32])
+    }
+}
+
+/// A product's destination: distinct places inside memory borrowed mutably for `'a`
+/// (a [`MatMut`]'s, or a slice of uninitialised slots), written and never read.
+struct Dst<'a> {
+    ptr: *mut f32,
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+    _borrow: PhantomData<&'a mut [f32]>,
+}
+
+/// Writes `lhs * rhs` to every element of `dst`. Panics if the shapes disagree.
+fn product(dst: Dst<'_>, lhs: MatRef<'_>, rhs: MatRef<'_>) {
     assert!(
         lhs.cols == rhs.rows && dst.rows == lhs.rows && dst.cols == rhs.cols,
         "matrix product of {}x{} by {}x{} into {}x{}",
@@ -129,27 +203,22 @@ pub fn matmul(dst: MatMut<'_>, lhs: MatRef<'_>, rhs: MatRef<'_>) {
     if dst.rows == 0 || dst.cols == 0 {
         return;
     }
-    if lhs.cols == 0 {
-        for i in 0..dst.rows {
-            for j in 0..dst.cols {
-                dst.data[i * dst.row_stride + j * dst.col_stride] = 0.0;
-            }
-        }
-        return;
-    }
-    // SAFETY: the constructors checked that every element of the three views, addressed
-    // with their strides, lies inside the slices; the shapes agree (asserted above), so the
-    // product reads only `lhs` and `rhs` elements (i < rows, j < cols) and writes only `dst`
-    // elements, which are distinct places (checked in `MatMut::new`). `dst` is borrowed
-    // mutably, so it aliases neither input. Strides fit in `isize` because they address
-    // elements of an allocated slice.
+    // SAFETY: `Dst` is built only from a `MatMut` (whose constructor checked that its
+    // elements lie inside its slice and are distinct places) or from a `rows * cols` slice
+    // of slots viewed row-major (`matmul_into` asserted the length), in both cases borrowed
+    // mutably for the call, so it aliases neither input; the constructors of `MatRef`
+    // checked that every element of `lhs` and `rhs` lies inside their slices; the shapes
+    // agree (asserted above), so the product reads only those elements and writes only
+    // `dst`'s. It never reads `dst` (`read_dst` false): uninitialised slots are only
+    // written. With an empty inner dimension it writes zeros. Strides fit in `isize`
+    // because they address elements of an allocated slice.
     #[allow(unsafe_code)]
     unsafe {
         gemm::gemm(
             dst.rows,
             dst.cols,
             lhs.cols,
-            dst.data.as_mut_ptr(),
+            dst.ptr,
             dst.col_stride as isize,
             dst.row_stride as isize,
             false,

@@ -26,8 +26,9 @@
 //!
 //! **Memory.** The im2col buffers are per-thread scratch space that grows to the largest
 //! chunk seen and is then reused, step after step; only outputs are allocated per call,
-//! and each thread zeroes the chunks of an output it computes ([`zeroed_chunks`]), so that
-//! neither the zeroing nor the page faults of fresh memory fall on the calling thread alone.
+//! and each thread writes the chunks of an output it computes ([`written_chunks`]; a
+//! product's chunk is written once, never zero-filled first), so that neither the writing
+//! nor the page faults of fresh memory fall on the calling thread alone.
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
@@ -35,7 +36,7 @@ use std::sync::{Mutex, OnceLock, PoisonError};
 
 use rayon::prelude::*;
 
-use crate::gemm::{matmul, MatMut, MatRef};
+use crate::gemm::{matmul, matmul_into, MatMut, MatRef};
 
 /// ALiBi's bias of query `i` for key `j <= i` with slope `slope`: `-slope * (i - j)`, the
 /// one expression every implementation (these kernels, and Burn's ops in `crate::ops`) uses, so that they agree to the bit on it.
@@ -166,25 +167,33 @@ pub(crate) fn for_each_chunk2<T: Send, U: Send, F>(
     for_each_item(items, |(i, (x, y))| f(i, x, y));
 }
 
-/// A new buffer of `len` values computed chunk by chunk: `f(chunk_index, chunk)` runs on
-/// consecutive `chunk_len`-sized pieces as in [`for_each_chunk`], each piece zero-filled
-/// (`T::default()`) by the thread that then computes it. Zeroing the whole output on the
-/// calling thread first (`vec![0.0; len]`) was 5% of a two-thread training step spent on
-/// one thread, with the page faults of fresh memory on top, while the others waited.
-pub(crate) fn zeroed_chunks<T, F>(len: usize, chunk_len: usize, f: F) -> Vec<T>
+/// A new buffer of `len` values written chunk by chunk: `f(chunk_index, chunk)` gets each
+/// consecutive `chunk_len`-sized piece (as in [`for_each_chunk`]) uninitialised and returns
+/// it written whole, as the `&mut [T]` that [`write_each`], [`fill_default`] or
+/// [`matmul_into`] hand back; a returned slice that is not the whole chunk panics. The
+/// threads write the chunks they compute, so neither a zero fill nor the page faults of
+/// fresh memory fall on the calling thread alone (zeroing the whole output there first
+/// was 5% of a two-thread training step while the others waited), and a product's output
+/// is written once, not zeroed and then overwritten.
+pub(crate) fn written_chunks<T, F>(len: usize, chunk_len: usize, f: F) -> Vec<T>
 where
-    T: Copy + Default + Send,
-    F: Fn(usize, &mut [T]) + Sync + Send,
+    T: Copy + Send,
+    F: for<'a> Fn(usize, &'a mut [MaybeUninit<T>]) -> &'a mut [T] + Sync + Send,
 {
     let mut out: Vec<T> = Vec::with_capacity(len);
     for_each_chunk(
         &mut out.spare_capacity_mut()[..len],
         chunk_len,
-        |i, chunk| f(i, fill_default(chunk)),
+        |i, chunk| {
+            let (at, n) = (chunk.as_ptr().cast::<T>(), chunk.len());
+            let written = f(i, chunk);
+            check_whole(i, at, n, written);
+        },
     );
     // SAFETY: `for_each_chunk` cuts the whole of the first `len` slots into chunks and calls
-    // the closure on each (it returns only after all of them, and unwinds if one panicked),
-    // and the closure initialises its whole chunk before anything else.
+    // the closure on each (it returns only after all of them, and unwinds if one panicked);
+    // the closure checked that each chunk came back as initialised `T`s in its place, and
+    // only initialising code can turn the chunk's `MaybeUninit<T>`s into `&mut [T]`.
     #[allow(unsafe_code)]
     unsafe {
         out.set_len(len)
@@ -192,17 +201,32 @@ where
     out
 }
 
-/// Like [`zeroed_chunks`] for two buffers cut at the same chunk indices (as
-/// [`for_each_chunk2`]).
-pub(crate) fn zeroed_chunks2<T, U, F>(
+/// Panics unless `written` is the whole of chunk `i`, which starts at `at` with `n` slots.
+fn check_whole<T>(i: usize, at: *const T, n: usize, written: &[T]) {
+    assert!(
+        std::ptr::eq(written.as_ptr(), at) && written.len() == n,
+        "chunk {i} of {n} values came back as another slice ({} values)",
+        written.len()
+    );
+}
+
+/// Like [`written_chunks`] for two buffers cut at the same chunk indices (as
+/// [`for_each_chunk2`]); `f` returns both chunks written.
+pub(crate) fn written_chunks2<T, U, F>(
     (a_len, a_chunk): (usize, usize),
     (b_len, b_chunk): (usize, usize),
     f: F,
 ) -> (Vec<T>, Vec<U>)
 where
-    T: Copy + Default + Send,
-    U: Copy + Default + Send,
-    F: Fn(usize, &mut [T], &mut [U]) + Sync + Send,
+    T: Copy + Send,
+    U: Copy + Send,
+    F: for<'a, 'b> Fn(
+            usize,
+            &'a mut [MaybeUninit<T>],
+            &'b mut [MaybeUninit<U>],
+        ) -> (&'a mut [T], &'b mut [U])
+        + Sync
+        + Send,
 {
     assert_eq!(
         a_len.div_ceil(a_chunk.max(1)),
@@ -216,10 +240,17 @@ where
         a_chunk,
         &mut b.spare_capacity_mut()[..b_len],
         b_chunk,
-        |i, x, y| f(i, fill_default(x), fill_default(y)),
+        |i, x, y| {
+            let (xa, xn) = (x.as_ptr().cast::<T>(), x.len());
+            let (ya, yn) = (y.as_ptr().cast::<U>(), y.len());
+            let (wx, wy) = f(i, x, y);
+            check_whole(i, xa, xn, wx);
+            check_whole(i, ya, yn, wy);
+        },
     );
-    // SAFETY: as in `zeroed_chunks`: both buffers have as many chunks (asserted above), so
-    // the zipped iteration of `for_each_chunk2` visits, and initialises, every chunk of each.
+    // SAFETY: as in `written_chunks`: both buffers have as many chunks (asserted above), so
+    // the zipped iteration of `for_each_chunk2` visits every chunk of each, and each came
+    // back written whole (checked in the closure).
     #[allow(unsafe_code)]
     unsafe {
         a.set_len(a_len);
@@ -228,14 +259,90 @@ where
     (a, b)
 }
 
+/// A new buffer of `len` values computed chunk by chunk: `f(chunk_index, chunk)` runs on
+/// each piece of [`written_chunks`] zero-filled (`T::default()`) by the thread that then
+/// computes it. For outputs that are accumulated into, or written in parts.
+pub(crate) fn zeroed_chunks<T, F>(len: usize, chunk_len: usize, f: F) -> Vec<T>
+where
+    T: Copy + Default + Send,
+    F: Fn(usize, &mut [T]) + Sync + Send,
+{
+    written_chunks(len, chunk_len, |i, chunk| {
+        let chunk = fill_default(chunk);
+        f(i, chunk);
+        chunk
+    })
+}
+
+/// Like [`zeroed_chunks`] for two buffers cut at the same chunk indices (as
+/// [`for_each_chunk2`]).
+pub(crate) fn zeroed_chunks2<T, U, F>(
+    a: (usize, usize),
+    b: (usize, usize),
+    f: F,
+) -> (Vec<T>, Vec<U>)
+where
+    T: Copy + Default + Send,
+    U: Copy + Default + Send,
+    F: Fn(usize, &mut [T], &mut [U]) + Sync + Send,
+{
+    written_chunks2(a, b, |i, x, y| {
+        let (x, y) = (fill_default(x), fill_default(y));
+        f(i, x, y);
+        (x, y)
+    })
+}
+
 /// Writes `T::default()` to every slot of `chunk` and returns it as initialised values.
 fn fill_default<T: Copy + Default>(chunk: &mut [MaybeUninit<T>]) -> &mut [T] {
-    chunk.fill(MaybeUninit::new(T::default()));
-    // SAFETY: every element was initialised on the line above, and `MaybeUninit<T>` has the
-    // size, alignment and layout of `T`.
+    write_each(chunk, std::iter::repeat(T::default()))
+}
+
+/// Writes the values `values` yields, in order, to the slots of `dst`, and returns them as
+/// initialised values; panics, before any slot is read, unless it yielded one per slot.
+/// The loop is compiled for each vector extension the `pulp` crate knows (AVX-512, AVX2
+/// with FMA) and the best one the CPU has is chosen at run time (the workspace builds for
+/// plain x86-64, whose SSE2 does 4 lanes where AVX-512 does 16), so that arithmetic in
+/// `values` (inlined functions over slices) vectorises; the arithmetic, and so the result,
+/// is the same in every variant (no fused multiply-adds are formed from separate `*` and
+/// `+`).
+#[inline(always)]
+pub(crate) fn write_each<T: Copy>(
+    dst: &mut [MaybeUninit<T>],
+    values: impl IntoIterator<Item = T>,
+) -> &mut [T] {
+    let (dst, written) = pulp::Arch::new().dispatch(WriteEach {
+        dst,
+        values: values.into_iter(),
+    });
+    assert_eq!(written, dst.len(), "values for {} slots", dst.len());
+    // SAFETY: each of the `dst.len()` slots was written above (asserted), and
+    // `MaybeUninit<T>` has the size, alignment and layout of `T`.
     #[allow(unsafe_code)]
     unsafe {
-        &mut *(chunk as *mut [MaybeUninit<T>] as *mut [T])
+        &mut *(dst as *mut [MaybeUninit<T>] as *mut [T])
+    }
+}
+
+/// [`write_each`]'s loop as `pulp` runs it: a type whose `with_simd` is inlined into each
+/// variant `pulp` compiles (a closure's body was not, and ran in scalar code); returns the
+/// slots with how many it wrote.
+struct WriteEach<'a, T, I> {
+    dst: &'a mut [MaybeUninit<T>],
+    values: I,
+}
+
+impl<'a, T: Copy, I: Iterator<Item = T>> pulp::WithSimd for WriteEach<'a, T, I> {
+    type Output = (&'a mut [MaybeUninit<T>], usize);
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) -> Self::Output {
+        let mut written = 0;
+        for (d, v) in self.dst.iter_mut().zip(self.values) {
+            d.write(v);
+            written += 1;
+        }
+        (self.dst, written)
     }
 }
 
@@ -769,9 +876,10 @@ pub fn dense_forward(
         return Vec::new();
     }
     let rows = dense_chunk_rows(s);
-    zeroed_chunks(s.rows * d_out, rows * d_out, |ci, dst| {
-        dense_chunk(s, x, weight, ci * rows, dst);
+    written_chunks(s.rows * d_out, rows * d_out, |ci, dst| {
+        let dst = dense_chunk(s, x, weight, ci * rows, dst);
         bias_relu(dst, d_out, bias, relu);
+        dst
     })
 }
 
@@ -784,16 +892,22 @@ fn check_dense(s: &DenseShape, x: &[f32], weight: &[f32], bias: Option<&[f32]>) 
     }
 }
 
-/// One chunk of a dense layer's product: `dst` (whole output rows) gets the rows of
-/// `x · weight` from row `first` on.
-fn dense_chunk(s: &DenseShape, x: &[f32], weight: &[f32], first: usize, dst: &mut [f32]) {
+/// One chunk of a dense layer's product: `dst` (whole output rows) is written with the rows
+/// of `x · weight` from row `first` on, and returned.
+fn dense_chunk<'a>(
+    s: &DenseShape,
+    x: &[f32],
+    weight: &[f32],
+    first: usize,
+    dst: &'a mut [MaybeUninit<f32>],
+) -> &'a mut [f32] {
     let (d_in, d_out) = (s.d_in, s.d_out);
     let rows = dst.len() / d_out;
-    matmul(
-        MatMut::row_major(dst, rows, d_out),
+    matmul_into(
+        dst,
         MatRef::row_major(&x[first * d_in..][..rows * d_in], rows, d_in),
         MatRef::row_major(weight, d_in, d_out),
-    );
+    )
 }
 
 /// Gradients of [`dense_forward`] for the output gradient `grad`; `relu_output` is the
@@ -828,10 +942,10 @@ fn dense_backward_linear(
     if needs[0] {
         assert_eq!(weight.len(), d_in * d_out, "weight of {s:?}");
         let rows = dense_chunk_rows(s);
-        let dx = zeroed_chunks(n * d_in, rows * d_in, |ci, dst| {
+        let dx = written_chunks(n * d_in, rows * d_in, |ci, dst| {
             let rows_here = dst.len() / d_in;
-            matmul(
-                MatMut::row_major(dst, rows_here, d_in),
+            matmul_into(
+                dst,
                 MatRef::row_major(
                     &gout[ci * rows * d_out..][..rows_here * d_out],
                     rows_here,
@@ -839,7 +953,7 @@ fn dense_backward_linear(
                 ),
                 // The transposed weight: element (j, i) is weight[i][j].
                 MatRef::new(weight, d_out, d_in, 1, d_out),
-            );
+            )
         });
         grads.x = Some(dx);
     }
@@ -863,18 +977,19 @@ fn dense_weight_grad(s: &DenseShape, x: &[f32], gout: &[f32]) -> Vec<f32> {
     let (n, d_in, d_out) = (s.rows, s.d_in, s.d_out);
     let cols = dense_grad_columns(s);
     if cols >= d_out {
-        return zeroed_chunks(d_in * d_out, DENSE_FEATURES * d_out, |ci, dst| {
+        return written_chunks(d_in * d_out, DENSE_FEATURES * d_out, |ci, dst| {
             let features = dst.len() / d_out;
-            matmul(
-                MatMut::row_major(dst, features, d_out),
+            matmul_into(
+                dst,
                 // Rows `ci * 128..` of the transposed input: element (i, k) is x[k][i].
                 MatRef::new(&x[ci * DENSE_FEATURES..], features, n, 1, d_in),
                 MatRef::row_major(gout, n, d_out),
-            );
+            )
         });
     }
     // Blocks (feature chunk, column chunk) in row-major order, each computed row-major into
-    // its own `DENSE_FEATURES x cols` slot (edge blocks use part of theirs), then placed.
+    // its own `DENSE_FEATURES x cols` slot (edge blocks use part of theirs, zeroed first),
+    // then placed.
     let (feature_blocks, column_blocks) = (d_in.div_ceil(DENSE_FEATURES), d_out.div_ceil(cols));
     let slot = DENSE_FEATURES * cols;
     // Block `bi`'s first feature and column, and its numbers of features and columns.
@@ -885,19 +1000,31 @@ fn dense_weight_grad(s: &DenseShape, x: &[f32], gout: &[f32]) -> Vec<f32> {
         );
         (f0, c0, DENSE_FEATURES.min(d_in - f0), cols.min(d_out - c0))
     };
-    let blocks = zeroed_chunks(feature_blocks * column_blocks * slot, slot, |bi, dst| {
+    let blocks = written_chunks(feature_blocks * column_blocks * slot, slot, |bi, dst| {
         let (f0, c0, features, width) = block(bi);
-        matmul(
-            MatMut::row_major(&mut dst[..features * width], features, width),
+        let (lhs, rhs) = (
             MatRef::new(&x[f0..], features, n, 1, d_in),
             MatRef::new(&gout[c0..], n, width, d_out, 1),
         );
+        if features * width == slot {
+            return matmul_into(dst, lhs, rhs);
+        }
+        let dst = fill_default(dst);
+        matmul(
+            MatMut::row_major(&mut dst[..features * width], features, width),
+            lhs,
+            rhs,
+        );
+        dst
     });
-    let mut dw = vec![0.0f32; d_in * d_out];
-    for (bi, values) in blocks.chunks_exact(slot).enumerate() {
-        let (f0, c0, features, width) = block(bi);
-        for (r, row) in values[..features * width].chunks_exact(width).enumerate() {
-            dw[(f0 + r) * d_out + c0..][..width].copy_from_slice(row);
+    // The rows of `dw` in order, each the blocks' pieces of it side by side.
+    let mut dw = Vec::with_capacity(d_in * d_out);
+    for f in 0..d_in {
+        let (fb, r) = (f / DENSE_FEATURES, f % DENSE_FEATURES);
+        for cb in 0..column_blocks {
+            let (_, _, _, width) = block(fb * column_blocks + cb);
+            let values = &blocks[(fb * column_blocks + cb) * slot..][..slot];
+            dw.extend_from_slice(&values[r * width..][..width]);
         }
     }
     dw
@@ -968,6 +1095,10 @@ const DENSE_ROWS_LARGE: usize = 128;
 /// with `n` an integer (Cody and Waite's two-part `ln 2`) and `|r| <= ln 2 / 2`, `e^r` by
 /// its Taylor polynomial of degree 7 (truncation below `4e-9` relative), times `2^n` built
 /// in the exponent bits. Within about 2 ulp of the correctly rounded value.
+///
+/// `2^n` is made from the bits of the rounded `x log₂e + 1.5·2²³`, whose low mantissa bits
+/// hold `n`, with integer arithmetic only: a float-to-integer `as` cast saturates in Rust,
+/// which the compiler could not vectorise (it converted lane by lane, 8% of a GPT step).
 #[inline(always)]
 pub fn exp_f32(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
@@ -975,7 +1106,8 @@ pub fn exp_f32(x: f32) -> f32 {
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer.
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let shifted = x * std::f32::consts::LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let r = (x - n * LN2_HI) - n * LN2_LO;
     let p = 1.0
         + r * (1.0
@@ -983,8 +1115,14 @@ pub fn exp_f32(x: f32) -> f32 {
                 + r * (1.0 / 6.0
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    // A NaN `x` gives a NaN `p` (and `n` 0), so the NaN passes through.
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    // `shifted` lies in [2^23, 2^24), where its bits are `ROUND`'s plus `n` (|n| <= 126), so
+    // `bits - ROUND's bits + 127` is the biased exponent of `2^n`, in 1..=254. A NaN `x`
+    // gives a NaN `p`, and NaN times any scale is NaN, so the NaN passes through.
+    let biased = shifted
+        .to_bits()
+        .wrapping_sub(ROUND.to_bits())
+        .wrapping_add(127);
+    p * f32::from_bits(biased << 23)
 }
 
 /// `(erf(x), e^{-x²})` by Abramowitz and Stegun's 7.1.26, `erf(x) = 1 - t(a₁ + t(a₂ + t(a₃ +
@@ -1028,17 +1166,10 @@ pub fn gelu_grad(z: f32, g: f32) -> f32 {
     g * (cdf + z * (INV_SQRT_2PI * gauss))
 }
 
-/// `y = gelu(z)` element by element. The loop is compiled for each vector extension the
-/// `pulp` crate knows (AVX-512, AVX2 with FMA) and the best one the CPU has is chosen at run
-/// time (the workspace builds for plain x86-64, whose SSE2 does 4 lanes where AVX-512 does
-/// 16); the arithmetic, and so the result, is the same in every variant (no fused multiply-
-/// adds are formed from separate `*` and `+`).
-fn gelu_slice(y: &mut [f32], z: &[f32]) {
-    pulp::Arch::new().dispatch(|| {
-        for (y, z) in y.iter_mut().zip(z) {
-            *y = gelu(*z);
-        }
-    });
+/// `y = gelu(z)` element by element, written into `y` (as long as `z`) and returned; through
+/// [`write_each`], so vectorised for the CPU's widest extension.
+fn gelu_into<'a>(y: &'a mut [MaybeUninit<f32>], z: &[f32]) -> &'a mut [f32] {
+    write_each(y, z.iter().map(|z| gelu(*z)))
 }
 
 /// A dense layer followed by GELU, `gelu(x · weight + bias)`, with the pre-activation
@@ -1057,10 +1188,10 @@ pub fn dense_gelu_forward(
     }
     let rows = dense_chunk_rows(s);
     let len = s.rows * d_out;
-    zeroed_chunks2((len, rows * d_out), (len, rows * d_out), |ci, y, z| {
-        dense_chunk(s, x, weight, ci * rows, z);
+    written_chunks2((len, rows * d_out), (len, rows * d_out), |ci, y, z| {
+        let z = dense_chunk(s, x, weight, ci * rows, z);
         bias_relu(z, d_out, bias, false);
-        gelu_slice(y, z);
+        (gelu_into(y, z), z)
     })
 }
 
@@ -1078,15 +1209,10 @@ pub fn dense_gelu_backward(
     assert_eq!(grad.len(), len, "output gradient of {s:?}");
     assert_eq!(pre.len(), len, "pre-activation of {s:?}");
     const CHUNK: usize = 1 << 14;
-    let gpre = zeroed_chunks(len, CHUNK, |ci, dst| {
+    let gpre = written_chunks(len, CHUNK, |ci, dst| {
         let g = &grad[ci * CHUNK..][..dst.len()];
         let z = &pre[ci * CHUNK..][..dst.len()];
-        // As in `gelu_slice`: compiled for the CPU's vector extensions, chosen at run time.
-        pulp::Arch::new().dispatch(|| {
-            for ((d, g), z) in dst.iter_mut().zip(g).zip(z) {
-                *d = gelu_grad(*z, *g);
-            }
-        });
+        write_each(dst, z.iter().zip(g).map(|(z, g)| gelu_grad(*z, *g)))
     });
     dense_backward_linear(s, x, weight, &gpre, needs)
 }
