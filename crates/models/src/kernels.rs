@@ -1550,26 +1550,13 @@ pub fn attention_forward(
                     let q = MatRef::new(&x[r0 * 3 * w + head * dh..], rows, dh, 3 * w, 1);
                     let k_t = MatRef::new(&x[w + head * dh..], dh, r1, 1, 3 * w);
                     matmul(MatMut::new(&mut p[r0 * t..], rows, r1, t, 1), q, k_t);
-                    for (i, row) in (r0..r1).zip(p[r0 * t..r1 * t].chunks_exact_mut(t)) {
-                        let (seen, later) = row.split_at_mut(i + 1);
-                        // Scaled scores plus the biases, in place.
-                        match slope {
-                            None => seen.iter_mut().for_each(|v| *v *= scale),
-                            Some(m) => seen
-                                .iter_mut()
-                                .enumerate()
-                                .for_each(|(j, v)| *v = *v * scale + alibi_bias(m, i, j)),
-                        }
-                        let max = seen.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                        // The exponentials vectorised (`exp_f32`, the best vector extension
-                        // chosen at run time), then summed in order.
-                        pulp::Arch::new().dispatch(|| {
-                            seen.iter_mut().for_each(|v| *v = exp_f32(*v - max));
-                        });
-                        let sum: f32 = seen.iter().sum();
-                        seen.iter_mut().for_each(|v| *v /= sum);
-                        later.fill(0.0);
-                    }
+                    pulp::Arch::new().dispatch(SoftmaxRows {
+                        block: &mut p[r0 * t..r1 * t],
+                        t,
+                        first: r0,
+                        scale,
+                        slope,
+                    });
                     let v = MatRef::new(&x[2 * w + head * dh..], r1, dh, 3 * w, 1);
                     matmul(
                         MatMut::new(&mut out[r0 * w + head * dh..], rows, dh, w, 1),
@@ -1580,6 +1567,148 @@ pub fn attention_forward(
             }
         },
     )
+}
+
+/// Lanes of the partial sums and maxima of [`lane_sum`], [`lane_max`] and [`lane_dot`]: an
+/// AVX-512 register of `f32`.
+pub(crate) const LANES: usize = 16;
+
+/// `acc`'s lanes combined pairwise with `op`: lanes `l` and `l + 8`, then `l + 4`, `l + 2`,
+/// `l + 1`; a fixed order, so a reduction's result depends on its input alone.
+#[inline(always)]
+fn fold_lanes(mut acc: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] = op(acc[l], acc[l + w]);
+        }
+    }
+    acc[0]
+}
+
+/// The sum of `v`: element `j` goes to lane `j % 16`, then the lanes are folded
+/// ([`fold_lanes`]). Sixteen independent sums vectorise where one running sum cannot (each
+/// addition would wait for the last); a different order of additions than a left-to-right
+/// sum, rounded differently.
+#[inline(always)]
+pub(crate) fn lane_sum(v: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut chunks = v.chunks_exact(LANES);
+    for c in &mut chunks {
+        for l in 0..LANES {
+            acc[l] += c[l];
+        }
+    }
+    for (a, x) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += x;
+    }
+    fold_lanes(acc, |a, b| a + b)
+}
+
+/// `Σ a[j] b[j]` over the shorter of the two, in lanes as [`lane_sum`].
+#[inline(always)]
+fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0.0f32; LANES];
+    let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for l in 0..LANES {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for ((s, x), y) in acc.iter_mut().zip(ca.remainder()).zip(cb.remainder()) {
+        *s += x * y;
+    }
+    fold_lanes(acc, |a, b| a + b)
+}
+
+/// The largest value of `v` (`f32::max`: a NaN is passed over), minus infinity for none.
+#[inline(always)]
+fn lane_max(v: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut chunks = v.chunks_exact(LANES);
+    for c in &mut chunks {
+        for l in 0..LANES {
+            acc[l] = acc[l].max(c[l]);
+        }
+    }
+    for (a, x) in acc.iter_mut().zip(chunks.remainder()) {
+        *a = a.max(*x);
+    }
+    fold_lanes(acc, f32::max)
+}
+
+/// A block of an attention's score rows, turned into probabilities in place: row `r` of
+/// `block` (rows of `t` scores) is query `first + r`, whose keys `0..=first + r` get the
+/// softmax of their scaled scores (plus ALiBi's biases with a slope) and the later keys 0.
+/// Run through `pulp`, so that its loops are compiled for the CPU's widest vector
+/// extension (the workspace builds for plain x86-64).
+struct SoftmaxRows<'a> {
+    block: &'a mut [f32],
+    t: usize,
+    first: usize,
+    scale: f32,
+    slope: Option<f32>,
+}
+
+impl pulp::WithSimd for SoftmaxRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let (scale, slope) = (self.scale, self.slope);
+        for (i, row) in (self.first..).zip(self.block.chunks_exact_mut(self.t)) {
+            let (seen, later) = row.split_at_mut(i + 1);
+            // Scaled scores plus the biases, in place.
+            match slope {
+                None => seen.iter_mut().for_each(|v| *v *= scale),
+                Some(m) => seen
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(j, v)| *v = *v * scale + alibi_bias(m, i, j)),
+            }
+            let max = lane_max(seen);
+            seen.iter_mut().for_each(|v| *v = exp_f32(*v - max));
+            let sum = lane_sum(seen);
+            seen.iter_mut().for_each(|v| *v /= sum);
+            later.fill(0.0);
+        }
+    }
+}
+
+/// The softmax's backward pass on a block of rows, in place: row `r` of `block` holds `dP`
+/// of query `first + r` and becomes `dS = P ∘ (dP - rowsum(P ∘ dP)) * scale` over the keys
+/// `0..=first + r`, 0 after; `probs` holds the same rows of `P`. Through `pulp` as
+/// [`SoftmaxRows`].
+struct SoftmaxGradRows<'a> {
+    block: &'a mut [f32],
+    probs: &'a [f32],
+    t: usize,
+    first: usize,
+    scale: f32,
+}
+
+impl pulp::WithSimd for SoftmaxGradRows<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        let scale = self.scale;
+        let rows = self
+            .block
+            .chunks_exact_mut(self.t)
+            .zip(self.probs.chunks_exact(self.t));
+        for (i, (row, p_row)) in (self.first..).zip(rows) {
+            let (seen, later) = row.split_at_mut(i + 1);
+            let dot = lane_dot(seen, p_row);
+            for (d, p) in seen.iter_mut().zip(p_row) {
+                *d = p * (*d - dot) * scale;
+            }
+            later.fill(0.0);
+        }
+    }
 }
 
 /// Rows per block of a causal attention's queries (and, in the backward pass, keys): with
@@ -1626,18 +1755,13 @@ pub fn attention_backward(
                 let d_out = MatRef::new(&g[r0 * w + head * dh..], rows, dh, w, 1);
                 let v_t = MatRef::new(&x[2 * w + head * dh..], dh, r1, 1, 3 * w);
                 matmul(MatMut::new(&mut ds[r0 * t..], rows, r1, t, 1), d_out, v_t);
-                for (i, (row, p_row)) in (r0..r1).zip(
-                    ds[r0 * t..r1 * t]
-                        .chunks_exact_mut(t)
-                        .zip(p[r0 * t..].chunks_exact(t)),
-                ) {
-                    let (seen, later) = row.split_at_mut(i + 1);
-                    let dot: f32 = seen.iter().zip(p_row).map(|(d, p)| d * p).sum();
-                    for (d, p) in seen.iter_mut().zip(p_row) {
-                        *d = p * (*d - dot) * scale;
-                    }
-                    later.fill(0.0);
-                }
+                pulp::Arch::new().dispatch(SoftmaxGradRows {
+                    block: &mut ds[r0 * t..r1 * t],
+                    probs: &p[r0 * t..r1 * t],
+                    t,
+                    first: r0,
+                    scale,
+                });
                 let k = MatRef::new(&x[w + head * dh..], r1, dh, 3 * w, 1);
                 matmul(
                     MatMut::new(&mut dx[r0 * 3 * w + head * dh..], rows, dh, 3 * w, 1),
@@ -1703,6 +1827,27 @@ mod tests {
         });
         assert_eq!(a, [1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 3.0]);
         assert_eq!((b[0], b[9], b[18], b[1], b.len()), (0, 1, 2, 0, 21));
+    }
+
+    /// The lane reductions against plain loops: exact on integer values (every order of
+    /// additions gives the same sum), for lengths around the 16 lanes; `lane_max` passes
+    /// NaN over and gives minus infinity for nothing; a 0.1-step sum within rounding of f64's.
+    #[test]
+    fn lane_reductions_match_plain_loops() {
+        for n in [0, 1, 15, 16, 17, 33, 128, 129] {
+            let a: Vec<f32> = (0..n).map(|i| ((i * 7) % 11) as f32 - 5.0).collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 3) % 5) as f32).collect();
+            assert_eq!(lane_sum(&a), a.iter().sum::<f32>(), "sum of {n}");
+            let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            assert_eq!(lane_dot(&a, &b), dot, "dot of {n}");
+            let max = a.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            assert_eq!(lane_max(&a), max, "max of {n}");
+        }
+        assert_eq!(lane_dot(&[1.0, 2.0, 3.0], &[4.0, 5.0]), 14.0);
+        assert_eq!(lane_max(&[f32::NAN, -3.0, f32::NAN]), -3.0);
+        let tenths: Vec<f32> = (0..1000).map(|i| i as f32 * 0.1).collect();
+        let want: f64 = tenths.iter().map(|&v| v as f64).sum();
+        assert!((lane_sum(&tenths) as f64 - want).abs() < 1e-5 * want);
     }
 
     #[test]
