@@ -1571,7 +1571,7 @@ pub fn attention_forward(
 
 /// Lanes of the partial sums and maxima of [`lane_sum`], [`lane_max`] and [`lane_dot`]: an
 /// AVX-512 register of `f32`.
-pub(crate) const LANES: usize = 16;
+const LANES: usize = 16;
 
 /// `acc`'s lanes combined pairwise with `op`: lanes `l` and `l + 8`, then `l + 4`, `l + 2`,
 /// `l + 1`; a fixed order, so a reduction's result depends on its input alone.
@@ -1593,33 +1593,29 @@ fn fold_lanes(mut acc: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
 /// sum, rounded differently.
 #[inline(always)]
 pub(crate) fn lane_sum(v: &[f32]) -> f32 {
-    let mut acc = [0.0f32; LANES];
-    let mut chunks = v.chunks_exact(LANES);
-    for c in &mut chunks {
-        for l in 0..LANES {
-            acc[l] += c[l];
-        }
-    }
-    for (a, x) in acc.iter_mut().zip(chunks.remainder()) {
-        *a += x;
-    }
-    fold_lanes(acc, |a, b| a + b)
+    lane_sum_zip(v, v, |x, _| x)
 }
 
 /// `Σ a[j] b[j]` over the shorter of the two, in lanes as [`lane_sum`].
 #[inline(always)]
 fn lane_dot(a: &[f32], b: &[f32]) -> f32 {
+    lane_sum_zip(a, b, |x, y| x * y)
+}
+
+/// `Σ f(a[j], b[j])` over the shorter of the two, in lanes as [`lane_sum`].
+#[inline(always)]
+pub(crate) fn lane_sum_zip(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [0.0f32; LANES];
     let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     for (x, y) in (&mut ca).zip(&mut cb) {
         for l in 0..LANES {
-            acc[l] += x[l] * y[l];
+            acc[l] += f(x[l], y[l]);
         }
     }
     for ((s, x), y) in acc.iter_mut().zip(ca.remainder()).zip(cb.remainder()) {
-        *s += x * y;
+        *s += f(*x, *y);
     }
     fold_lanes(acc, |a, b| a + b)
 }

@@ -19,7 +19,9 @@
 //! widest vector extension (the workspace builds for plain x86-64, whose SSE2 does 4 lanes
 //! where AVX-512 does 16).
 
-use crate::kernels::{for_each_item, lane_sum, zeroed_chunks, zeroed_chunks2, LayerGrads, LANES};
+use crate::kernels::{
+    for_each_item, lane_sum, lane_sum_zip, zeroed_chunks, zeroed_chunks2, LayerGrads,
+};
 
 /// Rows per chunk: a few hundred kilobytes of a transformer's activations, and enough
 /// chunks for the threads.
@@ -39,17 +41,7 @@ pub struct RowsShape {
 fn row_stats(x: &[f32], eps: f32) -> (f32, f32) {
     let n = x.len() as f32;
     let mean = lane_sum(x) / n;
-    let mut acc = [0.0f32; LANES];
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
-        for l in 0..LANES {
-            acc[l] += (c[l] - mean) * (c[l] - mean);
-        }
-    }
-    for (a, v) in acc.iter_mut().zip(chunks.remainder()) {
-        *a += (v - mean) * (v - mean);
-    }
-    let var = lane_sum(&acc) / n;
+    let var = lane_sum_zip(x, x, |v, _| (v - mean) * (v - mean)) / n;
     (mean, (var + eps).sqrt())
 }
 
@@ -122,17 +114,8 @@ impl pulp::WithSimd for NormRows<'_> {
                     for ((d, dy), g) in dx.iter_mut().zip(dy).zip(gamma) {
                         *d = dy * g;
                     }
-                    let mut acc = [0.0f32; LANES];
-                    let (mut cg, mut cx) = (dx.chunks_exact(LANES), x.chunks_exact(LANES));
-                    for (g, x) in (&mut cg).zip(&mut cx) {
-                        for l in 0..LANES {
-                            acc[l] += g[l] * ((x[l] - mean) / std);
-                        }
-                    }
-                    for ((a, g), x) in acc.iter_mut().zip(cg.remainder()).zip(cx.remainder()) {
-                        *a += g * ((x - mean) / std);
-                    }
-                    let (mean_g, mean_gx) = (lane_sum(dx) / n, lane_sum(&acc) / n);
+                    let sum_gx = lane_sum_zip(dx, x, |g, x| g * ((x - mean) / std));
+                    let (mean_g, mean_gx) = (lane_sum(dx) / n, sum_gx / n);
                     for (d, x) in dx.iter_mut().zip(x) {
                         let xh = (x - mean) / std;
                         *d = (*d - mean_g - xh * mean_gx) / std;
