@@ -86,17 +86,31 @@ fn build() -> Result<PathBuf, String> {
     if profile == "release" {
         c.arg("--release");
     }
-    c.args([
-        "-p",
-        "flashover-examples",
-        "--example",
-        "mnist",
-        "--no-default-features",
-    ]);
-    c.arg("--features").arg(format!(
-        "flashover-examples/mpi,flashover-examples/{}",
-        super::BACKEND
-    ));
+    if super::BACKEND == "flex" {
+        // The whole workspace's features, as the test command and the README's `cargo run`
+        // resolve them, plus `mpi`: every crate that does not depend on MPI is the same unit
+        // as in the plain build, so a copy of that build's directory (CI seeds `target/mpi`
+        // with one) leaves only the MPI crates and those above them to compile.
+        c.args([
+            "--workspace",
+            "--example",
+            "mnist",
+            "--features",
+            "flashover-examples/mpi",
+        ]);
+    } else {
+        c.args([
+            "-p",
+            "flashover-examples",
+            "--example",
+            "mnist",
+            "--no-default-features",
+        ]);
+        c.arg("--features").arg(format!(
+            "flashover-examples/mpi,flashover-examples/{}",
+            super::BACKEND
+        ));
+    }
     c.arg("--target-dir").arg(&dir);
     use std::io::Write;
     let _ = std::io::stderr().write_all(
@@ -142,7 +156,7 @@ pub fn mnist() -> Option<PathBuf> {
         }
         Err(e) => {
             let first = e.lines().find(|l| l.contains("error")).unwrap_or(
-                "see `cargo build --release -p flashover-examples --example mnist --features mpi`",
+                "see `cargo build --release --workspace --example mnist --features flashover-examples/mpi`",
             );
             skipped(
                 Need::Mpi,

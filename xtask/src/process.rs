@@ -160,11 +160,12 @@ pub(crate) fn bench_selection() -> &'static [&'static str] {
     &["--workspace"]
 }
 
-/// Builds `example` with MPI support and returns its path. On the CPU backend: the examples
-/// package alone with the `mpi` feature, in `target/mpi`, exactly as the multi-process tests
+/// Builds `example` with MPI support and returns its path. On the CPU backend: the whole
+/// workspace's features plus `mpi`, in `target/mpi`, exactly as the multi-process tests
 /// build it (`tests/support/mpi.rs`: same packages, features and directory, so whichever runs
-/// first builds it for the other); the plain build in `target` stays free of MPI. A GPU
-/// backend's build always has MPI (see [`Backend::cargo_args`]).
+/// first builds it for the other; the crates without MPI are the plain build's units, so a
+/// copy of `target/release` there seeds it, as CI does); the plain build in `target` stays
+/// free of MPI. A GPU backend's build always has MPI (see [`Backend::cargo_args`]).
 pub(crate) fn build_mpi_example(b: Backend, example: &str) -> Result<String> {
     if b != Backend::Flex {
         let mut args = strings(&["build", "--release", "--example", example]);
@@ -175,13 +176,11 @@ pub(crate) fn build_mpi_example(b: Backend, example: &str) -> Result<String> {
     cargo(&strings(&[
         "build",
         "--release",
-        "-p",
-        "flashover-examples",
+        "--workspace",
         "--example",
         example,
-        "--no-default-features",
         "--features",
-        "flashover-examples/mpi,flashover-examples/flex",
+        "flashover-examples/mpi",
         "--target-dir",
         "target/mpi",
     ]))?;
