@@ -224,6 +224,7 @@ fn with_optimizer<B: TrainBackend, M: MnistModel<B>>(
         args.run.optimizer,
         args.run.weight_decay,
         args.run.momentum,
+        true,
         model,
         job,
     )

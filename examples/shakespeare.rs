@@ -78,10 +78,10 @@ struct Args {
     /// little more time, the same gradients bit for bit.
     #[arg(long)]
     activation_checkpointing: bool,
-    /// The forward and backward passes' kernels on the CPU backend: fast (the fast path's
-    /// fused dense layers with GELU, layer norms and attention) or burn (Burn's tensor ops
-    /// alone, for comparison; the same model and results to float32 rounding). Other
-    /// backends always run Burn's.
+    /// The training step's kernels on the CPU backend: fast (the fast path's fused dense
+    /// layers with GELU or the residual, layer norms, attention, cross-entropy and AdamW
+    /// step) or burn (Burn's tensor ops and Burn's AdamW alone, for comparison; the same
+    /// model and results to float32 rounding). Other backends always run Burn's.
     #[arg(long, value_enum, default_value_t = Kernels::Fast)]
     kernels: Kernels,
     #[command(flatten)]
@@ -409,6 +409,7 @@ fn run<B: TrainBackend>(args: &Args, dist: &Distributed) -> anyhow::Result<()> {
         args.run.optimizer,
         args.run.weight_decay,
         args.run.momentum,
+        args.kernels == Kernels::Fast,
         model,
         job,
     )

@@ -19,6 +19,8 @@ use flashover::core::schedule::Scheduler;
 use flashover::core::setup::Setup;
 use flashover::core::time::Time;
 use flashover::core::trainer::TrainerBuilder;
+use flashover::models::optim::FusedAdamW;
+use flashover::models::TrainBackend;
 use std::sync::Arc;
 
 /// What differs between the programs in the run flags they share: defaults and the words of
@@ -256,16 +258,25 @@ pub trait WithOptimizer<B: AutodiffBackend, M: TrainModel<B>> {
 }
 
 /// Builds the optimizer `kind` names (with `weight_decay`, and `momentum` for SGD) for
-/// `model` and hands both to `job`.
-pub fn with_optimizer<B: AutodiffBackend, M: TrainModel<B>, J: WithOptimizer<B, M>>(
+/// `model` and hands both to `job`. With `fused`, AdamW is the fast path's one-pass step
+/// (`FusedAdamW`: the same bits as Burn's `AdamW`, and the same state in checkpoints);
+/// without, Burn's own (the `--kernels burn` comparison).
+pub fn with_optimizer<B: TrainBackend, M: TrainModel<B>, J: WithOptimizer<B, M>>(
     kind: OptimizerKind,
     weight_decay: f32,
     momentum: f64,
+    fused: bool,
     model: M,
     job: J,
 ) -> J::Output {
     let decay = || Some(burn::optim::decay::WeightDecayConfig::new(weight_decay));
     match kind {
+        OptimizerKind::Adamw if fused => job.run(
+            model,
+            FusedAdamW::new()
+                .with_weight_decay(weight_decay)
+                .init::<B, M>(),
+        ),
         OptimizerKind::Adamw => job.run(
             model,
             AdamWConfig::new()

@@ -11,7 +11,10 @@
 //! No dropout: the bundled corpus is trained for too few tokens to overfit.
 //!
 //! The dense layers are this crate's [`Linear`] (the CPU fast path's matrix products, and
-//! what Factorize changes); attention's products and softmax are Burn's tensor ops.
+//! what Factorize changes). On a backend with the fast path (`ChannelsLastBackend`), the
+//! attention, the layer norms, the MLP's GELU, the residual adds (into the output
+//! projections) and the training loss run through its fused kernels; elsewhere, and with
+//! `burn_ops`, through Burn's tensor ops.
 
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LinearConfig};
@@ -19,7 +22,9 @@ use burn::tensor::activation::{gelu, relu, sigmoid, silu};
 use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 use flashover_core::loss::classification_loss;
-use flashover_core::model::{ClassificationOutput, EvalModel, TokenBatch, TrainModel};
+use flashover_core::model::{
+    ClassTargets, ClassificationOutput, EvalModel, TokenBatch, TrainModel,
+};
 use flashover_core::params::init_model;
 use flashover_core::precision::{cast_like, cast_to, Autocast};
 use flashover_core::rng::Rng;
@@ -233,6 +238,30 @@ impl<B: ChannelsLastBackend> Attention<B> {
     /// Burn's tensor ops alone.
     pub fn forward_with(&self, x: Tensor<B, 3>, fast: bool) -> Tensor<B, 3> {
         let [b, t, w] = x.dims();
+        self.proj
+            .forward(self.heads_out(x, fast), fast, false)
+            .reshape([b, t, w])
+    }
+
+    /// `residual + attention(x)` for `x` and `residual` `[batch, seq, width]` (the block's
+    /// residual stream): [`forward_with`](Self::forward_with) with the residual added by
+    /// the output projection ([`Linear::forward_residual`]).
+    pub fn forward_residual(
+        &self,
+        x: Tensor<B, 3>,
+        residual: Tensor<B, 3>,
+        fast: bool,
+    ) -> Tensor<B, 3> {
+        let [b, t, w] = x.dims();
+        self.proj
+            .forward_residual(self.heads_out(x, fast), residual.reshape([b * t, w]), fast)
+            .reshape([b, t, w])
+    }
+
+    /// The heads' outputs side by side, `[batch * seq, width]`, before the output
+    /// projection.
+    fn heads_out(&self, x: Tensor<B, 3>, fast: bool) -> Tensor<B, 2> {
+        let [b, t, w] = x.dims();
         let qkv = self
             .qkv
             .forward(x.reshape([b * t, w]), fast, false)
@@ -248,9 +277,7 @@ impl<B: ChannelsLastBackend> Attention<B> {
             );
             Tensor::from_primitive(TensorPrimitive::Float(out))
         };
-        self.proj
-            .forward(y.reshape([b * t, w]), fast, false)
-            .reshape([b, t, w])
+        y.reshape([b * t, w])
     }
 }
 
@@ -289,7 +316,25 @@ impl<B: ChannelsLastBackend> Mlp<B> {
     /// [`forward`](Self::forward) through the fast path's kernels (the first layer's GELU
     /// fused into its product) when `fast`, else through Burn's tensor ops alone.
     pub fn forward_with(&self, x: Tensor<B, 2>, fast: bool) -> Tensor<B, 2> {
-        let hidden = match &self.gate {
+        self.proj.forward(self.hidden(x, fast), fast, false)
+    }
+
+    /// `residual + mlp(x)` for `x` and `residual` `[rows, width]` (the block's residual
+    /// stream): [`forward_with`](Self::forward_with) with the residual added by the output
+    /// layer ([`Linear::forward_residual`]).
+    pub fn forward_residual(
+        &self,
+        x: Tensor<B, 2>,
+        residual: Tensor<B, 2>,
+        fast: bool,
+    ) -> Tensor<B, 2> {
+        self.proj
+            .forward_residual(self.hidden(x, fast), residual, fast)
+    }
+
+    /// The hidden layer's activations, `[rows, hidden]`.
+    fn hidden(&self, x: Tensor<B, 2>, fast: bool) -> Tensor<B, 2> {
+        match &self.gate {
             None => self.fc.forward_gelu(x, fast),
             Some(gate) => {
                 let g = gate.forward(x.clone(), fast, false);
@@ -302,8 +347,7 @@ impl<B: ChannelsLastBackend> Mlp<B> {
                 };
                 g.mul(self.fc.forward(x, fast, false))
             }
-        };
-        self.proj.forward(hidden, fast, false)
+        }
     }
 }
 
@@ -375,15 +419,12 @@ impl<B: ChannelsLastBackend> Block<B> {
     /// Burn's tensor ops alone.
     pub fn forward_with(&self, x: Tensor<B, 3>, fast: bool) -> Tensor<B, 3> {
         let [b, t, w] = x.dims();
-        let x = x.clone()
-            + self
-                .attention
-                .forward_with(self.norm1.forward_with(x, fast), fast);
-        let y = self.mlp.forward_with(
-            self.norm2.forward_with(x.clone(), fast).reshape([b * t, w]),
-            fast,
-        );
-        x + y.reshape([b, t, w])
+        let normed = self.norm1.forward_with(x.clone(), fast);
+        let x = self.attention.forward_residual(normed, x, fast);
+        let normed = self.norm2.forward_with(x.clone(), fast).reshape([b * t, w]);
+        self.mlp
+            .forward_residual(normed, x.reshape([b * t, w]), fast)
+            .reshape([b, t, w])
     }
 }
 
@@ -523,14 +564,18 @@ impl<B: ChannelsLastBackend> Gpt<B> {
             "a sequence of {t} tokens is longer than the model's context of {}",
             self.context
         );
+        let fast = B::CHANNELS_LAST_IS_FAST && !self.burn_ops;
         let mut x = self.token_embedding.forward(tokens);
         if let Some(p) = &self.position_embedding {
-            x = x + p.val().narrow(0, 0, t).unsqueeze::<3>();
+            let p = p.val().narrow(0, 0, t);
+            x = match fast {
+                true => crate::layers::add_positions(x, p),
+                false => x + p.unsqueeze::<3>(),
+            };
         }
         if let Some(dtype) = self.compute {
             x = cast_to(x, dtype);
         }
-        let fast = B::CHANNELS_LAST_IS_FAST && !self.burn_ops;
         for block in &self.blocks {
             x = block.forward_with(x, fast);
         }
@@ -679,7 +724,12 @@ impl<B: TrainBackend> TrainModel<B> for Gpt<B> {
     }
 
     fn loss(&self, logits: &Tensor<B, 2>, batch: &TokenBatch<B>) -> Tensor<B, 1> {
-        // Soft targets (label smoothing) when an algorithm set them.
+        // Soft targets (label smoothing) when an algorithm set them; on the fast path, class
+        // indices through its fused cross-entropy.
+        let fast = B::CHANNELS_LAST_IS_FAST && !self.burn_ops;
+        if fast && batch.soft_targets().is_none() {
+            return crate::layers::cross_entropy(logits.clone(), batch.classes().clone());
+        }
         classification_loss(logits.clone(), batch)
     }
 }
@@ -1394,9 +1444,10 @@ mod tests {
         }
     }
 
-    /// The fast path (fused dense layers with GELU, fused layer norms, the attention kernel)
-    /// and Burn's tensor ops (`burn_ops`) compute the same model: the same loss and every
-    /// parameter's gradient to float32 rounding, with and without ALiBi, tied and untied.
+    /// The fast path (fused dense layers with GELU or the residual, fused layer norms, the
+    /// attention kernel, the fused cross-entropy) and Burn's tensor ops (`burn_ops`) compute
+    /// the same model: the same loss and every parameter's gradient to float32 rounding,
+    /// with and without ALiBi, tied and untied.
     #[test]
     fn the_fast_path_and_burns_ops_give_the_same_loss_and_gradients() {
         use burn::backend::autodiff::grads::Gradients;
@@ -1437,9 +1488,12 @@ mod tests {
                 let ids: Vec<i64> = (0..3 * 21).map(|i| (i * 5 + 2) % 13).collect();
                 let tokens = Tensor::<AB, 2, Int>::from_data(TensorData::new(ids, [3, 21]), &d);
                 let targets: Vec<i64> = (0..3 * 21).map(|i| (i * 3 + 1) % 13).collect();
-                let targets = Tensor::<AB, 1, Int>::from_data(TensorData::new(targets, [63]), &d);
-                let logits = m.logits(tokens);
-                let loss = flashover_core::loss::cross_entropy(logits, targets);
+                let targets =
+                    Tensor::<AB, 2, Int>::from_data(TensorData::new(targets, [3, 21]), &d);
+                // The training step's loss: the fused cross-entropy on the fast path.
+                let batch = TokenBatch::new(tokens, targets);
+                let logits = TrainModel::forward(&m, &batch);
+                let loss = m.loss(&logits, &batch);
                 let value = loss.clone().into_scalar();
                 let grads = loss.backward();
                 let mut all = All(&grads, Vec::new());

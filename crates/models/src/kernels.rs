@@ -883,6 +883,80 @@ pub fn dense_forward(
     })
 }
 
+/// [`dense_forward`] without an activation, with `residual` (`[rows, d_out]`) added to its
+/// output: `residual + (x · weight + bias)`, the transformer block's `x + layer(x')`. The
+/// bias and the residual are added to each chunk of the product while it is in cache, in
+/// the order of a separate add after the layer (the same values, to the bit).
+pub fn dense_residual_forward(
+    s: &DenseShape,
+    x: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    residual: &[f32],
+) -> Vec<f32> {
+    check_dense(s, x, weight, bias);
+    let d_out = s.d_out;
+    assert_eq!(residual.len(), s.rows * d_out, "residual of {s:?}");
+    if d_out == 0 {
+        return Vec::new();
+    }
+    let rows = dense_chunk_rows(s);
+    written_chunks(s.rows * d_out, rows * d_out, |ci, dst| {
+        let dst = dense_chunk(s, x, weight, ci * rows, dst);
+        bias_relu(dst, d_out, bias, false);
+        // `residual + y` of a separate add; IEEE addition commutes, so `y + residual` is it.
+        for (v, r) in dst.iter_mut().zip(&residual[ci * rows * d_out..]) {
+            *v += r;
+        }
+        dst
+    })
+}
+
+/// `x + positions` for `x` of `batch` sequences of `positions.len()` values each (a
+/// transformer's learned position embeddings, added to each sequence's token embeddings):
+/// one sequence per chunk, `x`'s value first in each sum as in Burn's broadcasting add.
+pub fn add_positions(x: &[f32], positions: &[f32]) -> Vec<f32> {
+    let n = positions.len();
+    if n == 0 {
+        assert!(x.is_empty(), "{} values for sequences of none", x.len());
+        return Vec::new();
+    }
+    assert_eq!(x.len() % n, 0, "{} values in sequences of {n}", x.len());
+    written_chunks(x.len(), n, |ci, dst| {
+        let x = &x[ci * n..][..n];
+        write_each(dst, x.iter().zip(positions).map(|(a, p)| a + p))
+    })
+}
+
+/// The position embeddings' gradient of [`add_positions`]: the sum over the sequences of
+/// `grad` (`batch` sequences of `n` values), each value's terms added in sequence order;
+/// cut into chunks of values, so the bits do not depend on the thread count.
+pub fn positions_grad(grad: &[f32], n: usize) -> Vec<f32> {
+    const CHUNK: usize = 1 << 12;
+    if n == 0 {
+        return Vec::new();
+    }
+    assert!(
+        grad.len().is_multiple_of(n) && !grad.is_empty(),
+        "{} values in sequences of {n}",
+        grad.len()
+    );
+    written_chunks(n, CHUNK, |ci, dst| {
+        let at = ci * CHUNK;
+        let len = dst.len();
+        let mut sequences = grad.chunks_exact(n).map(|g| &g[at..][..len]);
+        // Invariant: `grad` holds at least one sequence (asserted above).
+        let first = sequences.next().expect("one sequence at least");
+        let sum = write_each(dst, first.iter().copied());
+        for g in sequences {
+            for (s, v) in sum.iter_mut().zip(g) {
+                *s += v;
+            }
+        }
+        sum
+    })
+}
+
 /// Panics, naming the shape, unless the input, weight and bias fit `s`.
 fn check_dense(s: &DenseShape, x: &[f32], weight: &[f32], bias: Option<&[f32]>) {
     assert_eq!(x.len(), s.rows * s.d_in, "input of {s:?}");
@@ -1622,7 +1696,7 @@ pub(crate) fn lane_sum_zip(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) ->
 
 /// The largest value of `v` (`f32::max`: a NaN is passed over), minus infinity for none.
 #[inline(always)]
-fn lane_max(v: &[f32]) -> f32 {
+pub(crate) fn lane_max(v: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let mut chunks = v.chunks_exact(LANES);
     for c in &mut chunks {

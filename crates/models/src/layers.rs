@@ -14,7 +14,7 @@ use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::{avg_pool2d, conv2d, linear, max_pool2d};
 use burn::tensor::ops::{ConvOptions, PadMode, PaddedConvOptions};
-use burn::tensor::{DType, FloatDType, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 
 use flashover_core::precision::cast_like;
 use flashover_core::rng::Rng;
@@ -199,6 +199,29 @@ pub fn dense<B: ChannelsLastBackend>(
         bias.map(|b| b.into_primitive().tensor()),
         relu,
     );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// `x + positions` for `x: [batch, seq, width]` and `positions: [seq, width]` (see
+/// [`ChannelsLastBackend::add_positions`]).
+pub fn add_positions<B: ChannelsLastBackend>(
+    x: Tensor<B, 3>,
+    positions: Tensor<B, 2>,
+) -> Tensor<B, 3> {
+    let out = B::add_positions(
+        x.into_primitive().tensor(),
+        positions.into_primitive().tensor(),
+    );
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
+/// Mean cross-entropy of `logits: [rows, classes]` against class indices `targets: [rows]`,
+/// a `[1]` tensor (see [`ChannelsLastBackend::cross_entropy`]).
+pub fn cross_entropy<B: ChannelsLastBackend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+) -> Tensor<B, 1> {
+    let out = B::cross_entropy(logits.into_primitive().tensor(), targets.into_primitive());
     Tensor::from_primitive(TensorPrimitive::Float(out))
 }
 
@@ -436,6 +459,34 @@ impl<B: ChannelsLastBackend> Linear<B> {
         } else {
             y
         }
+    }
+
+    /// `residual + layer(x)` for `x: [rows, d_input]` and `residual: [rows, d_output]` (a
+    /// transformer block's residual stream): through the fast path's
+    /// [`ChannelsLastBackend::dense_residual`] (bias and residual added to the product while
+    /// it is in cache) when `fast` and the layer is a plain one, else as
+    /// [`forward`](Self::forward) and Burn's add (the same values either way).
+    pub fn forward_residual(
+        &self,
+        x: Tensor<B, 2>,
+        residual: Tensor<B, 2>,
+        fast: bool,
+    ) -> Tensor<B, 2> {
+        if !(fast && self.factors.is_none() && self.input_dropout.gyro.is_none()) {
+            return residual + self.forward(x, fast, false);
+        }
+        let dt = x.dtype();
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| cast_like(b.val(), dt).into_primitive().tensor());
+        let weight = cast_like(self.weight.val(), dt).into_primitive().tensor();
+        Tensor::from_primitive(TensorPrimitive::Float(B::dense_residual(
+            x.into_primitive().tensor(),
+            weight,
+            bias,
+            residual.into_primitive().tensor(),
+        )))
     }
 
     /// The layer on `x: [rows, d_input]` followed by GELU: through the fast path's

@@ -97,11 +97,14 @@ pub mod gemm;
 mod gpt;
 pub mod kernels;
 pub mod layers;
+pub mod loss_kernels;
 pub mod lowrank;
 mod mnist;
 pub mod norm;
 pub mod norm_kernels;
 pub mod ops;
+pub mod optim;
+pub mod optim_kernels;
 mod resnet;
 mod surgical;
 

@@ -22,7 +22,9 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{ConvOptions, FloatTensor, IntTensor};
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
+
+use crate::optim_kernels::AdamWStep;
 
 /// Gradients of a layer of the extension (channels-last convolution or dense layer), each
 /// present when it was asked for.
@@ -177,6 +179,21 @@ pub trait ChannelsLastBackend: Backend {
         burn_dense_backward::<Self>(x, weight, output, grad, needs)
     }
 
+    /// Dense layer with a residual: `residual + (x · weight + bias)` for `x: [rows, d_in]`
+    /// and `residual: [rows, d_out]` (a transformer block's `x + layer(x')`). By default
+    /// Burn's `linear` and add; the fast path adds the bias and the residual to each chunk
+    /// of the product while it is in cache (one pass over the output instead of two, on the
+    /// threads). The residual's gradient is the output gradient itself; the others are
+    /// [`dense_backward`](Self::dense_backward)'s.
+    fn dense_residual(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        residual: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        burn_dense_residual::<Self>(x, weight, bias, residual)
+    }
+
     /// Dense layer `x · weight + bias` followed by GELU (the exact one, through the error
     /// function) for `x: [rows, d_in]`. By default Burn's `linear` and `gelu`; the fast path
     /// applies the bias and GELU to each chunk of the product while it is in cache.
@@ -280,6 +297,74 @@ pub trait ChannelsLastBackend: Backend {
         heads: usize,
     ) -> FloatTensor<Self> {
         burn_causal_attention_backward::<Self>(qkv, probs, grad, heads)
+    }
+
+    /// `x + positions` for `x: [batch, seq, width]` and `positions: [seq, width]`: the same
+    /// rows added to each sequence (a transformer's learned position embeddings). By
+    /// default Burn's broadcasting add; the fast path adds one sequence per chunk on the
+    /// threads (flex's broadcast walks strided indices on one thread). The gradient of `x` is
+    /// the output gradient; of `positions`, [`positions_grad`](Self::positions_grad).
+    fn add_positions(x: FloatTensor<Self>, positions: FloatTensor<Self>) -> FloatTensor<Self> {
+        let positions = tensor::<Self, 2>(positions).unsqueeze::<3>();
+        primitive(tensor::<Self, 3>(x) + positions)
+    }
+
+    /// The gradient of [`add_positions`](Self::add_positions) with respect to `positions`
+    /// for the output gradient `grad: [batch, seq, width]`: its sum over the batch, `[seq,
+    /// width]`.
+    fn positions_grad(grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let grad = tensor::<Self, 3>(grad);
+        let [_, t, w] = grad.dims();
+        primitive(grad.sum_dim(0).reshape([t, w]))
+    }
+
+    /// One AdamW step of a flat parameter (`[n]`, with its gradient and, after the first
+    /// step, both moments): the new parameter and moments, exactly as Burn's `AdamW`
+    /// computes them (see [`crate::optim_kernels`]). By default Burn's tensor ops in Burn's order;
+    /// the fast path reads each input once and writes each output once, on the threads.
+    fn adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+        step: &AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (p, m1, m2) = crate::optim_kernels::burn_adamw_step::<Self>(
+            tensor(param),
+            tensor(grad),
+            moments.map(|(m1, m2)| (tensor(m1), tensor(m2))),
+            step,
+        );
+        (primitive(p), primitive(m1), primitive(m2))
+    }
+
+    /// Mean cross-entropy of `logits: [rows, classes]` against class indices `targets:
+    /// [rows]`, a `[1]` tensor: the mean over the rows of `logsumexp(row) - row[target]`
+    /// (PyTorch's `cross_entropy`, mean reduction). By default Burn's tensor ops; the fast
+    /// path is one pass per row on the threads (`crate::loss_kernels`). The targets must be
+    /// classes (the fast path panics naming the first that is not; callers with untrusted
+    /// targets check them with `flashover_core::loss::check_class_indices`).
+    fn cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>) -> FloatTensor<Self> {
+        Self::cross_entropy_with_lse(logits, targets).0
+    }
+
+    /// [`cross_entropy`](Self::cross_entropy) and each row's log-sum-exp `[rows]`, which its
+    /// backward pass needs.
+    fn cross_entropy_with_lse(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        burn_cross_entropy::<Self>(logits, targets)
+    }
+
+    /// The gradient of [`cross_entropy`](Self::cross_entropy) with respect to the logits for
+    /// the output gradient `grad` (`[1]`): `(softmax(row) - onehot(target)) · grad / rows`.
+    fn cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        burn_cross_entropy_backward::<Self>(logits, targets, lse, grad)
     }
 }
 
@@ -466,6 +551,47 @@ pub fn burn_dense<B: Backend>(
     }
 }
 
+/// [`ChannelsLastBackend::dense_residual`] through Burn's own linear op and add.
+pub fn burn_dense_residual<B: Backend>(
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    residual: FloatTensor<B>,
+) -> FloatTensor<B> {
+    B::float_add(residual, B::linear(x, weight, bias))
+}
+
+/// [`ChannelsLastBackend::cross_entropy_with_lse`] through Burn's tensor ops.
+pub fn burn_cross_entropy<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let logits = tensor::<B, 2>(logits);
+    let [n, _] = logits.dims();
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets);
+    let max = logits.clone().max_dim(1);
+    let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
+    let picked = logits.gather(1, targets.reshape([n, 1]));
+    let loss = (lse.clone() - picked).mean();
+    (primitive(loss), primitive(lse.reshape([n])))
+}
+
+/// [`ChannelsLastBackend::cross_entropy_backward`] through Burn's tensor ops.
+pub fn burn_cross_entropy_backward<B: Backend>(
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+    lse: FloatTensor<B>,
+    grad: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let logits = tensor::<B, 2>(logits);
+    let [n, classes] = logits.dims();
+    let targets = Tensor::<B, 1, Int>::from_primitive(targets);
+    let softmax = (logits - tensor::<B, 1>(lse).reshape([n, 1])).exp();
+    let onehot = targets.one_hot::<2>(classes).float();
+    let scale = tensor::<B, 1>(grad).reshape([1, 1]).div_scalar(n as f64);
+    primitive((softmax - onehot) * scale)
+}
+
 /// [`ChannelsLastBackend::dense_backward`] through Burn's own backward ops.
 pub fn burn_dense_backward<B: Backend>(
     x: FloatTensor<B>,
@@ -631,13 +757,17 @@ mod flex {
 
     use super::{
         burn_avg_pool2d_nhwc, burn_avg_pool2d_nhwc_backward, burn_causal_attention,
-        burn_causal_attention_backward, burn_conv2d_nhwc, burn_conv2d_nhwc_backward, burn_dense,
-        burn_dense_backward, burn_dense_gelu, burn_dense_gelu_backward, burn_layer_norm,
+        burn_causal_attention_backward, burn_conv2d_nhwc, burn_conv2d_nhwc_backward,
+        burn_cross_entropy, burn_cross_entropy_backward, burn_dense, burn_dense_backward,
+        burn_dense_gelu, burn_dense_gelu_backward, burn_dense_residual, burn_layer_norm,
         burn_layer_norm_backward, burn_max_pool2d_nhwc_backward, burn_max_pool2d_nhwc_with_indices,
         ChannelsLastBackend, LayerGrads,
     };
+    use super::{primitive, tensor};
     use crate::kernels::{self, AttentionShape, Conv2dShape, DenseShape, Pool2dShape};
+    use crate::loss_kernels::{self, ClassesShape};
     use crate::norm_kernels::{self, RowsShape};
+    use crate::optim_kernels::AdamWStep;
 
     fn is_f32(t: &FlexTensor) -> bool {
         t.dtype() == DType::F32
@@ -901,6 +1031,36 @@ mod flex {
             float2(out, [s.rows, s.d_out])
         }
 
+        fn dense_residual(
+            x: FloatTensor<Self>,
+            weight: FloatTensor<Self>,
+            bias: Option<FloatTensor<Self>>,
+            residual: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            let all_f32 = is_f32(&x)
+                && is_f32(&weight)
+                && is_f32(&residual)
+                && bias.as_ref().is_none_or(is_f32);
+            let fits = |s: &DenseShape| {
+                let r = residual.shape();
+                r.num_dims() == 2 && r.dims::<2>() == [s.rows, s.d_out]
+            };
+            let shape = dense_shape(&x, &weight).filter(|s| all_f32 && fits(s));
+            let Some(s) = shape else {
+                return burn_dense_residual::<Self>(x, weight, bias, residual);
+            };
+            let (x, weight, residual) = (contiguous(x), contiguous(weight), contiguous(residual));
+            let bias = bias.map(contiguous);
+            let out = kernels::dense_residual_forward(
+                &s,
+                f32s(&x),
+                f32s(&weight),
+                bias.as_ref().map(f32s),
+                f32s(&residual),
+            );
+            float2(out, [s.rows, s.d_out])
+        }
+
         fn dense_backward(
             x: FloatTensor<Self>,
             weight: FloatTensor<Self>,
@@ -1054,6 +1214,138 @@ mod flex {
             let (qkv, probs, grad) = (contiguous(qkv), contiguous(probs), contiguous(grad));
             let dx = kernels::attention_backward(&s, f32s(&qkv), f32s(&probs), f32s(&grad));
             FlexTensor::from_data(TensorData::new(dx, [s.batch, s.seq, 3 * s.width]))
+        }
+
+        fn add_positions(x: FloatTensor<Self>, positions: FloatTensor<Self>) -> FloatTensor<Self> {
+            let (xs, ps) = (x.shape(), positions.shape());
+            let fits = is_f32(&x)
+                && is_f32(&positions)
+                && xs.num_dims() == 3
+                && ps.num_dims() == 2
+                && xs.dims::<3>()[1..] == ps.dims::<2>();
+            if !fits {
+                let positions = tensor::<Self, 2>(positions).unsqueeze::<3>();
+                return primitive(tensor::<Self, 3>(x) + positions);
+            }
+            let shape = xs.dims::<3>();
+            let (x, positions) = (contiguous(x), contiguous(positions));
+            let out = kernels::add_positions(f32s(&x), f32s(&positions));
+            FlexTensor::from_data(TensorData::new(out, shape))
+        }
+
+        fn positions_grad(grad: FloatTensor<Self>) -> FloatTensor<Self> {
+            let gs = grad.shape();
+            if !(is_f32(&grad) && gs.num_dims() == 3 && gs.dims::<3>()[0] > 0) {
+                let grad = tensor::<Self, 3>(grad);
+                let [_, t, w] = grad.dims();
+                return primitive(grad.sum_dim(0).reshape([t, w]));
+            }
+            let [_, t, w] = gs.dims::<3>();
+            let grad = contiguous(grad);
+            float2(kernels::positions_grad(f32s(&grad), t * w), [t, w])
+        }
+
+        fn adamw_step(
+            param: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            moments: Option<(FloatTensor<Self>, FloatTensor<Self>)>,
+            step: &AdamWStep,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            let n = param.shape().num_elements();
+            let flat_f32 = |t: &FlexTensor| {
+                is_f32(t) && t.shape().num_dims() == 1 && t.shape().num_elements() == n
+            };
+            let fits = flat_f32(&param)
+                && flat_f32(&grad)
+                && moments
+                    .as_ref()
+                    .is_none_or(|(m1, m2)| flat_f32(m1) && flat_f32(m2));
+            if !fits {
+                let (p, m1, m2) = crate::optim_kernels::burn_adamw_step::<Self>(
+                    tensor(param),
+                    tensor(grad),
+                    moments.map(|(m1, m2)| (tensor(m1), tensor(m2))),
+                    step,
+                );
+                return (primitive(p), primitive(m1), primitive(m2));
+            }
+            let (param, grad) = (contiguous(param), contiguous(grad));
+            let moments = moments.map(|(m1, m2)| (contiguous(m1), contiguous(m2)));
+            let (p, m1, m2) = crate::optim_kernels::adamw_step(
+                f32s(&param),
+                f32s(&grad),
+                moments.as_ref().map(|(m1, m2)| (f32s(m1), f32s(m2))),
+                step,
+            );
+            (vector(p), vector(m1), vector(m2))
+        }
+
+        fn cross_entropy_with_lse(
+            logits: FloatTensor<Self>,
+            targets: IntTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            let Some(s) = classes_shape(&logits, &targets) else {
+                return burn_cross_entropy::<Self>(logits, targets);
+            };
+            let logits = contiguous(logits);
+            let targets = class_indices(targets);
+            let (loss, lse) = loss_kernels::cross_entropy_forward(&s, f32s(&logits), &targets);
+            (vector(vec![loss]), vector(lse))
+        }
+
+        fn cross_entropy_backward(
+            logits: FloatTensor<Self>,
+            targets: IntTensor<Self>,
+            lse: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> FloatTensor<Self> {
+            let fits = |s: &ClassesShape| {
+                is_f32(&lse)
+                    && is_f32(&grad)
+                    && lse.shape().num_elements() == s.rows
+                    && grad.shape().num_elements() == 1
+            };
+            let Some(s) = classes_shape(&logits, &targets).filter(fits) else {
+                return burn_cross_entropy_backward::<Self>(logits, targets, lse, grad);
+            };
+            let (logits, lse, grad) = (contiguous(logits), contiguous(lse), contiguous(grad));
+            let targets = class_indices(targets);
+            let dx = loss_kernels::cross_entropy_backward(
+                &s,
+                f32s(&logits),
+                &targets,
+                f32s(&lse),
+                f32s(&grad)[0],
+            );
+            float2(dx, [s.rows, s.classes])
+        }
+    }
+
+    /// The shape of a cross-entropy of 2-D `f32` `logits` against 1-D `targets` of one class
+    /// index per row, held as `i64` or `i32`, if they are that.
+    fn classes_shape(logits: &FlexTensor, targets: &FlexTensor) -> Option<ClassesShape> {
+        let (ls, ts) = (logits.shape(), targets.shape());
+        let ints = matches!(targets.dtype(), DType::I64 | DType::I32);
+        if !(is_f32(logits) && ints && ls.num_dims() == 2 && ts.num_dims() == 1) {
+            return None;
+        }
+        let [rows, classes] = ls.dims::<2>();
+        (ts.dims::<1>() == [rows]).then_some(ClassesShape { rows, classes })
+    }
+
+    /// The class indices of a 1-D `i64` or `i32` tensor (checked by [`classes_shape`]), as
+    /// `i64`s in order.
+    fn class_indices(t: FlexTensor) -> Vec<i64> {
+        let t = t.to_contiguous();
+        match t.as_slice::<i64>() {
+            Some(v) => v.to_vec(),
+            None => t
+                .as_slice::<i32>()
+                // Invariant: `classes_shape` accepted only these two dtypes.
+                .expect("i64 or i32 class indices (checked by classes_shape)")
+                .iter()
+                .map(|&v| i64::from(v))
+                .collect(),
         }
     }
 
@@ -1274,6 +1566,113 @@ impl<B: ChannelsLastBackend> Backward<B, 2> for DenseNoBias {
         register::<B, _>(grads, [node_x, node_w, None], [g.x, g.weight, None], |n| {
             n.id
         });
+    }
+}
+
+/// The autodiff node of a dense layer with a residual added ([`ChannelsLastBackend::
+/// dense_residual`]), with a bias: parents input, weight, bias, residual.
+#[derive(Debug)]
+struct DenseResidualWithBias;
+/// The same without a bias: parents input, weight, residual.
+#[derive(Debug)]
+struct DenseResidualNoBias;
+
+/// The gradients of a dense layer with a residual: the layer's for the needed ones of input,
+/// weight and bias, and the output gradient itself for the residual (when `residual`).
+fn dense_residual_grads<B: ChannelsLastBackend>(
+    state: DenseState<B>,
+    grad: FloatTensor<B>,
+    needs: [bool; 3],
+    residual: bool,
+) -> (LayerGrads<B>, Option<FloatTensor<B>>) {
+    let layer = match needs.iter().any(|&n| n) {
+        true => state.grads(grad.clone(), needs),
+        false => LayerGrads {
+            x: None,
+            weight: None,
+            bias: None,
+        },
+    };
+    (layer, residual.then_some(grad))
+}
+
+impl<B: ChannelsLastBackend> Backward<B, 4> for DenseResidualWithBias {
+    type State = DenseState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 4>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w, node_b, node_r] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let needs = [node_x.is_some(), node_w.is_some(), node_b.is_some()];
+        let (g, r) = dense_residual_grads(ops.state, grad, needs, node_r.is_some());
+        register::<B, _>(
+            grads,
+            [node_x, node_w, node_b],
+            [g.x, g.weight, g.bias],
+            |n| n.id,
+        );
+        register::<B, _>(grads, [node_r, None, None], [r, None, None], |n| n.id);
+    }
+}
+
+impl<B: ChannelsLastBackend> Backward<B, 3> for DenseResidualNoBias {
+    type State = DenseState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w, node_r] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let needs = [node_x.is_some(), node_w.is_some(), false];
+        let (g, r) = dense_residual_grads(ops.state, grad, needs, node_r.is_some());
+        register::<B, _>(grads, [node_x, node_w, node_r], [g.x, g.weight, r], |n| {
+            n.id
+        });
+    }
+}
+
+/// The autodiff node of [`ChannelsLastBackend::add_positions`]: parents `x`, `positions`.
+#[derive(Debug)]
+struct AddPositionsOp;
+
+impl<B: ChannelsLastBackend> Backward<B, 2> for AddPositionsOp {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_p] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let positions = node_p.is_some().then(|| B::positions_grad(grad.clone()));
+        register::<B, _>(
+            grads,
+            [node_x, node_p, None],
+            [Some(grad), positions, None],
+            |n| n.id,
+        );
+    }
+}
+
+/// What a cross-entropy needs for its backward pass: the logits, the targets and each
+/// row's log-sum-exp.
+#[derive(Debug, Clone)]
+struct CrossEntropyState<B: Backend> {
+    logits: FloatTensor<B>,
+    targets: IntTensor<B>,
+    lse: FloatTensor<B>,
+}
+
+#[derive(Debug)]
+struct CrossEntropyOp;
+
+impl<B: ChannelsLastBackend> Backward<B, 1> for CrossEntropyOp {
+    type State = CrossEntropyState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(node) = node {
+            let s = ops.state;
+            grads.register::<B>(
+                node.id,
+                B::cross_entropy_backward(s.logits, s.targets, s.lse, grad),
+            );
+        }
     }
 }
 
@@ -1564,6 +1963,83 @@ impl<B: ChannelsLastBackend, C: CheckpointStrategy> ChannelsLastBackend for Auto
                     OpsKind::UnTracked(prep) => prep.finish(forward(None)),
                 }
             }
+        }
+    }
+
+    fn add_positions(x: FloatTensor<Self>, positions: FloatTensor<Self>) -> FloatTensor<Self> {
+        let out = B::add_positions(x.primitive.clone(), positions.primitive.clone());
+        match AddPositionsOp
+            .prepare::<C>([x.node.clone(), positions.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+
+    fn cross_entropy(logits: FloatTensor<Self>, targets: IntTensor<Self>) -> FloatTensor<Self> {
+        match CrossEntropyOp
+            .prepare::<C>([logits.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (loss, lse) =
+                    B::cross_entropy_with_lse(logits.primitive.clone(), targets.clone());
+                let state = CrossEntropyState::<B> {
+                    logits: logits.primitive,
+                    targets,
+                    lse,
+                };
+                prep.finish(state, loss)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::cross_entropy(logits.primitive, targets)),
+        }
+    }
+
+    fn dense_residual(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+        residual: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let forward = |bias: Option<FloatTensor<B>>| {
+            B::dense_residual(
+                x.primitive.clone(),
+                weight.primitive.clone(),
+                bias,
+                residual.primitive.clone(),
+            )
+        };
+        let state = || DenseState::<B> {
+            x: x.primitive.clone(),
+            weight: weight.primitive.clone(),
+            kept: Kept::Nothing,
+        };
+        let (xn, wn, rn) = (x.node.clone(), weight.node.clone(), residual.node.clone());
+        match &bias {
+            Some(b) => {
+                let nodes = [xn, wn, b.node.clone(), rn];
+                match DenseResidualWithBias
+                    .prepare::<C>(nodes)
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => {
+                        prep.finish(state(), forward(Some(b.primitive.clone())))
+                    }
+                    OpsKind::UnTracked(prep) => prep.finish(forward(Some(b.primitive.clone()))),
+                }
+            }
+            None => match DenseResidualNoBias
+                .prepare::<C>([xn, wn, rn])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state(), forward(None)),
+                OpsKind::UnTracked(prep) => prep.finish(forward(None)),
+            },
         }
     }
 

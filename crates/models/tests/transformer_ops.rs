@@ -1,7 +1,9 @@
 //! The transformer's fast-path ops against Burn's own, on odd shapes: the dense layer with
-//! fused GELU and the fused layer norm, forward values and every gradient through Burn's
-//! autodiff; GELU and its derivative against Burn's; bit-identical results for 1, 2 and 4
-//! threads. (The whole GPT, fast against Burn's ops, is tested in `src/gpt.rs`.)
+//! fused GELU, the dense layer with a residual added, the fused layer norm and the fused
+//! cross-entropy, forward values and every gradient through Burn's autodiff; GELU and its
+//! derivative against Burn's; the cross-entropy against values worked by hand; bit-identical
+//! results for 1, 2 and 4 threads. (The whole GPT, fast against Burn's ops, is tested in
+//! `src/gpt.rs`.)
 //!
 //! Tolerance: both sides compute the same f32 sums in other orders (the products' and the
 //! rows' statistics); with inputs in [-1, 1] and at most a few hundred terms per value, the
@@ -80,6 +82,74 @@ fn dense_gelu_through(
     out
 }
 
+/// Output and gradients (input, weight, bias, residual) of `r + (x · w + b)`, through the
+/// fast op or Burn's `linear` and add.
+fn dense_residual_through(
+    [rows, d_in, d_out]: [usize; 3],
+    bias: bool,
+    seed: u64,
+    fast: bool,
+) -> Vec<Vec<f32>> {
+    let x = random::<AB, 2>([rows, d_in], seed).require_grad();
+    let w = random::<AB, 2>([d_in, d_out], seed + 1).require_grad();
+    let b = bias.then(|| random::<AB, 1>([d_out], seed + 2).require_grad());
+    let r = random::<AB, 2>([rows, d_out], seed + 4).require_grad();
+    let y: Tensor<AB, 2> = if fast {
+        float(AB::dense_residual(
+            x.clone().into_primitive().tensor(),
+            w.clone().into_primitive().tensor(),
+            b.clone().map(|b| b.into_primitive().tensor()),
+            r.clone().into_primitive().tensor(),
+        ))
+    } else {
+        r.clone() + linear(x.clone(), w.clone(), b.clone())
+    };
+    let probe = random::<AB, 2>(y.dims(), seed + 3);
+    let grads = (y.clone() * probe).sum().backward();
+    let mut out = vec![
+        values(y.inner()),
+        values(x.grad(&grads).unwrap()),
+        values(w.grad(&grads).unwrap()),
+        values(r.grad(&grads).unwrap()),
+    ];
+    if let Some(b) = b {
+        out.push(values(b.grad(&grads).unwrap()));
+    }
+    out
+}
+
+/// Logits `[rows, classes]` in [-4, 4] and targets for the cross-entropy tests: target `r`
+/// is a function of the seed and the row.
+fn classes_input(
+    [rows, classes]: [usize; 2],
+    seed: u64,
+) -> (Tensor<AB, 2>, Tensor<AB, 1, burn::tensor::Int>) {
+    let logits = random::<AB, 2>([rows, classes], seed).mul_scalar(4.0);
+    let targets: Vec<i64> = (0..rows as u64)
+        .map(|r| ((r * 7 + seed * 13) % classes as u64) as i64)
+        .collect();
+    let targets = Tensor::from_data(
+        burn::tensor::TensorData::new(targets, [rows]),
+        &Default::default(),
+    );
+    (logits, targets)
+}
+
+/// The loss and the logits' gradient (for an output gradient of 1.7) of the mean
+/// cross-entropy, through the fast op or Burn's composition (`flashover_core`'s, which the
+/// GPT ran before the fused one).
+fn cross_entropy_through(shape: [usize; 2], seed: u64, fast: bool) -> Vec<Vec<f32>> {
+    let (logits, targets) = classes_input(shape, seed);
+    let logits = logits.require_grad();
+    let loss: Tensor<AB, 1> = if fast {
+        flashover_models::layers::cross_entropy(logits.clone(), targets)
+    } else {
+        flashover_core::loss::cross_entropy(logits.clone(), targets)
+    };
+    let grads = loss.clone().mul_scalar(1.7).sum().backward();
+    vec![values(loss.inner()), values(logits.grad(&grads).unwrap())]
+}
+
 /// Output and gradients (input, scale, shift) of a layer norm over the rows of `x`, through
 /// the fast op or Burn's tensor ops (`ops::burn_layer_norm`, the composition the model ran
 /// before the fused kernel).
@@ -142,6 +212,41 @@ proptest! {
         let names = ["output", "input gradient", "weight gradient", "bias gradient"];
         for ((g, w), name) in got.iter().zip(&want).zip(names) {
             assert_close(g, w, &format!("{name} of [{rows}, {d_in}] x [{d_in}, {d_out}]"));
+        }
+    }
+
+    /// The same shapes as the dense layer with GELU: the residual's gradient is the output
+    /// gradient itself, the others the plain layer's.
+    #[test]
+    fn the_dense_layer_with_a_residual_and_its_gradients_match_burns(
+        rows in prop_oneof![1usize..=5, 14usize..=35],
+        d_in in prop_oneof![1usize..=9, 120usize..=200],
+        d_out in prop_oneof![1usize..=13, 30usize..=100],
+        bias in any::<bool>(),
+        seed in 0u64..1000,
+    ) {
+        let want = dense_residual_through([rows, d_in, d_out], bias, seed, false);
+        let got = dense_residual_through([rows, d_in, d_out], bias, seed, true);
+        let names = ["output", "input gradient", "weight gradient", "residual gradient", "bias gradient"];
+        prop_assert_eq!(got.len(), want.len());
+        for ((g, w), name) in got.iter().zip(&want).zip(names) {
+            assert_close(g, w, &format!("{name} of [{rows}, {d_in}] x [{d_in}, {d_out}]"));
+        }
+        // Bias and residual are added in the order of a separate add: the same bits.
+        prop_assert_eq!(&got[0], &want[0]);
+    }
+
+    /// Rows around the chunk size (64) and vocabularies from 1 class up.
+    #[test]
+    fn the_cross_entropy_and_its_gradient_match_burns(
+        rows in prop_oneof![1usize..=4, 60usize..=140],
+        classes in prop_oneof![1usize..=9, 60usize..=130],
+        seed in 0u64..1000,
+    ) {
+        let want = cross_entropy_through([rows, classes], seed, false);
+        let got = cross_entropy_through([rows, classes], seed, true);
+        for ((g, w), name) in got.iter().zip(&want).zip(["loss", "logits' gradient"]) {
+            assert_close(g, w, &format!("{name} of [{rows}, {classes}]"));
         }
     }
 
@@ -232,7 +337,38 @@ fn the_fused_gelu_and_its_derivative_match_the_exact_function() {
     }
 }
 
-/// Every output and gradient of the two ops, as bits.
+/// Two rows of three classes worked by hand: `(0, ln 3, 0)` with target 1 (`e^x` sums to 5:
+/// loss `ln 5 - ln 3`) and `(ln 2, 0, ln 2)` with target 0 (loss `ln 5 - ln 2`); the mean is
+/// `ln 5 - ln 6 / 2`. The gradient of the mean is `(softmax - onehot) / 2`:
+/// `(1/5, 3/5 - 1, 1/5) / 2` and `(2/5 - 1, 1/5, 2/5) / 2`.
+#[test]
+fn the_cross_entropy_equals_values_worked_by_hand() {
+    let (l2, l3) = (2f32.ln(), 3f32.ln());
+    let logits = Tensor::<AB, 2>::from_data(
+        burn::tensor::TensorData::new(vec![0.0, l3, 0.0, l2, 0.0, l2], [2, 3]),
+        &Default::default(),
+    )
+    .require_grad();
+    let targets = Tensor::<AB, 1, burn::tensor::Int>::from_data(
+        burn::tensor::TensorData::new(vec![1i64, 0], [2]),
+        &Default::default(),
+    );
+    let loss = flashover_models::layers::cross_entropy(logits.clone(), targets);
+    let grads = loss.clone().backward();
+    let want = 5f64.ln() - 6f64.ln() / 2.0;
+    let got = values(loss.inner());
+    assert!(
+        (f64::from(got[0]) - want).abs() < 1e-6,
+        "loss {got:?}, want {want}"
+    );
+    let want = [0.1, -0.2, 0.1, -0.3, 0.1, 0.2];
+    let got = values(logits.grad(&grads).unwrap());
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() < 1e-6, "gradient {got:?}, want {want:?}");
+    }
+}
+
+/// Every output and gradient of the ops, as bits.
 fn transformer_ops_bits(seed: u64) -> Vec<Vec<u32>> {
     let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
     let mut out: Vec<Vec<u32>> = dense_gelu_through([1030, 33, 70], true, seed, true)
@@ -246,6 +382,16 @@ fn transformer_ops_bits(seed: u64) -> Vec<Vec<u32>> {
     );
     out.extend(
         layer_norm_through([333, 48], seed, true)
+            .into_iter()
+            .map(bits),
+    );
+    out.extend(
+        dense_residual_through([1030, 33, 70], true, seed, true)
+            .into_iter()
+            .map(bits),
+    );
+    out.extend(
+        cross_entropy_through([1030, 84], seed, true)
             .into_iter()
             .map(bits),
     );
