@@ -13,7 +13,7 @@ use burn::nn::conv::Conv2dConfig;
 use burn::nn::{LinearConfig, PaddingConfig2d};
 use burn::tensor::backend::Backend;
 use burn::tensor::module::{avg_pool2d, conv2d, linear, max_pool2d};
-use burn::tensor::ops::{ConvOptions, PadMode, PaddedConvOptions};
+use burn::tensor::ops::{ConvOptions, FloatTensor, PadMode, PaddedConvOptions};
 use burn::tensor::{DType, FloatDType, Int, Tensor, TensorData, TensorPrimitive};
 
 use flashover_core::precision::cast_like;
@@ -472,15 +472,9 @@ impl<B: ChannelsLastBackend> Linear<B> {
         residual: Tensor<B, 2>,
         fast: bool,
     ) -> Tensor<B, 2> {
-        if !(fast && self.factors.is_none() && self.input_dropout.gyro.is_none()) {
+        let Some((weight, bias)) = self.fused_parts(fast, x.dtype()) else {
             return residual + self.forward(x, fast, false);
-        }
-        let dt = x.dtype();
-        let bias = self
-            .bias
-            .as_ref()
-            .map(|b| cast_like(b.val(), dt).into_primitive().tensor());
-        let weight = cast_like(self.weight.val(), dt).into_primitive().tensor();
+        };
         Tensor::from_primitive(TensorPrimitive::Float(B::dense_residual(
             x.into_primitive().tensor(),
             weight,
@@ -494,20 +488,35 @@ impl<B: ChannelsLastBackend> Linear<B> {
     /// `fast` and the layer is a plain one, else as [`forward`](Self::forward) and Burn's
     /// `gelu`.
     pub fn forward_gelu(&self, x: Tensor<B, 2>, fast: bool) -> Tensor<B, 2> {
-        if !(fast && self.factors.is_none() && self.input_dropout.gyro.is_none()) {
+        let Some((weight, bias)) = self.fused_parts(fast, x.dtype()) else {
             return burn::tensor::activation::gelu(self.forward(x, fast, false));
-        }
-        let dt = x.dtype();
-        let bias = self
-            .bias
-            .as_ref()
-            .map(|b| cast_like(b.val(), dt).into_primitive().tensor());
-        let weight = cast_like(self.weight.val(), dt).into_primitive().tensor();
+        };
         Tensor::from_primitive(TensorPrimitive::Float(B::dense_gelu(
             x.into_primitive().tensor(),
             weight,
             bias,
         )))
+    }
+
+    /// The weight and the bias in the type `dt`, for one of the fast path's fused layers:
+    /// `None` unless `fast` and the layer is a plain one (not factored, no gyro dropout),
+    /// which the fused ops do not cover.
+    fn fused_parts(
+        &self,
+        fast: bool,
+        dt: DType,
+    ) -> Option<(FloatTensor<B>, Option<FloatTensor<B>>)> {
+        if !(fast && self.factors.is_none() && self.input_dropout.gyro.is_none()) {
+            return None;
+        }
+        let bias = self
+            .bias
+            .as_ref()
+            .map(|b| cast_like(b.val(), dt).into_primitive().tensor());
+        Some((
+            cast_like(self.weight.val(), dt).into_primitive().tensor(),
+            bias,
+        ))
     }
 }
 
