@@ -49,26 +49,26 @@ fn float<Bk: Backend, const D: usize>(p: burn::tensor::ops::FloatTensor<Bk>) -> 
     Tensor::from_primitive(TensorPrimitive::Float(p))
 }
 
-/// Output and gradients (input, weight, bias) of `gelu(x · w + b)`, through the fast op or
-/// Burn's `linear` and `gelu`.
-fn dense_gelu_through(
+/// Output and gradients of a dense layer `layer(x, w, b, r)` of random inputs, weights and
+/// (with `bias`) biases, and (with `residual`) a residual `[rows, d_out]`: output, input,
+/// weight, then the residual's and the bias's gradients where they are.
+fn dense_layer_through(
     [rows, d_in, d_out]: [usize; 3],
     bias: bool,
+    residual: bool,
     seed: u64,
-    fast: bool,
+    layer: impl FnOnce(
+        Tensor<AB, 2>,
+        Tensor<AB, 2>,
+        Option<Tensor<AB, 1>>,
+        Option<Tensor<AB, 2>>,
+    ) -> Tensor<AB, 2>,
 ) -> Vec<Vec<f32>> {
     let x = random::<AB, 2>([rows, d_in], seed).require_grad();
     let w = random::<AB, 2>([d_in, d_out], seed + 1).require_grad();
     let b = bias.then(|| random::<AB, 1>([d_out], seed + 2).require_grad());
-    let y: Tensor<AB, 2> = if fast {
-        float(AB::dense_gelu(
-            x.clone().into_primitive().tensor(),
-            w.clone().into_primitive().tensor(),
-            b.clone().map(|b| b.into_primitive().tensor()),
-        ))
-    } else {
-        gelu(linear(x.clone(), w.clone(), b.clone()))
-    };
+    let r = residual.then(|| random::<AB, 2>([rows, d_out], seed + 4).require_grad());
+    let y = layer(x.clone(), w.clone(), b.clone(), r.clone());
     let probe = random::<AB, 2>(y.dims(), seed + 3);
     let grads = (y.clone() * probe).sum().backward();
     let mut out = vec![
@@ -76,46 +76,40 @@ fn dense_gelu_through(
         values(x.grad(&grads).unwrap()),
         values(w.grad(&grads).unwrap()),
     ];
-    if let Some(b) = b {
-        out.push(values(b.grad(&grads).unwrap()));
-    }
+    out.extend(r.map(|r| values(r.grad(&grads).unwrap())));
+    out.extend(b.map(|b| values(b.grad(&grads).unwrap())));
     out
 }
 
-/// Output and gradients (input, weight, bias, residual) of `r + (x · w + b)`, through the
+/// Output and gradients (input, weight, bias) of `gelu(x · w + b)`, through the fast op or
+/// Burn's `linear` and `gelu`.
+fn dense_gelu_through(shape: [usize; 3], bias: bool, seed: u64, fast: bool) -> Vec<Vec<f32>> {
+    dense_layer_through(shape, bias, false, seed, |x, w, b, _| match fast {
+        true => float(AB::dense_gelu(
+            x.into_primitive().tensor(),
+            w.into_primitive().tensor(),
+            b.map(|b| b.into_primitive().tensor()),
+        )),
+        false => gelu(linear(x, w, b)),
+    })
+}
+
+/// Output and gradients (input, weight, residual, bias) of `r + (x · w + b)`, through the
 /// fast op or Burn's `linear` and add.
-fn dense_residual_through(
-    [rows, d_in, d_out]: [usize; 3],
-    bias: bool,
-    seed: u64,
-    fast: bool,
-) -> Vec<Vec<f32>> {
-    let x = random::<AB, 2>([rows, d_in], seed).require_grad();
-    let w = random::<AB, 2>([d_in, d_out], seed + 1).require_grad();
-    let b = bias.then(|| random::<AB, 1>([d_out], seed + 2).require_grad());
-    let r = random::<AB, 2>([rows, d_out], seed + 4).require_grad();
-    let y: Tensor<AB, 2> = if fast {
-        float(AB::dense_residual(
-            x.clone().into_primitive().tensor(),
-            w.clone().into_primitive().tensor(),
-            b.clone().map(|b| b.into_primitive().tensor()),
-            r.clone().into_primitive().tensor(),
-        ))
-    } else {
-        r.clone() + linear(x.clone(), w.clone(), b.clone())
-    };
-    let probe = random::<AB, 2>(y.dims(), seed + 3);
-    let grads = (y.clone() * probe).sum().backward();
-    let mut out = vec![
-        values(y.inner()),
-        values(x.grad(&grads).unwrap()),
-        values(w.grad(&grads).unwrap()),
-        values(r.grad(&grads).unwrap()),
-    ];
-    if let Some(b) = b {
-        out.push(values(b.grad(&grads).unwrap()));
-    }
-    out
+fn dense_residual_through(shape: [usize; 3], bias: bool, seed: u64, fast: bool) -> Vec<Vec<f32>> {
+    dense_layer_through(shape, bias, true, seed, |x, w, b, r| {
+        // Invariant: asked for with a residual.
+        let r = r.expect("a residual");
+        match fast {
+            true => float(AB::dense_residual(
+                x.into_primitive().tensor(),
+                w.into_primitive().tensor(),
+                b.map(|b| b.into_primitive().tensor()),
+                r.into_primitive().tensor(),
+            )),
+            false => r + linear(x, w, b),
+        }
+    })
 }
 
 /// Logits `[rows, classes]` in [-4, 4] and targets for the cross-entropy tests: target `r`
