@@ -32,7 +32,9 @@
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
@@ -109,6 +111,11 @@ where
     I::Item: Send,
     F: Fn(I::Item) + Sync + Send,
 {
+    // One item (a small tensor's one chunk): no thread to wake, nothing to share.
+    if items.size_hint().1.is_some_and(|n| n <= 1) {
+        items.for_each(f);
+        return;
+    }
     if rayon::current_thread_index().is_some() {
         if rayon::current_num_threads() > 1 {
             items.par_bridge().for_each(f);
@@ -121,6 +128,7 @@ where
         items.for_each(f);
         return;
     };
+    let region = REGIONS.fetch_add(1, Ordering::Relaxed) + 1;
     let queue = Mutex::new(items);
     let work = || loop {
         // A panic in `f` happens outside the lock; a poisoned queue is still a valid iterator.
@@ -136,6 +144,34 @@ where
         }
         work();
     });
+    keep_awake(pool, region);
+}
+
+/// Parallel calls made from outside a rayon pool so far (see [`keep_awake`]).
+static REGIONS: AtomicU64 = AtomicU64::new(0);
+
+/// How long a helper stays awake after a parallel call for the next one, at most.
+const HELPER_SPIN: Duration = Duration::from_micros(200);
+
+/// Keeps the helpers awake for up to [`HELPER_SPIN`] after parallel call number `region`,
+/// until the next call begins. A rayon thread that finds no work sleeps after a few
+/// microseconds, and `in_place_scope` waits until each spawned job has run, so each call
+/// waited for a helper to be woken (a futex wake, the other CPU scheduled: tens of
+/// microseconds on a virtual machine) even when the caller had done all the work. A GPT
+/// step makes about two hundred calls separated by a few microseconds of the trainer's
+/// bookkeeping, so the waits were several percent of a two-thread step; OpenMP's threads
+/// spin between parallel regions for the same reason. The spin is bounded, so helpers of
+/// an idle trainer go back to sleep, and it yields to a queued job: a spinner started
+/// before the next call's job returns as soon as it sees the call.
+fn keep_awake(pool: &rayon::ThreadPool, region: u64) {
+    for _ in 0..pool.current_num_threads() {
+        pool.spawn(move || {
+            let start = Instant::now();
+            while REGIONS.load(Ordering::Relaxed) == region && start.elapsed() < HELPER_SPIN {
+                std::hint::spin_loop();
+            }
+        });
+    }
 }
 
 /// Calls `f(chunk_index, chunk)` for consecutive `chunk_len`-sized pieces of `data`, in
@@ -345,6 +381,81 @@ impl<'a, T: Copy, I: Iterator<Item = T>> pulp::WithSimd for WriteEach<'a, T, I> 
         (self.dst, written)
     }
 }
+
+/// `sum[i] += part[i]` for each of `parts` in turn (each as long as `sum`), compiled for
+/// the best vector extension the CPU has, as [`write_each`] is: partial sums and column
+/// sums added in a fixed order, 16 lanes at a time where plain x86-64 code did 4. Each
+/// element's additions are the same, in the same order, in every variant.
+#[inline(always)]
+pub(crate) fn add_into<'p>(sum: &mut [f32], parts: impl Iterator<Item = &'p [f32]>) {
+    pulp::Arch::new().dispatch(AddInto { sum, parts });
+}
+
+/// [`add_into`]'s loop as `pulp` runs it (see [`WriteEach`]).
+struct AddInto<'a, I> {
+    sum: &'a mut [f32],
+    parts: I,
+}
+
+impl<'p, I: Iterator<Item = &'p [f32]>> pulp::WithSimd for AddInto<'_, I> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _: S) {
+        for part in self.parts {
+            assert_eq!(part.len(), self.sum.len(), "a part of another length");
+            for (t, v) in self.sum.iter_mut().zip(part) {
+                *t += v;
+            }
+        }
+    }
+}
+
+/// The row-major `rows x cols` matrix `x` transposed to `cols x rows`, in tiles: each chunk
+/// is [`TRANSPOSE_ROWS`] output rows, written in pieces of [`TRANSPOSE_TILE`] contiguous
+/// values (one cache line) read from that many input rows, which stay in cache for the
+/// chunk's output rows. An element-by-element transpose that walked the input's rows wrote
+/// 32 lines 2 KiB apart per input row for a 512-row weight, which collide in the cache's
+/// sets: it ran at 4 ns an element against 0.6 for the tiles.
+pub fn transpose(x: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    transpose_into(x, rows, cols, &mut out);
+    out
+}
+
+/// [`transpose`] into `out` (`rows * cols` values, overwritten).
+pub fn transpose_into(x: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
+    assert_eq!(x.len(), rows * cols, "a {rows}x{cols} matrix");
+    assert_eq!(out.len(), x.len(), "a {cols}x{rows} destination");
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    for_each_chunk(out, TRANSPOSE_ROWS * rows, |ci, dst| {
+        let c0 = ci * TRANSPOSE_ROWS;
+        for r0 in (0..rows).step_by(TRANSPOSE_TILE) {
+            let tile = TRANSPOSE_TILE.min(rows - r0);
+            for (c, out_row) in dst.chunks_exact_mut(rows).enumerate() {
+                let column = c0 + c;
+                for (k, d) in out_row[r0..][..tile].iter_mut().enumerate() {
+                    *d = x[(r0 + k) * cols + column];
+                }
+            }
+        }
+    });
+}
+
+thread_local! {
+    /// The transposed weight of the dense layer whose input gradient this thread is
+    /// computing ([`dense_backward_linear`]): kept between calls, so that the step's dozens
+    /// of transposes write memory already mapped (a fresh buffer each time was zero-filled
+    /// and page-faulted, twice the transpose's own time).
+    static WEIGHT_T: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Output rows per chunk of [`transpose`].
+const TRANSPOSE_ROWS: usize = 32;
+/// Input rows per tile of [`transpose`]: a 64-byte line of `f32`s.
+const TRANSPOSE_TILE: usize = 16;
 
 /// Images per chunk for feature maps of `positions` output positions.
 fn images_per_chunk(positions: usize) -> usize {
@@ -948,11 +1059,7 @@ pub fn positions_grad(grad: &[f32], n: usize) -> Vec<f32> {
         // Invariant: `grad` holds at least one sequence (asserted above).
         let first = sequences.next().expect("one sequence at least");
         let sum = write_each(dst, first.iter().copied());
-        for g in sequences {
-            for (s, v) in sum.iter_mut().zip(g) {
-                *s += v;
-            }
-        }
+        add_into(sum, sequences);
         sum
     })
 }
@@ -1016,29 +1123,68 @@ fn dense_backward_linear(
     if needs[0] {
         assert_eq!(weight.len(), d_in * d_out, "weight of {s:?}");
         let rows = dense_chunk_rows(s);
-        let dx = written_chunks(n * d_in, rows * d_in, |ci, dst| {
-            let rows_here = dst.len() / d_in;
-            matmul_into(
-                dst,
-                MatRef::row_major(
-                    &gout[ci * rows * d_out..][..rows_here * d_out],
-                    rows_here,
-                    d_out,
-                ),
-                // The transposed weight: element (j, i) is weight[i][j].
-                MatRef::new(weight, d_out, d_in, 1, d_out),
-            )
-        });
-        grads.x = Some(dx);
+        // The transposed weight, row-major `[d_out, d_in]`, made once for all the chunks: as
+        // a right-hand side read with row stride 1 the products ran a third slower on the
+        // wider layers (the GEMM's packing of a column-major operand is the slow one).
+        let mut weight_t = WEIGHT_T.take();
+        weight_t.resize(d_in * d_out, 0.0);
+        transpose_into(weight, d_in, d_out, &mut weight_t);
+        // Chunk `ci`'s rows of the output gradient.
+        let g = |ci: usize, dst_len: usize| &gout[ci * rows * d_out..][..dst_len / d_in * d_out];
+        if needs[2] && n > 0 && d_in > 0 && d_out > 0 {
+            // The bias gradient in the same pass: each chunk's column sums of its rows of
+            // `gout` (in cache after its product), then the chunks' sums in chunk order. A
+            // separate pass read every layer's output gradient again.
+            let (dx, partial) = written_chunks2(
+                (n * d_in, rows * d_in),
+                (n.div_ceil(rows) * d_out, d_out),
+                |ci, dst, sums| {
+                    let g = g(ci, dst.len());
+                    let dx = input_grad_chunk(dst, g, &weight_t, d_in);
+                    let sums = write_each(sums, g[..d_out].iter().copied());
+                    add_into(sums, g[d_out..].chunks_exact(d_out));
+                    (dx, sums)
+                },
+            );
+            let mut bias = partial[..d_out].to_vec();
+            add_into(&mut bias, partial.chunks_exact(d_out).skip(1));
+            grads.bias = Some(bias);
+            grads.x = Some(dx);
+        } else {
+            let dx = written_chunks(n * d_in, rows * d_in, |ci, dst| {
+                let g = g(ci, dst.len());
+                input_grad_chunk(dst, g, &weight_t, d_in)
+            });
+            grads.x = Some(dx);
+        }
+        WEIGHT_T.set(weight_t);
     }
     if needs[1] {
         assert_eq!(x.len(), n * d_in, "input of {s:?}");
         grads.weight = Some(dense_weight_grad(s, x, gout));
     }
-    if needs[2] {
+    if needs[2] && grads.bias.is_none() {
         grads.bias = Some(column_sums(gout, n, d_out));
     }
     grads
+}
+
+/// One chunk of a dense layer's input gradient: `dst` (whole rows of `d_in`) is written with
+/// `g · weightᵀ` for the chunk's rows `g` of the output gradient, from the transposed weight
+/// (`[d_out, d_in]`, row-major), and returned. `d_in` is not 0 (no chunk is cut then).
+fn input_grad_chunk<'a>(
+    dst: &'a mut [MaybeUninit<f32>],
+    g: &[f32],
+    weight_t: &[f32],
+    d_in: usize,
+) -> &'a mut [f32] {
+    let rows = dst.len() / d_in;
+    let d_out = weight_t.len() / d_in;
+    matmul_into(
+        dst,
+        MatRef::row_major(g, rows, d_out),
+        MatRef::row_major(weight_t, d_out, d_in),
+    )
 }
 
 /// The weight gradient of a dense layer, `xᵀ · gout` (`d_in x d_out`), in blocks of
@@ -1049,6 +1195,10 @@ fn dense_backward_linear(
 /// block per layer left the other threads idle for a fifth of the step's products).
 fn dense_weight_grad(s: &DenseShape, x: &[f32], gout: &[f32]) -> Vec<f32> {
     let (n, d_in, d_out) = (s.rows, s.d_in, s.d_out);
+    let pieces = dense_grad_pieces(s);
+    if pieces > 1 {
+        return dense_weight_grad_pieces(s, x, gout, pieces);
+    }
     let cols = dense_grad_columns(s);
     if cols >= d_out {
         return written_chunks(d_in * d_out, DENSE_FEATURES * d_out, |ci, dst| {
@@ -1104,6 +1254,62 @@ fn dense_weight_grad(s: &DenseShape, x: &[f32], gout: &[f32]) -> Vec<f32> {
     dw
 }
 
+/// The weight gradient of a large batch cut by batch rows: `pieces` products, each the
+/// whole `d_in x d_out` gradient of `rows / pieces` (rounded up) consecutive rows, then added
+/// element by element in piece order. Blocks of a few output columns (the other way to
+/// share a narrow layer's gradient between threads) ran the GEMM at half its speed on a
+/// language model's layers: a 64-column block of a 4096-row sum packs its operands for
+/// little work each. Each piece and the order of the additions are fixed by the shape, so
+/// the result does not depend on the thread count.
+fn dense_weight_grad_pieces(s: &DenseShape, x: &[f32], gout: &[f32], pieces: usize) -> Vec<f32> {
+    let (n, d_in, d_out) = (s.rows, s.d_in, s.d_out);
+    let (len, piece_rows) = (d_in * d_out, n.div_ceil(pieces));
+    let partials = written_chunks(pieces * len, len, |p, dst| {
+        let r0 = p * piece_rows;
+        let rows = piece_rows.min(n - r0);
+        matmul_into(
+            dst,
+            // Rows `r0..` of the input, transposed: element (i, k) is x[r0 + k][i].
+            MatRef::new(&x[r0 * d_in..][..rows * d_in], d_in, rows, 1, d_in),
+            MatRef::row_major(&gout[r0 * d_out..][..rows * d_out], rows, d_out),
+        )
+    });
+    // Each element's partial sums added in piece order, in chunks of elements.
+    const CHUNK: usize = 1 << 14;
+    written_chunks(len, CHUNK, |ci, dst| {
+        let (at, here) = (ci * CHUNK, dst.len());
+        let mut parts = partials.chunks_exact(len).map(|p| &p[at..][..here]);
+        // Invariant: `pieces > 1`, so there is a first piece.
+        let first = parts.next().expect("two pieces at least");
+        let sum = write_each(dst, first.iter().copied());
+        add_into(sum, parts);
+        sum
+    })
+}
+
+/// Pieces of batch rows a dense layer's weight gradient is cut into
+/// ([`dense_weight_grad_pieces`]); 1 keeps it whole (cut by features and columns instead).
+/// A large batch ([`DENSE_LARGE_BATCH`] rows or more) whose input features make fewer than
+/// [`DENSE_GRAD_BLOCKS`] blocks gets up to that many pieces of at least
+/// [`DENSE_GRAD_ROWS`] rows, as many as keep the partial gradients within
+/// [`DENSE_GRAD_PARTIALS`] values. A function of the shape alone.
+fn dense_grad_pieces(s: &DenseShape) -> usize {
+    let feature_blocks = s.d_in.div_ceil(DENSE_FEATURES);
+    if s.rows < DENSE_LARGE_BATCH || feature_blocks >= DENSE_GRAD_BLOCKS {
+        return 1;
+    }
+    (s.rows / DENSE_GRAD_ROWS)
+        .min(DENSE_GRAD_BLOCKS)
+        .min(DENSE_GRAD_PARTIALS / (s.d_in * s.d_out).max(1))
+        .max(1)
+}
+
+/// Batch rows per piece of a weight gradient cut by rows, at least.
+const DENSE_GRAD_ROWS: usize = 512;
+/// Values the partial weight gradients of [`dense_weight_grad_pieces`] may take, at most
+/// (16 MiB of `f32`).
+const DENSE_GRAD_PARTIALS: usize = 1 << 22;
+
 /// Output columns per block of a dense layer's weight gradient: all of them when the input
 /// features alone make [`DENSE_GRAD_BLOCKS`] blocks; otherwise as many as make about that
 /// many blocks, a multiple of 16 and at least 32 (narrower blocks would pack the input
@@ -1130,20 +1336,12 @@ pub(crate) fn column_sums(m: &[f32], rows: usize, width: usize) -> Vec<f32> {
     const COLUMNS: usize = 64;
     if width <= COLUMNS || rows < 256 {
         let mut sums = vec![0.0f32; width];
-        for row in m.chunks_exact(width.max(1)) {
-            for (d, v) in sums.iter_mut().zip(row) {
-                *d += v;
-            }
-        }
+        add_into(&mut sums, m.chunks_exact(width.max(1)));
         return sums;
     }
     zeroed_chunks(width, COLUMNS, |ci, dst| {
-        let c0 = ci * COLUMNS;
-        for row in m.chunks_exact(width) {
-            for (d, v) in dst.iter_mut().zip(&row[c0..]) {
-                *d += v;
-            }
-        }
+        let (c0, here) = (ci * COLUMNS, dst.len());
+        add_into(dst, m.chunks_exact(width).map(|row| &row[c0..][..here]));
     })
 }
 
@@ -1897,6 +2095,75 @@ mod tests {
         });
         assert_eq!(a, [1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 3.0]);
         assert_eq!((b[0], b[9], b[18], b[1], b.len()), (0, 1, 2, 0, 21));
+    }
+
+    /// The tiled transpose against its definition, on shapes around its tiles and chunks
+    /// (16 input rows, 32 output rows), and into a buffer holding old values.
+    #[test]
+    fn transpose_matches_its_definition() {
+        for (rows, cols) in [(0, 3), (3, 0), (1, 1), (1, 40), (40, 1), (17, 33), (33, 70)] {
+            let x: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.5 - 3.0).collect();
+            let want: Vec<f32> = (0..cols)
+                .flat_map(|c| (0..rows).map(move |r| (r, c)))
+                .map(|(r, c)| x[r * cols + c])
+                .collect();
+            assert_eq!(transpose(&x, rows, cols), want, "{rows}x{cols}");
+            let mut out = vec![f32::NAN; rows * cols];
+            transpose_into(&x, rows, cols, &mut out);
+            assert_eq!(out, want, "{rows}x{cols} into a used buffer");
+        }
+    }
+
+    /// `add_into` adds each part in turn: exact on integer values, against a plain loop.
+    #[test]
+    fn add_into_adds_every_part() {
+        let parts: Vec<Vec<f32>> = (0..5)
+            .map(|p| (0..37).map(|i| (i * 3 + p * 7) as f32).collect())
+            .collect();
+        let mut sum = vec![1.0f32; 37];
+        add_into(&mut sum, parts.iter().map(Vec::as_slice));
+        for (i, v) in sum.iter().enumerate() {
+            let want = 1.0 + (0..5).map(|p| (i * 3 + p * 7) as f32).sum::<f32>();
+            assert_eq!(*v, want, "element {i}");
+        }
+    }
+
+    /// The bias gradient summed with the input gradient's chunks (the fused path, for a
+    /// layer whose input needs a gradient) and alone by columns (`column_sums`) agree with
+    /// the sums in `f64`, for a small batch (16-row chunks) and a large one (128 rows, and
+    /// the weight gradient cut by rows); the other gradients are the same either way.
+    #[test]
+    fn a_dense_layers_bias_gradient_is_the_same_sum_with_or_without_the_input_gradient() {
+        for (rows, d_in, d_out) in [(45, 7, 19), (1100, 9, 70)] {
+            let s = DenseShape { rows, d_in, d_out };
+            let x: Vec<f32> = (0..rows * d_in)
+                .map(|i| ((i * 31 % 97) as f32 - 48.0) / 40.0)
+                .collect();
+            let w: Vec<f32> = (0..d_in * d_out)
+                .map(|i| ((i * 17 % 23) as f32 - 11.0) / 9.0)
+                .collect();
+            let g: Vec<f32> = (0..rows * d_out)
+                .map(|i| ((i * 13 % 59) as f32 - 29.0) / 30.0)
+                .collect();
+            let fused = dense_backward(&s, &x, &w, None, &g, [true; 3]);
+            let alone = dense_backward(&s, &x, &w, None, &g, [false, false, true]);
+            let weight = dense_backward(&s, &x, &w, None, &g, [false, true, false]);
+            let input = dense_backward(&s, &x, &w, None, &g, [true, false, false]);
+            assert_eq!(fused.x, input.x, "{s:?}: input gradient");
+            assert_eq!(fused.weight, weight.weight, "{s:?}: weight gradient");
+            for (bias, how) in [
+                (fused.bias.unwrap(), "fused"),
+                (alone.bias.unwrap(), "alone"),
+            ] {
+                for (j, b) in bias.iter().enumerate() {
+                    let want: f64 = (0..rows).map(|r| f64::from(g[r * d_out + j])).sum();
+                    assert!(
+                        (f64::from(*b) - want).abs() < 1e-4,
+                        "{s:?} {how}: bias {j}: {b} vs {want}"
+                    );
+                }
+            }
+        }
     }
 
     /// The lane reductions against plain loops: exact on integer values (every order of

@@ -12,7 +12,8 @@
 //!
 //! **Determinism.** Rows are cut into chunks of [`ROWS`] (a function of nothing), each
 //! row's sums run in 16 lanes folded in a fixed order (`kernels::lane_sum`), and the
-//! parameter gradients are summed per chunk and then over the chunks in order, so the
+//! parameter gradients are summed per chunk (in the input gradient's pass, when the input
+//! needs one) and then over the chunks in order, so the
 //! results are bit-identical for any number of threads.
 //!
 //! **Vectors.** Each chunk's rows run through `pulp` ([`NormRows`]), compiled for the CPU's
@@ -20,7 +21,7 @@
 //! where AVX-512 does 16).
 
 use crate::kernels::{
-    for_each_item, lane_sum, lane_sum_zip, zeroed_chunks, zeroed_chunks2, LayerGrads,
+    add_into, for_each_item, lane_sum, lane_sum_zip, zeroed_chunks, zeroed_chunks2, LayerGrads,
 };
 
 /// Rows per chunk: a few hundred kilobytes of a transformer's activations, and enough
@@ -57,12 +58,15 @@ enum NormRows<'a> {
         y: &'a mut [f32],
         stats: &'a mut [f32],
     },
+    /// With `sums` (`2 * width` values, zero), the chunk's parameter gradients are added
+    /// there in the same pass: `Σ dy x̂`, then `Σ dy`, rows in order.
     Backward {
         x: &'a [f32],
         gamma: &'a [f32],
         stats: &'a [f32],
         dy: &'a [f32],
         dx: &'a mut [f32],
+        sums: Option<&'a mut [f32]>,
     },
 }
 
@@ -100,6 +104,7 @@ impl pulp::WithSimd for NormRows<'_> {
                 stats,
                 dy,
                 dx,
+                mut sums,
             } => {
                 let w = gamma.len();
                 let n = w as f32;
@@ -116,9 +121,23 @@ impl pulp::WithSimd for NormRows<'_> {
                     }
                     let sum_gx = lane_sum_zip(dx, x, |g, x| g * ((x - mean) / std));
                     let (mean_g, mean_gx) = (lane_sum(dx) / n, sum_gx / n);
-                    for (d, x) in dx.iter_mut().zip(x) {
-                        let xh = (x - mean) / std;
-                        *d = (*d - mean_g - xh * mean_gx) / std;
+                    match sums.as_deref_mut() {
+                        None => {
+                            for (d, x) in dx.iter_mut().zip(x) {
+                                let xh = (x - mean) / std;
+                                *d = (*d - mean_g - xh * mean_gx) / std;
+                            }
+                        }
+                        Some(sums) => {
+                            let (dg, db) = sums.split_at_mut(w);
+                            let terms = dx.iter_mut().zip(x).zip(dy).zip(dg).zip(db);
+                            for ((((d, x), dy), g), b) in terms {
+                                let xh = (x - mean) / std;
+                                *d = (*d - mean_g - xh * mean_gx) / std;
+                                *g += dy * xh;
+                                *b += dy;
+                            }
+                        }
                     }
                 }
             }
@@ -174,19 +193,38 @@ pub fn layer_norm_backward(
     assert_eq!(grad.len(), s.rows * w, "output gradient of {s:?}");
     assert_eq!(gamma.len(), w, "scale of {s:?}");
     assert_eq!(stats.len(), 2 * s.rows, "statistics of {s:?}");
-    let dx = (needs[0] && w > 0).then(|| {
-        zeroed_chunks(s.rows * w, ROWS * w, |ci, dx| {
-            let (first, rows) = (ci * ROWS, dx.len() / w);
-            pulp::Arch::new().dispatch(NormRows::Backward {
-                x: &x[first * w..][..rows * w],
-                gamma,
-                stats: &stats[2 * first..][..2 * rows],
-                dy: &grad[first * w..][..rows * w],
-                dx,
-            });
-        })
-    });
-    let (dgamma, dbeta) = if (needs[1] || needs[2]) && w > 0 {
+    let backward = |ci: usize, dx: &mut [f32], sums: Option<&mut [f32]>| {
+        let (first, rows) = (ci * ROWS, dx.len() / w);
+        pulp::Arch::new().dispatch(NormRows::Backward {
+            x: &x[first * w..][..rows * w],
+            gamma,
+            stats: &stats[2 * first..][..2 * rows],
+            dy: &grad[first * w..][..rows * w],
+            dx,
+            sums,
+        });
+    };
+    let params = (needs[1] || needs[2]) && w > 0;
+    if needs[0] && params {
+        // One pass: each chunk's input gradient and its parameter sums, while its rows are
+        // in cache (a second pass over the activations for the sums, on scalar code, cost
+        // as much as the input gradient).
+        let chunks = s.rows.div_ceil(ROWS);
+        let (dx, partial) = zeroed_chunks2(
+            (s.rows * w, ROWS * w),
+            (chunks * 2 * w, 2 * w),
+            |ci, dx, sums| backward(ci, dx, Some(sums)),
+        );
+        let (dg, db) = add_chunk_sums(&partial, w);
+        return LayerGrads {
+            x: Some(dx),
+            weight: needs[1].then_some(dg),
+            bias: needs[2].then_some(db),
+        };
+    }
+    let dx = (needs[0] && w > 0)
+        .then(|| zeroed_chunks(s.rows * w, ROWS * w, |ci, dx| backward(ci, dx, None)));
+    let (dgamma, dbeta) = if params {
         let (dg, db) = parameter_grads(s, x, stats, grad);
         (needs[1].then_some(dg), needs[2].then_some(db))
     } else {
@@ -222,16 +260,15 @@ fn parameter_grads(s: &RowsShape, x: &[f32], stats: &[f32], grad: &[f32]) -> (Ve
             }
         }
     });
+    add_chunk_sums(&partial, w)
+}
+
+/// The chunks' parameter sums (`2 * w` per chunk: `Σ dy x̂`, then `Σ dy`) added in chunk
+/// order.
+fn add_chunk_sums(partial: &[f32], w: usize) -> (Vec<f32>, Vec<f32>) {
     let (mut dgamma, mut dbeta) = (vec![0.0f32; w], vec![0.0f32; w]);
-    for sums in partial.chunks_exact(2 * w) {
-        let (dg, db) = sums.split_at(w);
-        for (d, v) in dgamma.iter_mut().zip(dg) {
-            *d += v;
-        }
-        for (d, v) in dbeta.iter_mut().zip(db) {
-            *d += v;
-        }
-    }
+    add_into(&mut dgamma, partial.chunks_exact(2 * w).map(|p| &p[..w]));
+    add_into(&mut dbeta, partial.chunks_exact(2 * w).map(|p| &p[w..]));
     (dgamma, dbeta)
 }
 
@@ -342,6 +379,31 @@ mod tests {
                 assert!((db[j] as f64 - want_db).abs() < 1e-4 * (1.0 + want_db.abs()));
             }
         }
+    }
+
+    /// The parameter gradients summed in the input gradient's pass (when the input needs
+    /// one) are the separate pass's to the bit: the same terms, chunks and order.
+    #[test]
+    fn the_fused_parameter_sums_equal_the_separate_pass() {
+        let s = RowsShape {
+            rows: 200,
+            width: 37,
+        };
+        let x: Vec<f32> = (0..s.rows * s.width)
+            .map(|i| (i as f32 * 0.29).sin())
+            .collect();
+        let gamma: Vec<f32> = (0..s.width).map(|i| 0.7 + i as f32 / 40.0).collect();
+        let grad: Vec<f32> = (0..s.rows * s.width)
+            .map(|i| (i as f32 * 0.13).cos())
+            .collect();
+        let (_, stats) = layer_norm_forward(&s, &x, &gamma, &vec![0.0; s.width], 1e-5);
+        let fused = layer_norm_backward(&s, &x, &gamma, &stats, &grad, [true; 3]);
+        let params = layer_norm_backward(&s, &x, &gamma, &stats, &grad, [false, true, true]);
+        let input = layer_norm_backward(&s, &x, &gamma, &stats, &grad, [true, false, false]);
+        assert_eq!(fused.x, input.x);
+        assert_eq!(fused.weight, params.weight);
+        assert_eq!(fused.bias, params.bias);
+        assert_eq!(fused.weight.as_ref().map(Vec::len), Some(s.width));
     }
 
     #[test]

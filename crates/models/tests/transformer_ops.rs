@@ -282,12 +282,22 @@ proptest! {
 
 /// A batch of a language model's size takes the large chunks of rows: the same values as
 /// Burn's ops there too.
+///
+/// 1100 rows cut the weight gradient into two pieces of 550 rows; 4100 rows into eight of
+/// 513, the last of 509.
 #[test]
 fn a_large_batch_of_rows_matches_burns_ops() {
-    let want = dense_gelu_through([1100, 24, 40], true, 5, false);
-    let got = dense_gelu_through([1100, 24, 40], true, 5, true);
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_close(g, w, &format!("dense with GELU, part {i}"));
+    for shape in [[1100, 24, 40], [4100, 20, 36]] {
+        let want = dense_gelu_through(shape, true, 5, false);
+        let got = dense_gelu_through(shape, true, 5, true);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(g, w, &format!("dense with GELU {shape:?}, part {i}"));
+        }
+        let want = dense_residual_through(shape, true, 6, false);
+        let got = dense_residual_through(shape, true, 6, true);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(g, w, &format!("dense with residual {shape:?}, part {i}"));
+        }
     }
 }
 
@@ -381,6 +391,11 @@ fn transformer_ops_bits(seed: u64) -> Vec<Vec<u32>> {
     );
     out.extend(
         dense_residual_through([1030, 33, 70], true, seed, true)
+            .into_iter()
+            .map(bits),
+    );
+    out.extend(
+        dense_residual_through([4100, 20, 36], true, seed, true)
             .into_iter()
             .map(bits),
     );
