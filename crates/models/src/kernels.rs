@@ -161,14 +161,15 @@ const HELPER_SPIN: Duration = Duration::from_micros(200);
 /// step makes about two hundred calls separated by a few microseconds of the trainer's
 /// bookkeeping, so the waits were several percent of a two-thread step; OpenMP's threads
 /// spin between parallel regions for the same reason. The spin is bounded, so helpers of
-/// an idle trainer go back to sleep, and it yields to a queued job: a spinner started
-/// before the next call's job returns as soon as it sees the call.
+/// an idle trainer go back to sleep; it yields the CPU on each turn, so that another
+/// runnable thread (a data loader, another test) is not kept off its core; and a spinner
+/// started before the next call's job returns as soon as it sees the call.
 fn keep_awake(pool: &rayon::ThreadPool, region: u64) {
     for _ in 0..pool.current_num_threads() {
         pool.spawn(move || {
             let start = Instant::now();
             while REGIONS.load(Ordering::Relaxed) == region && start.elapsed() < HELPER_SPIN {
-                std::hint::spin_loop();
+                std::thread::yield_now();
             }
         });
     }
