@@ -1044,7 +1044,6 @@ pub fn add_positions(x: &[f32], positions: &[f32]) -> Vec<f32> {
 /// `grad` (`batch` sequences of `n` values), each value's terms added in sequence order;
 /// cut into chunks of values, so the bits do not depend on the thread count.
 pub fn positions_grad(grad: &[f32], n: usize) -> Vec<f32> {
-    const CHUNK: usize = 1 << 12;
     if n == 0 {
         return Vec::new();
     }
@@ -1053,14 +1052,28 @@ pub fn positions_grad(grad: &[f32], n: usize) -> Vec<f32> {
         "{} values in sequences of {n}",
         grad.len()
     );
-    written_chunks(n, CHUNK, |ci, dst| {
-        let at = ci * CHUNK;
-        let len = dst.len();
-        let mut sequences = grad.chunks_exact(n).map(|g| &g[at..][..len]);
-        // Invariant: `grad` holds at least one sequence (asserted above).
-        let first = sequences.next().expect("one sequence at least");
+    sum_parts(grad, n)
+}
+
+/// The element-wise sum of the consecutive `len`-value parts of `parts` (at least one):
+/// each element's first part written, the others added in order ([`add_into`]); cut into
+/// chunks of elements, so the bits do not depend on the thread count. The reduction of the
+/// kernels' partial sums: a weight gradient's pieces, the chunks' bias sums, the sequences'
+/// position gradients.
+pub(crate) fn sum_parts(parts: &[f32], len: usize) -> Vec<f32> {
+    const CHUNK: usize = 1 << 14;
+    assert!(
+        len > 0 && parts.len().is_multiple_of(len) && !parts.is_empty(),
+        "{} values in parts of {len}",
+        parts.len()
+    );
+    written_chunks(len, CHUNK, |ci, dst| {
+        let (at, here) = (ci * CHUNK, dst.len());
+        let mut each = parts.chunks_exact(len).map(|p| &p[at..][..here]);
+        // Invariant: there is a part at least (asserted above).
+        let first = each.next().expect("one part at least");
         let sum = write_each(dst, first.iter().copied());
-        add_into(sum, sequences);
+        add_into(sum, each);
         sum
     })
 }
@@ -1147,9 +1160,7 @@ fn dense_backward_linear(
                     (dx, sums)
                 },
             );
-            let mut bias = partial[..d_out].to_vec();
-            add_into(&mut bias, partial.chunks_exact(d_out).skip(1));
-            grads.bias = Some(bias);
+            grads.bias = Some(sum_parts(&partial, d_out));
             grads.x = Some(dx);
         } else {
             let dx = written_chunks(n * d_in, rows * d_in, |ci, dst| {
@@ -1275,17 +1286,7 @@ fn dense_weight_grad_pieces(s: &DenseShape, x: &[f32], gout: &[f32], pieces: usi
             MatRef::row_major(&gout[r0 * d_out..][..rows * d_out], rows, d_out),
         )
     });
-    // Each element's partial sums added in piece order, in chunks of elements.
-    const CHUNK: usize = 1 << 14;
-    written_chunks(len, CHUNK, |ci, dst| {
-        let (at, here) = (ci * CHUNK, dst.len());
-        let mut parts = partials.chunks_exact(len).map(|p| &p[at..][..here]);
-        // Invariant: `pieces > 1`, so there is a first piece.
-        let first = parts.next().expect("two pieces at least");
-        let sum = write_each(dst, first.iter().copied());
-        add_into(sum, parts);
-        sum
-    })
+    sum_parts(&partials, len)
 }
 
 /// Pieces of batch rows a dense layer's weight gradient is cut into

@@ -21,7 +21,7 @@
 //! where AVX-512 does 16).
 
 use crate::kernels::{
-    add_into, for_each_item, lane_sum, lane_sum_zip, zeroed_chunks, zeroed_chunks2, LayerGrads,
+    for_each_item, lane_sum, lane_sum_zip, sum_parts, zeroed_chunks, zeroed_chunks2, LayerGrads,
 };
 
 /// Rows per chunk: a few hundred kilobytes of a transformer's activations, and enough
@@ -264,11 +264,13 @@ fn parameter_grads(s: &RowsShape, x: &[f32], stats: &[f32], grad: &[f32]) -> (Ve
 }
 
 /// The chunks' parameter sums (`2 * w` per chunk: `Σ dy x̂`, then `Σ dy`) added in chunk
-/// order.
+/// order; zeros for no rows.
 fn add_chunk_sums(partial: &[f32], w: usize) -> (Vec<f32>, Vec<f32>) {
-    let (mut dgamma, mut dbeta) = (vec![0.0f32; w], vec![0.0f32; w]);
-    add_into(&mut dgamma, partial.chunks_exact(2 * w).map(|p| &p[..w]));
-    add_into(&mut dbeta, partial.chunks_exact(2 * w).map(|p| &p[w..]));
+    if partial.is_empty() {
+        return (vec![0.0; w], vec![0.0; w]);
+    }
+    let mut dgamma = sum_parts(partial, 2 * w);
+    let dbeta = dgamma.split_off(w);
     (dgamma, dbeta)
 }
 
