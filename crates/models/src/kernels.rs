@@ -432,17 +432,23 @@ pub fn transpose_into(x: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
         return;
     }
     for_each_chunk(out, TRANSPOSE_ROWS * rows, |ci, dst| {
-        let c0 = ci * TRANSPOSE_ROWS;
-        for r0 in (0..rows).step_by(TRANSPOSE_TILE) {
-            let tile = TRANSPOSE_TILE.min(rows - r0);
-            for (c, out_row) in dst.chunks_exact_mut(rows).enumerate() {
-                let column = c0 + c;
-                for (k, d) in out_row[r0..][..tile].iter_mut().enumerate() {
-                    *d = x[(r0 + k) * cols + column];
-                }
+        transpose_rows(x, rows, cols, ci * TRANSPOSE_ROWS, dst);
+    });
+}
+
+/// Rows `c0..` of the transpose of the row-major `rows x cols` matrix `x`, as many as `dst`
+/// holds (whole rows of `rows` values), on this thread: in tiles of [`TRANSPOSE_TILE`]
+/// input rows, each output row's piece of a tile one contiguous write.
+fn transpose_rows(x: &[f32], rows: usize, cols: usize, c0: usize, dst: &mut [f32]) {
+    for r0 in (0..rows).step_by(TRANSPOSE_TILE) {
+        let tile = TRANSPOSE_TILE.min(rows - r0);
+        for (c, out_row) in dst.chunks_exact_mut(rows).enumerate() {
+            let column = c0 + c;
+            for (k, d) in out_row[r0..][..tile].iter_mut().enumerate() {
+                *d = x[(r0 + k) * cols + column];
             }
         }
-    });
+    }
 }
 
 thread_local! {
@@ -945,11 +951,7 @@ pub fn transpose_images(x: &[f32], images: usize, rows: usize, cols: usize) -> V
     let out = zeroed_chunks(x.len(), per * len, |ci, dst| {
         let src = &x[ci * per * len..][..dst.len()];
         for (d, s) in dst.chunks_exact_mut(len).zip(src.chunks_exact(len)) {
-            for (r, row) in s.chunks_exact(cols).enumerate() {
-                for (c, v) in row.iter().enumerate() {
-                    d[c * rows + r] = *v;
-                }
-            }
+            transpose_rows(s, rows, cols, 0, d);
         }
     });
     out
