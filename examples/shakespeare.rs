@@ -24,7 +24,7 @@ use flashover::algorithms::recipes::recipe;
 use flashover::algorithms::spec::{build_language_model, parse_list, AlgorithmSpec};
 use flashover::callbacks::Generate;
 use flashover::checkpoint::remote::Location;
-use flashover::core::metric::{Accuracy, LossMetric};
+use flashover::core::metric::{Accuracy, LossMetric, Perplexity};
 use flashover::core::trainer::Evaluator;
 use flashover::distributed::Distributed;
 use flashover::models::{Gpt, GptConfig, Sampling, TrainBackend};
@@ -653,6 +653,7 @@ impl<B: TrainBackend> Data<B> {
             vec![
                 Box::new(LossMetric::default()),
                 Box::new(Accuracy::default()),
+                Box::new(Perplexity::default()),
             ]
         };
         let seed = args.run.seed;
@@ -711,7 +712,8 @@ fn summary<B: TrainBackend, O: Optimizer<Gpt<B>, B>>(
     let per_char = matches!(p.split.tokenizer, Tokenizer::Char(_));
     Ok(json!({
         "val_loss": loss,
-        "val_perplexity": loss.exp(),
+        // The library's metric: exp of the mean over every scored token.
+        "val_perplexity": val.get("perplexity"),
         "val_bits_per_char": per_char.then(|| loss / std::f64::consts::LN_2),
         // Bits per byte of text: comparable between tokenizers.
         "val_bits_per_byte": loss / std::f64::consts::LN_2 / m.val_bytes_per_token,
@@ -747,7 +749,7 @@ fn summary<B: TrainBackend, O: Optimizer<Gpt<B>, B>>(
         "validation_works": p.split.works.1,
         "generated": generated,
         "text_loss": text_loss,
-        "text_perplexity": text_loss.map(f64::exp),
+        "text_perplexity": metrics.get("text").and_then(|m| m.get("perplexity")),
         "text_bits_per_char": text_loss.filter(|_| per_char).map(|l| l / std::f64::consts::LN_2),
         "text_bits_per_byte": text_loss
             .zip(m.text_bytes_per_token)

@@ -343,3 +343,207 @@ mod out_of_memory {
         assert_eq!(params_sha256::<TB, _>(resumed.model()), straight);
     }
 }
+
+/// Padded token batches and `accumulate_on_tokens` (Composer's
+/// `accumulate_train_batch_on_tokens`): a GPT's gradient over one batch of four sequences
+/// padded to 8 positions, of 8, 2, 8 and 3 scored tokens.
+mod tokens {
+    use std::sync::{Arc, Mutex};
+
+    use burn::optim::SgdConfig;
+    use burn::tensor::{Int, Tensor, TensorData};
+    use flashover::core::data::{BatchIter, BatchSource};
+    use flashover::core::event::Event;
+    use flashover::core::loss::IGNORE_INDEX;
+    use flashover::core::model::TokenBatch;
+    use flashover::core::state::World;
+    use flashover::core::time::Time;
+    use flashover::core::trainer::Trainer;
+    use flashover::models::{Gpt, GptConfig};
+
+    use crate::support::threads::ranks;
+    use crate::support::*;
+
+    /// Scored tokens of the four sequences.
+    const LENGTHS: [usize; 4] = [8, 2, 8, 3];
+
+    /// The batch of the sequences `rows` (indices into [`LENGTHS`]): token `t` of sequence `s`
+    /// is `(3 s + 5 t) mod 11`, its target the next one, and targets past the sequence's
+    /// length are padding.
+    fn batch(rows: &[usize]) -> TokenBatch<TB> {
+        let (mut tokens, mut targets) = (Vec::new(), Vec::new());
+        for &s in rows {
+            for t in 0..8 {
+                let token = |t: usize| ((3 * s + 5 * t) % 11) as i64;
+                tokens.push(token(t));
+                targets.push(if t < LENGTHS[s] {
+                    token(t + 1)
+                } else {
+                    IGNORE_INDEX
+                });
+            }
+        }
+        let n = rows.len();
+        TokenBatch::padded(
+            Tensor::<TB, 2, Int>::from_data(TensorData::new(tokens, [n, 8]), &device()),
+            Tensor::<TB, 2, Int>::from_data(TensorData::new(targets, [n, 8]), &device()),
+        )
+    }
+
+    /// One epoch of one batch.
+    struct OneBatch(Vec<usize>);
+
+    impl BatchSource<TokenBatch<TB>> for OneBatch {
+        fn name(&self) -> &str {
+            "padded"
+        }
+        fn num_batches(&self) -> usize {
+            1
+        }
+        fn num_samples(&self) -> usize {
+            self.0.len()
+        }
+        fn batch_size(&self) -> usize {
+            self.0.len()
+        }
+        fn iter_from(&self, _epoch: u64, start: usize) -> BatchIter<TokenBatch<TB>> {
+            let rows = self.0.clone();
+            let left = 1 - start.min(1);
+            BatchIter::from_iter(
+                std::iter::once(())
+                    .take(left)
+                    .map(move |_| Ok(batch(&rows))),
+                left,
+            )
+        }
+    }
+
+    /// The first step's gradients (every parameter, flattened) and loss, training on the
+    /// sequences `rows` in microbatches of `microbatch`, by tokens or by samples; as `rank`
+    /// of a run of `world` ranks when a collective is given.
+    fn first_step(
+        rows: &[usize],
+        microbatch: Option<usize>,
+        on_tokens: bool,
+        rank: Option<(World, crate::support::threads::ThreadCollective)>,
+    ) -> (Vec<f32>, f64) {
+        let config = GptConfig::new(11, 8, 1, 2, 16).unwrap();
+        let model: Gpt<TB> = config.init(&device(), 3);
+        let captured = Arc::new(Mutex::new((Vec::new(), f64::NAN)));
+        let sink = captured.clone();
+        let mut b = Trainer::builder(
+            model,
+            SgdConfig::new().init::<TB, Gpt<TB>>(),
+            OneBatch(rows.to_vec()),
+            "1ba".parse::<Time>().unwrap(),
+            device(),
+        )
+        .lr(0.1)
+        .accumulate_on_tokens(on_tokens)
+        .callback(Watch {
+            event: Event::AfterTrainBatch,
+            f: move |s: &flashover::core::state::State<_>, _: &mut Control<'_>| {
+                let grads = s.grads().expect("gradients are set at AFTER_TRAIN_BATCH");
+                let loss = s.loss_value().unwrap_or(f64::NAN);
+                *sink.lock().unwrap() = (flat_grads::<TB, _>(s.model(), grads), loss);
+                Ok(())
+            },
+        });
+        if let Some(size) = microbatch {
+            b = b.microbatch_size(size);
+        }
+        if let Some((world, c)) = rank {
+            b = b.world(world).collective(c);
+        }
+        let mut t = b.build().unwrap();
+        t.fit().unwrap();
+        let out = captured.lock().unwrap().clone();
+        out
+    }
+
+    fn worst(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn microbatches_weighed_by_tokens_give_the_unsplit_gradient_and_loss() {
+        let all = [0, 1, 2, 3];
+        let (full, full_loss) = first_step(&all, None, false, None);
+        let scale = full.iter().fold(0f32, |m, g| m.max(g.abs()));
+        assert!(scale > 0.0);
+        // Microbatches of [8, 2] and [8, 3] tokens, and of one sequence each.
+        for size in [2, 1] {
+            let (g, loss) = first_step(&all, Some(size), true, None);
+            assert!(
+                worst(&g, &full) <= 1e-5 * scale,
+                "by tokens, microbatch {size}: {} (largest gradient {scale})",
+                worst(&g, &full)
+            );
+            assert!(
+                (loss - full_loss).abs() < 1e-5,
+                "{loss} against {full_loss}"
+            );
+            // By samples, a microbatch of 2 or 3 tokens weighs as much as one of 8: the
+            // gradient is another one.
+            // (Its loss differs too, but little: at initialisation every token's loss is
+            // near ln 11.)
+            let (g, _) = first_step(&all, Some(size), false, None);
+            assert!(
+                worst(&g, &full) > 1e-3 * scale,
+                "by samples, microbatch {size}, should differ"
+            );
+        }
+    }
+
+    #[test]
+    fn ranks_weighed_by_tokens_give_the_one_process_gradient() {
+        // Rank 0 trains on the sequences of 8 and 2 tokens, rank 1 on those of 8 and 3, each
+        // in microbatches of one sequence: the averaged gradient is the one process's over
+        // all four sequences (21 tokens) only when ranks weigh by tokens (10 and 11).
+        let (full, full_loss) = first_step(&[0, 1, 2, 3], None, false, None);
+        let scale = full.iter().fold(0f32, |m, g| m.max(g.abs()));
+        for on_tokens in [true, false] {
+            let out = ranks(2, move |rank, c| {
+                let rows = [[0, 1], [2, 3]][rank];
+                first_step(
+                    &rows,
+                    Some(1),
+                    on_tokens,
+                    Some((World { rank, size: 2 }, c)),
+                )
+            });
+            assert_eq!(out[0].0, out[1].0, "both ranks step with the same gradient");
+            let (g, loss) = &out[0];
+            if on_tokens {
+                assert!(worst(g, &full) <= 1e-5 * scale, "{}", worst(g, &full));
+                assert!(
+                    (loss - full_loss).abs() < 1e-5,
+                    "{loss} against {full_loss}"
+                );
+            } else {
+                assert!(worst(g, &full) > 1e-3 * scale);
+            }
+        }
+    }
+
+    #[test]
+    fn accumulate_on_tokens_is_refused_for_batches_without_tokens() {
+        let run = short_run(32, 32, 10, "1ba");
+        let err = run
+            .builder::<TB, _>(flashover_examples::MnistRun::adamw::<TB>(), &device())
+            .unwrap()
+            .accumulate_on_tokens(true)
+            .build()
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(
+            err.contains("accumulate_on_tokens") && err.contains("COUNTS_TOKENS"),
+            "{err}"
+        );
+    }
+}

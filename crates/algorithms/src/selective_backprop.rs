@@ -18,11 +18,13 @@
 //!
 //! Hook: `AFTER_DATALOADER`.
 
-use burn::tensor::ElementConversion;
+use burn::tensor::{ElementConversion, Tensor};
 use flashover_core::callback::Algorithm;
 use flashover_core::event::Event;
 use flashover_core::logger::Logger;
-use flashover_core::loss::per_sample_classification_loss;
+use flashover_core::loss::{
+    per_sample_classification_loss, per_sample_classification_loss_counted,
+};
 use flashover_core::model::{Batch, ClassTargets, Logits, SelectSamples, TrainModel};
 use flashover_core::rng::Rng;
 use flashover_core::setup::{BatchOf, OutputOf, Setup};
@@ -102,6 +104,20 @@ pub fn sample_losses(rows: &[f32], samples: usize) -> Result<Vec<f32>> {
         .collect())
 }
 
+/// [`sample_losses`] for a padded batch: `rows` are the token losses (0 at padding) and
+/// `counted` is 1 where a token is scored, 0 at padding; each sample's loss is the mean over
+/// its scored tokens (0 for a sample of padding alone), so that padding does not make a
+/// sequence look easy.
+pub fn padded_sample_losses(rows: &[f32], counted: &[f32], samples: usize) -> Result<Vec<f32>> {
+    let sums = sample_losses(rows, samples)?;
+    let counts = sample_losses(counted, samples)?;
+    Ok(sums
+        .iter()
+        .zip(&counts)
+        .map(|(&s, &c)| if c > 0.0 { s / c } else { 0.0 })
+        .collect())
+}
+
 /// The selective-backprop algorithm; see the module docs.
 #[derive(Debug, Clone)]
 pub struct SelectiveBackprop {
@@ -176,17 +192,30 @@ where
         let out = state.model().forward(batch);
         let logits = out.logits().clone().detach();
         drop(out);
-        let losses = per_sample_classification_loss(logits, batch);
-        let losses: Vec<f32> = losses
-            .into_data()
-            .iter::<f32>()
-            .map(|v| v.elem::<f32>())
-            .collect();
-        let losses = sample_losses(&losses, batch.len())?;
+        let losses = match batch.ignore_index() {
+            None => {
+                let losses = read_f32(per_sample_classification_loss(logits, batch));
+                sample_losses(&losses, batch.len())?
+            }
+            // A padded sequence is scored by its mean over the positions that are not
+            // padding.
+            Some(_) => {
+                let (losses, counted) = per_sample_classification_loss_counted(logits, batch);
+                padded_sample_losses(&read_f32(losses), &read_f32(counted), batch.len())?
+            }
+        };
         let keep = select_by_loss(&losses, self.keep, &mut rng);
         let idx = index_tensor::<S::Backend>(&keep, state.device());
         state.map_batch(|batch| Ok(batch.select(idx)))
     }
+}
+
+/// The values of a float tensor on the host.
+fn read_f32<B: burn::tensor::backend::Backend>(t: Tensor<B, 1>) -> Vec<f32> {
+    t.into_data()
+        .iter::<f32>()
+        .map(|v| v.elem::<f32>())
+        .collect()
 }
 
 // By name (`--algorithms`; see `crate::spec`).
@@ -213,6 +242,20 @@ mod tests {
         );
         let e = sample_losses(&[1.0; 5], 2).unwrap_err().to_string();
         assert!(e.contains("5 rows") && e.contains("2 samples"), "{e}");
+    }
+
+    #[test]
+    fn a_padded_sequence_is_scored_by_its_mean_over_scored_tokens() {
+        // Three sequences of three positions: all scored (mean 2); one scored token of loss
+        // 3 and two of padding (3, not 1: the padding does not make it look easy); padding
+        // alone (0).
+        let rows = [1.0, 2.0, 3.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        let counted = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        assert_eq!(
+            padded_sample_losses(&rows, &counted, 3).unwrap(),
+            [2.0, 3.0, 0.0]
+        );
+        assert!(padded_sample_losses(&rows[..8], &counted[..8], 3).is_err());
     }
 
     #[test]

@@ -9,9 +9,14 @@ use burn::tensor::{ElementConversion, Int, Tensor};
 
 use crate::error::{CoreError, Result};
 
+/// The target that marks a padding position in a token batch (PyTorch's, Hugging Face's and
+/// Composer's `ignore_index`): not scored by the loss and not counted by the language-model
+/// metrics (see [`cross_entropy_ignoring`] and `TokenBatch::padded`).
+pub const IGNORE_INDEX: i64 = -100;
+
 /// Checks that every class index in `targets` lies in `0..num_classes`, with one read-back of
 /// the smallest and largest index. A negative index is an error, never wrapped to the last
-/// classes (there is no ignore index).
+/// classes (these functions take no ignore index; the `_ignoring` ones below do).
 pub fn check_class_indices<B: Backend, const D: usize>(
     targets: &Tensor<B, D, Int>,
     num_classes: usize,
@@ -90,6 +95,35 @@ pub fn per_sample_cross_entropy<B: Backend>(
         .gather(1, targets.reshape([n, 1]))
         .reshape([n])
         .neg()
+}
+
+/// Cross-entropy of each row of `logits` `[N, C]` against class indices `[N]`, where a row
+/// whose target is `ignore_index` scores 0; and, beside it, the float mask of the rows that
+/// count (1 where the target is not `ignore_index`). The ignored rows are gathered at class 0
+/// and then zeroed, so `ignore_index` may lie outside `0..C` (it usually is -100).
+pub fn per_sample_cross_entropy_ignoring<B: Backend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    ignore_index: i64,
+) -> (Tensor<B, 1>, Tensor<B, 1>) {
+    let ignored = targets.clone().equal_elem(ignore_index);
+    let counted = ignored.clone().bool_not().float();
+    let safe = targets.mask_fill(ignored, 0);
+    let losses = per_sample_cross_entropy(logits, safe) * counted.clone();
+    (losses, counted)
+}
+
+/// Mean cross-entropy of `logits` `[N, C]` against class indices `[N]` over the rows whose
+/// target is not `ignore_index` (PyTorch's `cross_entropy(..., ignore_index=-100)`): their
+/// summed loss over their count. A batch with no counted row scores 0 with zero gradients
+/// (PyTorch gives NaN there; a microbatch of padding alone must not poison the step).
+pub fn cross_entropy_ignoring<B: Backend>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    ignore_index: i64,
+) -> Tensor<B, 1> {
+    let (losses, counted) = per_sample_cross_entropy_ignoring(logits, targets, ignore_index);
+    losses.sum() / counted.sum().clamp_min(1.0)
 }
 
 /// Mean cross-entropy of `logits` against class distributions `[batch, classes]`:

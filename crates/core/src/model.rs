@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{ElementConversion, Int, Tensor};
 use derive_new::new;
 
 /// A batch the trainer can count and split into microbatches. Cloning must be cheap (tensors
@@ -36,6 +36,14 @@ pub trait Batch: Clone + Send + 'static {
     /// Tokens in the batch, for token-counted time (`tok`); 0 for batches without tokens.
     fn num_tokens(&self) -> u64 {
         0
+    }
+
+    /// Tokens the loss scores (padding left out), by which the trainer weighs microbatches
+    /// and ranks under
+    /// [`accumulate_on_tokens`](crate::trainer::TrainerBuilder::accumulate_on_tokens);
+    /// [`num_tokens`](Self::num_tokens) unless the batch type knows of padding.
+    fn num_loss_tokens(&self) -> u64 {
+        self.num_tokens()
     }
 }
 
@@ -225,13 +233,30 @@ pub trait ClassTargets<B: Backend>: Batch {
         None
     }
 
+    /// The class index that marks the positions the loss skips (padding), when this batch
+    /// has any: a [`TokenBatch::padded`] batch returns
+    /// [`IGNORE_INDEX`](crate::cross_entropy::IGNORE_INDEX). `None` (the default): every
+    /// class index is a real class.
+    fn ignore_index(&self) -> Option<i64> {
+        None
+    }
+
     /// The targets as distributions over `num_classes`: the soft targets when set, otherwise
     /// the one-hot encoding of the classes, which must lie in `0..num_classes` (a negative or
-    /// too large index is an error naming it, see [`crate::loss::one_hot_classes`]).
+    /// too large index is an error naming it, see [`crate::loss::one_hot_classes`]). Rows
+    /// whose class is the [`ignore_index`](Self::ignore_index) get class 0's one-hot row: the
+    /// loss never reads them.
     fn target_distribution(&self, num_classes: usize) -> crate::Result<Tensor<B, 2>> {
-        match self.soft_targets() {
-            Some(t) => Ok(t.clone()),
-            None => crate::cross_entropy::one_hot_classes(self.classes().clone(), num_classes),
+        match (self.soft_targets(), self.ignore_index()) {
+            (Some(t), _) => Ok(t.clone()),
+            (None, None) => {
+                crate::cross_entropy::one_hot_classes(self.classes().clone(), num_classes)
+            }
+            (None, Some(ignore)) => {
+                let classes = self.classes().clone();
+                let ignored = classes.clone().equal_elem(ignore);
+                crate::cross_entropy::one_hot_classes(classes.mask_fill(ignored, 0), num_classes)
+            }
         }
     }
 }
@@ -265,6 +290,30 @@ impl<B: Backend> ClassificationOutput<B> {
             targets,
         }
     }
+
+    /// As [`scored`](Self::scored), the loss a mean over the rows whose target is not
+    /// `ignore_index` (padding) when one is given: what a language model's `forward_eval`
+    /// returns for a [`TokenBatch`] (its [`ClassTargets::ignore_index`]). The targets are kept
+    /// as they are, padding included, for metrics that skip it
+    /// ([`crate::metric::LanguageCrossEntropy`]).
+    pub fn scored_ignoring(
+        logits: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+        ignore_index: Option<i64>,
+    ) -> Self {
+        let Some(ignore) = ignore_index else {
+            return Self::scored(logits, targets);
+        };
+        Self {
+            loss: crate::cross_entropy::cross_entropy_ignoring(
+                logits.clone(),
+                targets.clone(),
+                ignore,
+            ),
+            logits,
+            targets,
+        }
+    }
 }
 
 impl<B: Backend> Logits<B> for ClassificationOutput<B> {
@@ -279,6 +328,14 @@ impl<B: Backend> Logits<B> for ClassificationOutput<B> {
 /// As [`ClassTargets`], its classes are the targets flattened to `[batch * seq_len]`, the
 /// rows of a language model's `[batch * seq_len, vocab]` logits (sequence by sequence), and
 /// its soft targets (label smoothing) are `[batch * seq_len, vocab]`.
+///
+/// Sequences of different lengths share a batch padded to the longest: built with
+/// [`TokenBatch::padded`], its targets hold [`IGNORE_INDEX`](crate::cross_entropy::IGNORE_INDEX)
+/// at the padding, which the losses ([`crate::loss::classification_loss`]) and the
+/// language-model metrics ([`crate::metric::LanguageCrossEntropy`]) skip, and which
+/// [`Batch::num_loss_tokens`] does not count (the trainer's
+/// [`accumulate_on_tokens`](crate::trainer::TrainerBuilder::accumulate_on_tokens) weighs
+/// microbatches and ranks by that count).
 #[derive(Debug, Clone)]
 pub struct TokenBatch<B: Backend> {
     /// Input token ids, `[batch, seq_len]`.
@@ -289,6 +346,8 @@ pub struct TokenBatch<B: Backend> {
     flat: Tensor<B, 1, Int>,
     /// Distributions over the vocabulary per target, when an algorithm has set them.
     soft_targets: Option<SoftTargets<B>>,
+    /// The targets may hold `IGNORE_INDEX` (built with `padded`).
+    padded: bool,
 }
 
 impl<B: Backend> TokenBatch<B> {
@@ -306,7 +365,32 @@ impl<B: Backend> TokenBatch<B> {
             flat: targets.clone().reshape([b * s]),
             targets,
             soft_targets: None,
+            padded: false,
         }
+    }
+
+    /// A batch whose `targets` hold [`IGNORE_INDEX`](crate::cross_entropy::IGNORE_INDEX)
+    /// (-100) where a position is padding (sequences shorter than the batch's length, or
+    /// positions not to be scored): the losses and the language-model metrics skip those
+    /// positions and [`Batch::num_loss_tokens`] does not count them. Every other target must
+    /// be a token id. Panics if the shapes differ.
+    pub fn padded(tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Self {
+        let mut batch = Self::new(tokens, targets);
+        batch.padded = true;
+        batch
+    }
+
+    /// Whether the targets may hold padding (the batch was built with
+    /// [`padded`](Self::padded)).
+    pub fn is_padded(&self) -> bool {
+        self.padded
+    }
+
+    /// This batch's form with `tokens` and `targets` (the padding flag kept).
+    fn like(&self, tokens: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Self {
+        let mut out = Self::new(tokens, targets);
+        out.padded = self.padded;
+        out
     }
 
     /// The targets as one row of `batch * seq_len` ids, in the order of a language model's
@@ -341,6 +425,10 @@ impl<B: Backend> ClassTargets<B> for TokenBatch<B> {
     fn soft_targets_read(&self) -> Option<bool> {
         self.soft_targets.as_ref().map(SoftTargets::was_read)
     }
+
+    fn ignore_index(&self) -> Option<i64> {
+        self.padded.then_some(crate::cross_entropy::IGNORE_INDEX)
+    }
 }
 
 impl<B: Backend> SelectSamples<B> for TokenBatch<B> {
@@ -350,9 +438,9 @@ impl<B: Backend> SelectSamples<B> for TokenBatch<B> {
             .soft_targets
             .as_ref()
             .map(|t| t.map(|t| t.select(0, self.rows_of(&indices))));
-        let mut out = TokenBatch::new(
-            self.tokens.select(0, indices.clone()),
-            self.targets.select(0, indices),
+        let mut out = self.like(
+            self.tokens.clone().select(0, indices.clone()),
+            self.targets.clone().select(0, indices),
         );
         out.soft_targets = soft;
         out
@@ -374,7 +462,7 @@ impl<B: Backend> Batch for TokenBatch<B> {
             .map(|start| {
                 let len = size.min(n - start);
                 let [_, s] = self.targets.dims();
-                let mut part = TokenBatch::new(
+                let mut part = self.like(
                     self.tokens.clone().narrow(0, start, len),
                     self.targets.clone().narrow(0, start, len),
                 );
@@ -392,6 +480,23 @@ impl<B: Backend> Batch for TokenBatch<B> {
     fn num_tokens(&self) -> u64 {
         let [b, t] = self.tokens.dims();
         (b * t) as u64
+    }
+
+    /// Every position unless the batch is [`padded`](TokenBatch::padded); then the targets
+    /// that are not padding, counted on the device (one read).
+    fn num_loss_tokens(&self) -> u64 {
+        if !self.padded {
+            return self.num_tokens();
+        }
+        let counted: i64 = self
+            .flat
+            .clone()
+            .not_equal_elem(crate::cross_entropy::IGNORE_INDEX)
+            .int()
+            .sum()
+            .into_scalar()
+            .elem();
+        counted.max(0) as u64
     }
 }
 
@@ -414,9 +519,9 @@ impl<B: Backend> SequenceBatch<B> for TokenBatch<B> {
     /// Soft targets, set only between `BEFORE_LOSS` and `AFTER_LOSS`, are dropped: the
     /// sequence algorithms run at `AFTER_DATALOADER`, before any is set.
     fn truncate(self, len: usize) -> Self {
-        TokenBatch::new(
-            self.tokens.narrow(1, 0, len),
-            self.targets.narrow(1, 0, len),
+        self.like(
+            self.tokens.clone().narrow(1, 0, len),
+            self.targets.clone().narrow(1, 0, len),
         )
     }
 
@@ -425,9 +530,15 @@ impl<B: Backend> SequenceBatch<B> for TokenBatch<B> {
         let [b, t] = self.tokens.dims();
         let pieces = t / len;
         let keep = pieces * len;
-        TokenBatch::new(
-            self.tokens.narrow(1, 0, keep).reshape([b * pieces, len]),
-            self.targets.narrow(1, 0, keep).reshape([b * pieces, len]),
+        self.like(
+            self.tokens
+                .clone()
+                .narrow(1, 0, keep)
+                .reshape([b * pieces, len]),
+            self.targets
+                .clone()
+                .narrow(1, 0, keep)
+                .reshape([b * pieces, len]),
         )
     }
 }

@@ -726,7 +726,9 @@ impl<B: TrainBackend> TrainModel<B> for Gpt<B> {
     fn loss(&self, logits: &Tensor<B, 2>, batch: &TokenBatch<B>) -> Tensor<B, 1> {
         // Soft targets (label smoothing) when an algorithm set them; on the fast path, class
         // indices through its fused cross-entropy.
-        let fast = B::CHANNELS_LAST_IS_FAST && !self.burn_ops;
+        // A padded batch's loss skips its padding (the mean over the scored tokens), through
+        // Burn's ops.
+        let fast = B::CHANNELS_LAST_IS_FAST && !self.burn_ops && !batch.is_padded();
         if fast && batch.soft_targets().is_none() {
             return crate::layers::cross_entropy(logits.clone(), batch.classes().clone());
         }
@@ -739,7 +741,11 @@ impl<B: ChannelsLastBackend> EvalModel<B> for Gpt<B> {
     type Output = ClassificationOutput<B>;
 
     fn forward_eval(&self, batch: &TokenBatch<B>) -> ClassificationOutput<B> {
-        ClassificationOutput::scored(self.logits(batch.tokens.clone()), batch.flat_targets())
+        ClassificationOutput::scored_ignoring(
+            self.logits(batch.tokens.clone()),
+            batch.flat_targets(),
+            batch.ignore_index(),
+        )
     }
 }
 

@@ -49,6 +49,7 @@ pub struct TrainerBuilder<S: Setup> {
     callbacks: Vec<Box<dyn Callback<S>>>,
     loggers: Vec<Box<dyn LoggerDestination>>,
     skip_nonfinite_loss: bool,
+    accumulate_on_tokens: bool,
     hyperparameters: serde_json::Map<String, Value>,
     restore: Option<Box<dyn Restore<S>>>,
     collective: Option<Box<dyn Collective<S>>>,
@@ -85,6 +86,7 @@ impl<S: Setup> TrainerBuilder<S> {
             callbacks: Vec::new(),
             loggers: Vec::new(),
             skip_nonfinite_loss: false,
+            accumulate_on_tokens: false,
             hyperparameters: serde_json::Map::new(),
             restore: None,
             collective: None,
@@ -210,6 +212,21 @@ impl<S: Setup> TrainerBuilder<S> {
         self.skip_nonfinite_loss = skip;
         self
     }
+    /// Weigh each microbatch, and each rank of a data-parallel run, by the tokens its loss
+    /// scores ([`Batch::num_loss_tokens`]: padding left out) instead of by its samples
+    /// (Composer's `accumulate_train_batch_on_tokens`); default off. With batches of
+    /// sequences padded to different lengths ([`TokenBatch::padded`](crate::model::TokenBatch::padded)),
+    /// the step's gradient and loss are then the mean over every scored token of the global
+    /// batch, as one unsplit batch on one process would give, however it is cut into
+    /// microbatches and ranks; by samples, a microbatch of short sequences would weigh as
+    /// much as one of long ones. Without padding both weightings agree. The model's loss must
+    /// be its mean over the scored tokens (as [`crate::loss::classification_loss`] is). Only
+    /// for batches that count tokens (`Batch::COUNTS_TOKENS`); otherwise `build` refuses it.
+    /// A padded batch's count costs one read from the device per microbatch.
+    pub fn accumulate_on_tokens(mut self, on: bool) -> Self {
+        self.accumulate_on_tokens = on;
+        self
+    }
     /// Extra hyperparameters to log once, at the first `FIT_START` (the trainer adds its own).
     pub fn hyperparameter(mut self, key: impl Into<String>, value: impl Into<Value>) -> Self {
         self.hyperparameters.insert(key.into(), value.into());
@@ -294,6 +311,14 @@ impl<S: Setup> TrainerBuilder<S> {
         }
         // A time in tokens on batches that do not count them would never be reached.
         let tokens = <BatchOf<S> as Batch>::COUNTS_TOKENS;
+        if self.accumulate_on_tokens && !tokens {
+            return Err(CoreError::config(
+                "accumulate_on_tokens",
+                true,
+                "false for batches that do not count tokens (`Batch::COUNTS_TOKENS` is false): \
+                 they have no tokens to weigh microbatches by",
+            ));
+        }
         check_countable("max_duration", self.max_duration, tokens)?;
         check_countable("eval_interval", self.eval_interval, tokens)?;
         for ev in &self.evaluators {
@@ -394,6 +419,10 @@ impl<S: Setup> TrainerBuilder<S> {
         );
         hp.insert("microbatch_size".into(), json!(self.microbatch_size));
         hp.insert("auto_microbatching".into(), json!(self.auto_microbatching));
+        hp.insert(
+            "accumulate_on_tokens".into(),
+            json!(self.accumulate_on_tokens),
+        );
         hp.insert("seed".into(), json!(self.seed));
         hp.insert("precision".into(), json!(self.precision.name()));
         hp.insert("world_size".into(), json!(world.size));
@@ -485,6 +514,7 @@ impl<S: Setup> TrainerBuilder<S> {
             auto_microbatching: self.auto_microbatching,
             failures_seen,
             skip_nonfinite_loss: self.skip_nonfinite_loss,
+            accumulate_on_tokens: self.accumulate_on_tokens,
             hyperparameters: Some(hp),
             clock: None,
             device_reads: 0,

@@ -64,6 +64,8 @@ pub struct Trainer<S: Setup> {
     /// The allocation failures (`crate::memory`) already accounted for.
     failures_seen: u64,
     skip_nonfinite_loss: bool,
+    /// Microbatches and ranks weighed by their scored tokens (`accumulate_on_tokens`).
+    accumulate_on_tokens: bool,
     /// The run's configuration until it has been logged (at the first `FIT_START`).
     hyperparameters: Option<serde_json::Map<String, serde_json::Value>>,
     /// When the current `fit` call started, and the run's wall-clock time then.

@@ -60,6 +60,9 @@ struct Attempted {
     grads: Option<GradientsParams>,
     values: Vec<f64>,
     checked: bool,
+    /// The batch's scored tokens, when microbatches and ranks are weighed by them (and the
+    /// count was needed: a split batch, or a data-parallel run).
+    loss_tokens: Option<u64>,
 }
 
 impl<S: Setup> Trainer<S> {
@@ -96,6 +99,7 @@ impl<S: Setup> Trainer<S> {
             grads,
             mut values,
             checked,
+            loss_tokens,
         } = attempted;
         let overflowed = checked && values.pop().is_some_and(|v| !v.is_finite());
         let (loss, finite) = self.loss_policy(&values)?;
@@ -106,6 +110,7 @@ impl<S: Setup> Trainer<S> {
                 grads,
                 loss,
                 overflowed,
+                loss_tokens,
             },
             finite,
         )?;
@@ -122,12 +127,24 @@ impl<S: Setup> Trainer<S> {
             Some(size) => full.clone().split(size),
             None => vec![full.clone()],
         };
+        // By tokens: each microbatch's count of scored tokens (padding left out), read
+        // before any runs; needed to weigh the microbatches of a split batch, and the rank in
+        // a data-parallel run.
+        let ranks = self.state.world().size > 1;
+        let counts: Option<Vec<u64>> = (self.accumulate_on_tokens && (split.is_some() || ranks))
+            .then(|| microbatches.iter().map(Batch::num_loss_tokens).collect());
+        let loss_tokens = counts.as_ref().map(|c| c.iter().sum::<u64>());
         let mut accumulator = GradientsAccumulator::<S::Model>::new();
         let mut losses = Vec::with_capacity(microbatches.len());
-        for mb in microbatches {
-            // Each microbatch's loss is weighted by its share of the batch, so that the
-            // summed gradient equals the full batch's.
-            let weight = split.map(|_| mb.len() as f64 / n as f64);
+        for (i, mb) in microbatches.into_iter().enumerate() {
+            // Each microbatch's loss is weighted by its share of the batch (of its samples,
+            // or of its scored tokens), so that the summed gradient equals the full batch's.
+            let weight = split.map(|_| match (&counts, loss_tokens) {
+                (Some(c), Some(total)) if total > 0 => c[i] as f64 / total as f64,
+                // A batch of padding alone: nothing is scored, nothing weighs.
+                (Some(_), _) => 0.0,
+                (None, _) => mb.len() as f64 / n as f64,
+            });
             losses.push(self.microbatch(mb, weight)?);
             if split.is_some() {
                 if let Some(g) = self.state.grads.take() {
@@ -167,6 +184,7 @@ impl<S: Setup> Trainer<S> {
             grads,
             values,
             checked,
+            loss_tokens,
         })
     }
 
@@ -276,7 +294,11 @@ impl<S: Setup> Trainer<S> {
     /// the optimizer stepped.
     fn step(&mut self, local: Accumulated, finite: bool) -> Result<bool> {
         let batch = self.state.timestamp.batch;
-        let samples = self.state.batch.as_ref().map_or(0, |b| b.len() as u64);
+        // Ranks weigh by their samples, or by their scored tokens (`accumulate_on_tokens`).
+        let samples = match local.loss_tokens {
+            Some(tokens) => tokens,
+            None => self.state.batch.as_ref().map_or(0, |b| b.len() as u64),
+        };
         let (model, collective, plan) = self.state.model_and_collective();
         let Synced {
             grads,

@@ -23,6 +23,9 @@ pub(super) struct Accumulated {
     pub(super) loss: f64,
     /// The gradients overflowed under loss scaling (the step is skipped, the scale lowered).
     pub(super) overflowed: bool,
+    /// The batch's scored tokens when the ranks are weighed by them rather than by their
+    /// samples (`accumulate_on_tokens` in a data-parallel run).
+    pub(super) loss_tokens: Option<u64>,
 }
 
 /// What every rank steps with.
@@ -106,6 +109,7 @@ mod tests {
             grads: None,
             loss: 0.5,
             overflowed,
+            loss_tokens: None,
         };
         synchronise::<S>(None, None, &model, local, finite, 4, 0).unwrap()
     }
