@@ -100,8 +100,16 @@ enum Cmd {
         /// target/bench/<backend>-memory.json.
         /// `gpt_fast_path`: only the GPT's CPU fast path against Burn's ops (the
         /// `gpt_fast_path.*` rows), into target/bench/<backend>-gpt_fast_path.json.
-        #[arg(long, value_parser = ["gpt", "s3", "precision", "memory", "gpt_fast_path"])]
+        /// `gpu`: the prepared GPU check (`--backend cuda --only gpu`, under 10 minutes on
+        /// one GPU): the CNN's, ResNet-8's and the GPT's throughput in fp32, amp_bf16 and
+        /// amp_fp16, and automatic microbatching through a real out-of-memory, into
+        /// target/bench/<backend>-gpu.json.
+        #[arg(long, value_parser = ["gpt", "s3", "precision", "memory", "gpt_fast_path", "gpu"])]
         only: Option<String>,
+        /// With `--only gpu`: run the programs already built in the backend's target
+        /// directory, without cargo (on a machine that received only the built programs).
+        #[arg(long, requires = "only")]
+        no_build: bool,
     },
 }
 
@@ -115,12 +123,15 @@ fn main() -> Result<()> {
             quick,
             no_burn_train,
             only,
+            no_build,
         } => match only {
             Some(section) => {
                 for b in backend.each() {
                     let (json, md) = if section == "s3" {
                         object_store_bench(b, quick)?
                             .context("s3s-fs is not installed (cargo install s3s-fs --version 0.14.1 --locked --features binary)")?
+                    } else if section == "gpu" {
+                        gpu_bench(b, !no_build)?
                     } else if section == "precision" {
                         precision_bench(b, quick)?
                     } else if section == "gpt_fast_path" {

@@ -11,6 +11,7 @@ use crate::process::*;
 mod cpu_fast_path;
 mod distributed;
 mod gpt;
+mod gpu;
 mod memory;
 mod object_store;
 mod precision;
@@ -18,6 +19,7 @@ mod precision;
 pub(crate) use cpu_fast_path::*;
 pub(crate) use distributed::*;
 pub(crate) use gpt::*;
+pub(crate) use gpu::*;
 pub(crate) use memory::*;
 pub(crate) use object_store::*;
 pub(crate) use precision::*;
@@ -137,8 +139,8 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
             )?)
         };
         clock.done("burn_train_learner");
-        // Each repetition trains the baseline and three recipes to the end (about 100 s on
-        // two CPU cores), so the quick mode runs one.
+        // The first repetition trains the baseline and three recipes to the end (about 100 s
+        // on two CPU cores), the later ones only to the target; the quick mode runs one.
         // The quick mode also evaluates half as often (every 50 batches).
         let (tta_reps, eval_every) = if quick { ("1", "50") } else { ("3", "25") };
         std::fs::create_dir_all("target/bench")?;
@@ -160,12 +162,12 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
         )?;
         let tta_json = last_json(&tta)?;
         clock.done("cnn_time_to_accuracy");
-        // The ResNet recipes against the plain ResNet-8 (375 batches, 3 epochs, counted in
-        // batches so that every recipe's ratio gives a different length; evaluated every 50
-        // batches); quick: one epoch on a quarter of the digits. Two threads: about 70 s a
-        // repetition against 130 s on one (2026-12-03: the baseline trains in 20.3 s against
-        // 35.5 s), which keeps the whole bench under 25 minutes; the fast path's results do
-        // not depend on the thread count, only its times do.
+        // The ResNet recipes against the plain ResNet-8 trained for 10 epochs (1,250
+        // batches, to 0.9845 test accuracy on the 2,000 test digits, where it has levelled
+        // off: 20 epochs end at 0.9875), evaluated every 50 batches (4% of its run); two
+        // interleaved repetitions, the second stopping each run at the target (see
+        // `time_to_accuracy`). Quick: one epoch on a quarter of the digits. Two threads: the
+        // fast path's results do not depend on the thread count, only its times do.
         let resnet_plot = format!("target/bench/{}-resnet-time-to-accuracy.png", b.name());
         let mut resnet_args = strings(&["--model", "resnet8", "--plot", &resnet_plot]);
         resnet_args.extend(if quick {
@@ -182,15 +184,20 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
         } else {
             strings(&[
                 "--reps",
-                "3",
+                "2",
                 "--max-duration",
-                "375ba",
+                "10ep",
                 "--eval-every",
                 "50",
             ])
         });
         let resnet_tta = run_example_on(b, "time_to_accuracy", &resnet_args, 2)?;
-        let resnet_json = last_json(&resnet_tta)?;
+        let mut resnet_json = last_json(&resnet_tta)?;
+        // The quality mark for the ResNet baseline, recorded beside the speed-ups.
+        let resnet_target = resnet_json["target_accuracy"].as_f64().unwrap_or(f64::NAN);
+        resnet_json["quality_mark_accuracy"] = serde_json::json!(RESNET_BASELINE_MARK);
+        resnet_json["baseline_meets_quality_mark"] =
+            serde_json::json!(resnet_target >= RESNET_BASELINE_MARK);
         clock.done("resnet_time_to_accuracy");
         let (cost_steps, cost_reps) = if quick { ("5", "1") } else { ("30", "5") };
         let surgery_cost = run_example(
@@ -261,7 +268,15 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
             tta.lines().find(|l| l.starts_with("Target:")).unwrap_or(""),
             table(&tta),
             resnet_tta.lines().find(|l| l.starts_with("Target:")).unwrap_or(""),
-            table(&resnet_tta),
+            format!(
+                "{}\n\nThe baseline's quality mark, {RESNET_BASELINE_MARK} test accuracy: {}.",
+                table(&resnet_tta),
+                if resnet_target >= RESNET_BASELINE_MARK {
+                    "met".to_string()
+                } else {
+                    format!("not met ({resnet_target:.4}: ResNet-8 on the 8,000 bundled digits levels off below it)")
+                }
+            ),
             surgery_cost.lines().find(|l| l.contains("plain step")).unwrap_or(""),
             table(&surgery_cost),
             table(&scaling),
@@ -315,6 +330,11 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
     }
     Ok(())
 }
+
+/// The test accuracy a well-trained ResNet baseline should reach (what the main job's CNN
+/// reaches on the official MNIST test set); ResNet-8 on the 8,000 bundled digits levels off
+/// below it (0.9845 after 10 epochs, 0.9875 after 20), which the report says.
+pub(crate) const RESNET_BASELINE_MARK: f64 = 0.99;
 
 /// The wall time of each part of a bench run (builds included), in order.
 pub(crate) struct Sections {
