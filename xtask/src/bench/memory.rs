@@ -84,7 +84,7 @@ fn stat(v: &mut [f64]) -> serde_json::Value {
 /// `mpirun` (`None` in their place without it). Returns the JSON section and a Markdown
 /// table.
 pub(crate) fn memory_bench(b: Backend, quick: bool) -> Result<(serde_json::Value, String)> {
-    let reps = if quick { 1 } else { 5 };
+    let reps = if quick { 1 } else { 3 };
     let mut json = serde_json::Map::new();
     let mut md = String::new();
     if have_mpirun() {

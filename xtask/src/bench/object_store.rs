@@ -56,7 +56,7 @@ pub(crate) fn object_store_bench(
         ];
         // Seven repetitions of six epochs: in three-epoch runs one repetition's ratio ranged
         // 0.94-1.10 on a quiet machine (2026-12-03), wider than the 2% being measured.
-        let (reps, epochs) = if quick { (1, 3) } else { (7, 6) };
+        let (reps, epochs) = if quick { (1, 3) } else { (5, 6) };
         let io_bin = format!("{}/release/examples/checkpoint_io", b.target_dir());
         let out = Command::new(&io_bin)
             .args([
