@@ -133,22 +133,38 @@ fn run_limited(b: Backend, bin: &str, args: &[&str], dir: &Path) -> Result<Outco
         ))?));
     }
     let err = String::from_utf8_lossy(&out.stderr);
-    let last = err
-        .lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("");
     if out.status.code() == Some(124) {
         return Ok(Outcome::Failed(format!("stopped after {RUN_LIMIT_S} s")));
     }
+    let why = failure_line(&err);
     if err.contains("does not support") {
-        return Ok(Outcome::Refused(last.trim().to_string()));
+        return Ok(Outcome::Refused(why));
     }
     Ok(Outcome::Failed(format!(
-        "exit {:?}: {}",
-        out.status.code(),
-        last.trim()
+        "exit {:?}: {why}",
+        out.status.code()
     )))
+}
+
+/// The line of a failed run's stderr that says why, cut to 160 characters for the table: a
+/// panic's message (the line after "panicked at"), else the last line that starts with
+/// `error`, else the last line.
+fn failure_line(stderr: &str) -> String {
+    let lines: Vec<&str> = stderr.lines().map(str::trim).collect();
+    let line = match lines.iter().position(|l| l.contains("panicked at")) {
+        Some(i) => format!("panicked: {}", lines.get(i + 1).copied().unwrap_or("")),
+        None => lines
+            .iter()
+            .rev()
+            .find(|l| l.starts_with("error"))
+            .or_else(|| lines.iter().rev().find(|l| !l.is_empty()))
+            .unwrap_or(&"")
+            .to_string(),
+    };
+    match line.char_indices().nth(160) {
+        Some((at, _)) => format!("{}...", &line[..at]),
+        None => line,
+    }
 }
 
 /// The last value of metric `key` in `dir/metrics.jsonl`, and every logged text line.
