@@ -163,14 +163,6 @@ fn weights(out_dir: &Path) -> Vec<f32> {
         .collect()
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn two_processes_train_like_one_process_on_the_whole_batch_and_repeat_bit_exactly() {
     if mpi::mnist().is_none() {

@@ -461,14 +461,6 @@ mod tokens {
         out
     }
 
-    fn worst(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
-    }
-
     #[test]
     fn microbatches_weighed_by_tokens_give_the_unsplit_gradient_and_loss() {
         let all = [0, 1, 2, 3];
@@ -479,9 +471,9 @@ mod tokens {
         for size in [2, 1] {
             let (g, loss) = first_step(&all, Some(size), true, None);
             assert!(
-                worst(&g, &full) <= 1e-5 * scale,
+                max_abs_diff(&g, &full) <= 1e-5 * scale,
                 "by tokens, microbatch {size}: {} (largest gradient {scale})",
-                worst(&g, &full)
+                max_abs_diff(&g, &full)
             );
             assert!(
                 (loss - full_loss).abs() < 1e-5,
@@ -493,7 +485,7 @@ mod tokens {
             // near ln 11.)
             let (g, _) = first_step(&all, Some(size), false, None);
             assert!(
-                worst(&g, &full) > 1e-3 * scale,
+                max_abs_diff(&g, &full) > 1e-3 * scale,
                 "by samples, microbatch {size}, should differ"
             );
         }
@@ -519,13 +511,17 @@ mod tokens {
             assert_eq!(out[0].0, out[1].0, "both ranks step with the same gradient");
             let (g, loss) = &out[0];
             if on_tokens {
-                assert!(worst(g, &full) <= 1e-5 * scale, "{}", worst(g, &full));
+                assert!(
+                    max_abs_diff(g, &full) <= 1e-5 * scale,
+                    "{}",
+                    max_abs_diff(g, &full)
+                );
                 assert!(
                     (loss - full_loss).abs() < 1e-5,
                     "{loss} against {full_loss}"
                 );
             } else {
-                assert!(worst(g, &full) > 1e-3 * scale);
+                assert!(max_abs_diff(g, &full) > 1e-3 * scale);
             }
         }
     }

@@ -190,6 +190,15 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for FlatGrads<'_, B> {
     }
 }
 
+/// The largest absolute difference between two equally long lists of values.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
 /// Every parameter's gradient, flattened in the module's field order.
 pub fn flat_grads<B: AutodiffBackend, M: Module<B>>(
     model: &M,

@@ -167,17 +167,17 @@ fn failure_line(stderr: &str) -> String {
     }
 }
 
-/// The last value of metric `key` in `dir/metrics.jsonl`, and every logged text line.
-fn from_log(dir: &Path, key: &str) -> (Option<f64>, Vec<String>, Vec<f64>) {
+/// Every logged value of metric `key` in `dir/metrics.jsonl`, in order, and every logged
+/// text line (`tag: text`).
+fn from_log(dir: &Path, key: &str) -> (Vec<f64>, Vec<String>) {
     let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
-    let (mut last, mut texts, mut series) = (None, Vec::new(), Vec::new());
+    let (mut values, mut texts) = (Vec::new(), Vec::new());
     for line in text.lines() {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
         if let Some(x) = v["metrics"][key].as_f64() {
-            last = Some(x);
-            series.push(x);
+            values.push(x);
         }
         if let Some(t) = v["text"].as_object() {
             texts.extend(
@@ -186,7 +186,7 @@ fn from_log(dir: &Path, key: &str) -> (Option<f64>, Vec<String>, Vec<f64>) {
             );
         }
     }
-    (last, texts, series)
+    (values, texts)
 }
 
 /// The GPU check; `build`: build the programs first (false on a machine without cargo).
@@ -225,8 +225,15 @@ pub(crate) fn gpu_bench(b: Backend, build: bool) -> Result<(serde_json::Value, S
             args.extend(["--precision", p]);
             let (sps, tps, whole, note) = match run_limited(b, &bin, &args, &dir)? {
                 Outcome::Ran(summary) => {
-                    let (sps, _, _) = from_log(&dir, "throughput/samples_per_sec");
-                    let (tps, _, _) = from_log(&dir, "throughput/tokens_per_sec");
+                    // The last window's rate: the run's steady state.
+                    let sps = from_log(&dir, "throughput/samples_per_sec")
+                        .0
+                        .last()
+                        .copied();
+                    let tps = from_log(&dir, "throughput/tokens_per_sec")
+                        .0
+                        .last()
+                        .copied();
                     // The whole run's rate (compilation included), for comparison.
                     let whole = match family.tokens {
                         true => summary["tokens_per_second"].as_f64(),
@@ -266,7 +273,7 @@ pub(crate) fn gpu_bench(b: Backend, build: bool) -> Result<(serde_json::Value, S
         let bin = format!("{}/release/examples/shakespeare", b.target_dir());
         let dir = logs.join("oom");
         let outcome = run_limited(b, &bin, OOM_ARGS, &dir)?;
-        let (_, texts, sizes) = from_log(&dir, "train/microbatch_size");
+        let (sizes, texts) = from_log(&dir, "train/microbatch_size");
         let changes: Vec<String> = texts
             .into_iter()
             .filter(|t| t.starts_with("auto_microbatching"))
