@@ -104,7 +104,7 @@ pub(crate) fn cpu_fast_path_bench(
 /// windows of 128 characters, AdamW) on Burn's tensor ops (`--kernels burn`) against the
 /// fast path (`--kernels fast`: fused dense layers with GELU, fused layer norms, the attention
 /// kernel), each at 1 and 2 threads (`RAYON_NUM_THREADS`, pinned with `taskset` where it is
-/// installed), repetitions interleaved: tokens per second over 30 batches without evaluation
+/// installed), repetitions interleaved: tokens per second over 20 batches without evaluation
 /// inside the timed fit, the same validation loss checked (quick mode: one repetition of 10
 /// batches, a smoke run). CPU backends only (`None` on GPU).
 pub(crate) fn gpt_fast_path_bench(
@@ -115,9 +115,10 @@ pub(crate) fn gpt_fast_path_bench(
         return Ok(None);
     }
     let bin = format!("{}/release/examples/shakespeare", b.target_dir());
-    // 30 batches: at 15 the row took 5.7 minutes instead of 7.7 (2026-12-07: its fixed
-    // costs dominate) and the fast path's two-thread range doubled.
-    let batches = if quick { 10 } else { 30 };
+    // 20 batches: Burn's ops take 1.4 s a batch on one or two threads, so each batch of the
+    // five repetitions costs 15 s of the bench (30 batches took 7.7 minutes on 2026-12-07);
+    // at 15 the fast path's two-thread range doubled.
+    let batches = if quick { 10 } else { 20 };
     let pin = Command::new("taskset").arg("--version").output().is_ok();
     let run = |kernels: &str, threads: usize| -> Result<(f64, f64, f64)> {
         let args = strings(&[
