@@ -115,9 +115,10 @@ pub(crate) fn gpt_fast_path_bench(
         return Ok(None);
     }
     let bin = format!("{}/release/examples/shakespeare", b.target_dir());
-    // 20 batches: Burn's ops take 1.4 s a batch on one or two threads, so each batch of the
-    // five repetitions costs 15 s of the bench (30 batches took 7.7 minutes on 2026-12-07);
-    // at 15 the fast path's two-thread range doubled.
+    // 20 batches: Burn's ops take 1.4 to 2 s a batch (by CPU) on one or two threads, so each
+    // batch of the five repetitions costs 15 to 20 s of the bench (30 batches took 7.7
+    // minutes on 2026-12-07, 20 took 8.2 on a slower CPU); at 15 the fast path's two-thread
+    // range doubled.
     let batches = if quick { 10 } else { 20 };
     let pin = Command::new("taskset").arg("--version").output().is_ok();
     let run = |kernels: &str, threads: usize| -> Result<(f64, f64, f64)> {
