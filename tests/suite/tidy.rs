@@ -19,10 +19,13 @@ fn is_layered(name: &str, manifest: &str) -> bool {
 }
 
 /// The workspace crates a layered crate may depend on: `core`, and for the two crates that
-/// meet in model surgery (the surgeries and the layers they change), `surgery`.
+/// meet in model surgery (the surgeries and the layers they change), `surgery`; streamed
+/// datasets reach object stores through checkpoint's store handle (`remote::RemoteStore`:
+/// one client, its settings and credential handling, for checkpoints and shards alike).
 fn allowed_dependencies(name: &str) -> &'static [&'static str] {
     match name {
         "flashover-algorithms" | "flashover-models" => &["flashover-core", "flashover-surgery"],
+        "flashover-streaming" => &["flashover-core", "flashover-checkpoint"],
         _ => &["flashover-core"],
     }
 }
@@ -420,6 +423,10 @@ const VENDORED_NATIVE: &[(&str, &str)] = &[
     (
         "libmimalloc-sys",
         "compiles mimalloc's C sources, shipped in the crate",
+    ),
+    (
+        "zstd-sys",
+        "compiles zstd's C sources, shipped in the crate (the shard codecs of flashover-streaming)",
     ),
     (
         "rayon-core",

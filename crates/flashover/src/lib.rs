@@ -13,6 +13,7 @@ pub use flashover_checkpoint as checkpoint;
 pub use flashover_core as core;
 pub use flashover_distributed as distributed;
 pub use flashover_models as models;
+pub use flashover_streaming as streaming;
 pub use flashover_surgery as surgery;
 
 /// Backends compiled into this build, each with its autodiff form.

@@ -2,8 +2,11 @@
 //! batcher, and does so on a background thread a few batches ahead of the training step (on
 //! GPU backends the thread reads the items and the tensors are made on the training thread).
 //!
-//! The loader owns no training logic and no randomness of its own: the order comes from the
-//! [`Sampler`]. Dropping a [`BatchIter`] stops its thread.
+//! The loader owns no training logic and no randomness of its own: the order comes from a
+//! [`BatchOrder`] (the [`Sampler`] for data in memory, a shard-aware order for streamed
+//! data), and items come from an [`ItemSource`] (any Burn [`Dataset`], or a source whose reads
+//! can fail with a reason, such as shards read from storage). Dropping a [`BatchIter`] stops
+//! its thread.
 
 use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
@@ -13,7 +16,7 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::tensor::backend::Backend;
 
-use super::{BatchSource, Sampler};
+use super::{BatchOrder, BatchSource, ItemSource, Sampler};
 use crate::error::{CoreError, Result};
 
 /// The most batches a loader prepares ahead.
@@ -22,11 +25,28 @@ pub const MAX_PREFETCH: usize = 256;
 /// Loads batches of `O` from a dataset of `I` on device `B::Device`.
 pub struct DataLoader<B: Backend, I, O> {
     name: String,
-    dataset: Arc<dyn Dataset<I>>,
+    source: Arc<dyn ItemSource<I>>,
     batcher: Arc<dyn Batcher<B, I, O>>,
-    sampler: Sampler,
+    order: Arc<dyn BatchOrder>,
     device: B::Device,
     prefetch: usize,
+}
+
+/// A Burn dataset as an item source: a missing item is an error naming its index.
+struct DatasetSource<I>(Arc<dyn Dataset<I>>);
+
+impl<I> ItemSource<I> for DatasetSource<I> {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn read(&self, index: usize) -> std::result::Result<I, String> {
+        self.0.get(index).ok_or_else(|| {
+            format!(
+                "dataset has no item at index {index} (length {})",
+                self.0.len()
+            )
+        })
+    }
 }
 
 impl<B, I, O> DataLoader<B, I, O>
@@ -43,13 +63,31 @@ where
         sampler: Sampler,
         device: B::Device,
     ) -> Result<Self> {
+        Self::from_source(
+            name,
+            Arc::new(DatasetSource(dataset)),
+            batcher,
+            Arc::new(sampler),
+            device,
+        )
+    }
+
+    /// A loader over any item source in any batch order (a streamed dataset and its
+    /// shard-aware order). Fails on an empty source.
+    pub fn from_source(
+        name: impl Into<String>,
+        source: Arc<dyn ItemSource<I>>,
+        batcher: Arc<dyn Batcher<B, I, O>>,
+        order: Arc<dyn BatchOrder>,
+        device: B::Device,
+    ) -> Result<Self> {
         let name = name.into();
-        super::non_empty(&name, dataset.len())?;
+        super::non_empty(&name, source.len())?;
         Ok(DataLoader {
             name,
-            dataset,
+            source,
             batcher,
-            sampler,
+            order,
             device,
             prefetch: 2,
         })
@@ -73,15 +111,15 @@ where
         Ok(self)
     }
 
-    /// The sampler.
-    pub fn sampler(&self) -> &Sampler {
-        &self.sampler
+    /// The batch order.
+    pub fn order(&self) -> &dyn BatchOrder {
+        self.order.as_ref()
     }
 }
 
 fn load_batch<B: Backend, I, O>(
     name: &str,
-    dataset: &dyn Dataset<I>,
+    dataset: &dyn ItemSource<I>,
     batcher: &dyn Batcher<B, I, O>,
     indices: &[usize],
     batch: usize,
@@ -94,19 +132,16 @@ fn load_batch<B: Backend, I, O>(
 /// The items of one batch, in order.
 fn read_items<I>(
     name: &str,
-    dataset: &dyn Dataset<I>,
+    dataset: &dyn ItemSource<I>,
     indices: &[usize],
     batch: usize,
 ) -> Result<Vec<I>> {
     let mut items = Vec::with_capacity(indices.len());
     for &i in indices {
-        let item = dataset.get(i).ok_or_else(|| CoreError::Loader {
+        let item = dataset.read(i).map_err(|reason| CoreError::Loader {
             name: name.to_string(),
             batch,
-            reason: format!(
-                "dataset has no item at index {i} (length {})",
-                dataset.len()
-            ),
+            reason,
         })?;
         items.push(item);
     }
@@ -124,25 +159,25 @@ where
     }
 
     fn num_batches(&self) -> usize {
-        self.sampler.num_batches()
+        self.order.num_batches()
     }
 
     fn num_samples(&self) -> usize {
-        self.sampler.num_samples()
+        self.order.num_samples()
     }
 
     fn batch_size(&self) -> usize {
-        self.sampler.batch_size()
+        self.order.batch_size()
     }
 
     fn iter_from(&self, epoch: u64, start: usize) -> BatchIter<O> {
-        let end = self.sampler.num_batches();
-        let sampler = self.sampler.clone();
+        let end = self.order.num_batches();
+        let order = Arc::clone(&self.order);
         // Each batch's indices are computed when the batch is loaded: O(batch size), with no
         // epoch-sized permutation and nothing read before `start`.
         let batches = (start.min(end)..end)
-            .map(move |b| (b, sampler.batch_indices(epoch, b).unwrap_or_default()));
-        let dataset = Arc::clone(&self.dataset);
+            .map(move |b| (b, order.batch_indices(epoch, b).unwrap_or_default()));
+        let dataset = Arc::clone(&self.source);
         let batcher = Arc::clone(&self.batcher);
         let device = self.device.clone();
         let name = self.name.clone();

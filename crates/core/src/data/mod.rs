@@ -2,7 +2,10 @@
 //! `(seed, epoch, rank, world size)`, a prefetching loader, and the MNIST IDX reader.
 //!
 //! The trainer sees data only through [`BatchSource`], so it never knows the item type, and a
-//! loader can start any epoch at any batch without touching the batches before it.
+//! loader can start any epoch at any batch without touching the batches before it. The loader
+//! itself reads through two seams, [`BatchOrder`] (which indices make up a batch) and
+//! [`ItemSource`] (the item at an index, or why it cannot be read), so that a dataset
+//! streamed from shards (`flashover-streaming`) brings its own order and its own errors.
 
 mod idx;
 mod loader;
@@ -16,6 +19,49 @@ pub use idx::{
 };
 pub use loader::{BatchIter, DataLoader, MAX_PREFETCH};
 pub use sampler::Sampler;
+
+/// Which dataset indices make up each batch of an epoch, for one rank. It must be a pure
+/// function of its settings and `(epoch, batch)`: the loader asks for a batch directly when a
+/// run resumes, and asks nothing about the batches before it.
+pub trait BatchOrder: Send + Sync {
+    /// Batches in one epoch.
+    fn num_batches(&self) -> usize;
+    /// Samples in one epoch.
+    fn num_samples(&self) -> usize;
+    /// Samples in a full batch.
+    fn batch_size(&self) -> usize;
+    /// The indices of batch `batch` of `epoch`, or `None` past the epoch's last batch.
+    fn batch_indices(&self, epoch: u64, batch: usize) -> Option<Vec<usize>>;
+}
+
+impl BatchOrder for Sampler {
+    fn num_batches(&self) -> usize {
+        Sampler::num_batches(self)
+    }
+    fn num_samples(&self) -> usize {
+        Sampler::num_samples(self)
+    }
+    fn batch_size(&self) -> usize {
+        Sampler::batch_size(self)
+    }
+    fn batch_indices(&self, epoch: u64, batch: usize) -> Option<Vec<usize>> {
+        Sampler::batch_indices(self, epoch, batch)
+    }
+}
+
+/// Items by index, where a read can fail with a reason (a shard that cannot be downloaded or
+/// decoded): the loader turns the reason into an error naming the loader and the batch.
+/// Every Burn [`Dataset`] is one (a missing item's reason names its index).
+pub trait ItemSource<I>: Send + Sync {
+    /// Items in the source.
+    fn len(&self) -> usize;
+    /// Whether the source has no item.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The item at `index`.
+    fn read(&self, index: usize) -> std::result::Result<I, String>;
+}
 
 use derive_new::new;
 

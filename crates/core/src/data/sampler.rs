@@ -8,7 +8,7 @@
 //! epoch-sized permutation is ever materialised.
 
 use crate::error::{CoreError, Result};
-use crate::rng::{derive_seed, Rng};
+use crate::rng::{derive_seed, Permutation};
 
 /// Shuffled (or sequential), sharded, batched index order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,54 +186,6 @@ impl Sampler {
         let end = (start + self.batch_size).min(self.rank_len());
         let perm = self.permutation(epoch);
         Some((start..end).map(|pos| self.at(&perm, pos)).collect())
-    }
-}
-
-/// A keyed bijection on `0..n`: a balanced four-round Feistel network on `2^(2k) >= n`
-/// values, applied repeatedly until the result falls inside `0..n` (cycle walking). Since the
-/// domain is less than `4n`, the expected number of rounds of walking is below 4.
-#[derive(Debug, Clone, Copy)]
-struct Permutation {
-    n: u64,
-    half_bits: u32,
-    keys: [u64; 4],
-}
-
-impl Permutation {
-    fn new(n: u64, seed: u64) -> Self {
-        let bits = if n <= 1 {
-            2
-        } else {
-            64 - (n - 1).leading_zeros()
-        };
-        let half_bits = bits.div_ceil(2).max(1);
-        let mut rng = Rng::new(seed);
-        let keys = [
-            rng.next_u64(),
-            rng.next_u64(),
-            rng.next_u64(),
-            rng.next_u64(),
-        ];
-        Permutation { n, half_bits, keys }
-    }
-
-    fn round(&self, x: u64) -> u64 {
-        let mask = (1u64 << self.half_bits) - 1;
-        let (mut left, mut right) = (x >> self.half_bits, x & mask);
-        for key in self.keys {
-            let f = derive_seed(&[key, right]) & mask;
-            (left, right) = (right, left ^ f);
-        }
-        (left << self.half_bits) | right
-    }
-
-    fn apply(&self, x: u64) -> u64 {
-        debug_assert!(x < self.n);
-        let mut y = self.round(x);
-        while y >= self.n {
-            y = self.round(y);
-        }
-        y
     }
 }
 
