@@ -18,7 +18,8 @@ use flashover::prelude::*;
 use flashover_examples::cli::{self, WithOptimizer};
 use flashover_examples::session;
 use flashover_examples::{
-    bundled_mnist_dir, defaults, MetricCurve, MnistCnn, MnistData, MnistModel, MnistRun, ModelKind,
+    bundled_mnist_dir, defaults, MetricCurve, MnistCnn, MnistData, MnistModel, MnistRun,
+    MnistShards, ModelKind,
 };
 use serde_json::json;
 
@@ -54,17 +55,19 @@ struct Args {
     model: ModelKind,
     /// Directory with MNIST IDX files (train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz],
     /// t10k-* or test-* for the test split). Default: the bundled 10k digits.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "data")]
     data_dir: Option<PathBuf>,
+    #[command(flatten)]
+    stream: cli::StreamArgs,
     /// Write model.safetensors, summary.json and training.png (loss, accuracy and learning
     /// rate against batches) here.
     #[arg(long)]
     out: Option<PathBuf>,
     /// Train on only the first N training digits.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "data")]
     train_limit: Option<usize>,
     /// Evaluate on only the first N test digits.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "data")]
     test_limit: Option<usize>,
     #[command(flatten)]
     processes: cli::ProcessArgs,
@@ -329,6 +332,10 @@ fn recipe(args: &Args, world: World) -> anyhow::Result<MnistRun> {
             prefetch: args.run.prefetch,
             world,
             record_indices,
+            shards: args.stream.data.as_ref().map(|location| MnistShards {
+                location: location.clone(),
+                options: args.stream.options(),
+            }),
         },
         max_duration: args.run.max_duration,
         microbatch_size: args

@@ -55,6 +55,10 @@
 //!   quickstart example trains, saves and resumes.
 //! - `language`: the GPT example on the Shakespeare corpus: it learns, its metrics agree, it
 //!   resumes bit for bit, bad shapes are errors naming them.
+//! - `streaming`: datasets streamed from shards: MDS from mosaicml-streaming's writer (every
+//!   encoding and compression) and Parquet from pyarrow read back value for value, damaged
+//!   and missing shards named, the cache within its limit over a dataset 20x its size,
+//!   shards from a real S3-compatible server through an outage mid-epoch.
 //! - `object_store`: checkpoints and logs in a real S3-compatible server (`s3s-fs`): remote
 //!   saves rotate and resume bit for bit on an empty disk, damaged or incomplete remote
 //!   checkpoints are skipped by autoresume and refused by `--load`, a stopped server delays
@@ -104,6 +108,8 @@ mod resume;
 mod seams;
 #[path = "suite/sharding.rs"]
 mod sharding;
+#[path = "suite/streaming.rs"]
+mod streaming;
 #[path = "suite/surgery.rs"]
 mod surgery;
 #[path = "suite/tidy.rs"]

@@ -774,3 +774,66 @@ pub fn exit_with_error(dist: &flashover::distributed::Distributed, e: &anyhow::E
     dist.finish(Some(&line));
     std::process::exit(1);
 }
+
+/// Reading a dataset from shards (`--data`): MDS or Parquet, in a folder or an object store
+/// (see `flashover-streaming`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct StreamArgs {
+    /// Train from shards instead of the bundled files: a folder or `s3://bucket/prefix` with
+    /// `train/` and `test/` datasets in MDS (mosaicml-streaming) or Parquet;
+    /// `cargo xtask shards mnist <folder>` writes the bundled digits so.
+    #[arg(long)]
+    pub data: Option<String>,
+    /// The local cache of downloaded or decompressed shards. Default: a folder named after
+    /// the location under the system's temporary folder.
+    #[arg(long, requires = "data")]
+    pub cache_dir: Option<std::path::PathBuf>,
+    /// The cache's size limit, such as 512MB or 2GiB (least-recently-used shards are
+    /// evicted; never those being read). Default: no limit.
+    #[arg(long, requires = "data", value_parser = parse_bytes)]
+    pub cache_limit: Option<u64>,
+    /// Samples per block of the shuffle (Streaming's py1b): a block's shards are read
+    /// together, so the cache must hold them.
+    #[arg(long, requires = "data", default_value_t = flashover::streaming::DEFAULT_BLOCK_SIZE)]
+    pub shuffle_block_size: usize,
+}
+
+impl StreamArgs {
+    /// The streaming options these flags give (the seed and shuffle are the caller's).
+    pub fn options(&self) -> flashover::streaming::StreamingOptions {
+        flashover::streaming::StreamingOptions {
+            cache_dir: self.cache_dir.clone(),
+            cache_limit: self.cache_limit,
+            shuffle_block_size: self.shuffle_block_size,
+            ..Default::default()
+        }
+    }
+}
+
+/// A size in bytes: a whole number with an optional unit (B, KB, MB, GB: powers of 1000;
+/// KiB, MiB, GiB: powers of 1024).
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => {
+            return Err(format!(
+                "expected a whole number of bytes with an optional unit (B, KB, MB, GB, KiB, MiB, GiB), such as 512MB, not {text:?}"
+            ))
+        }
+    };
+    match num.parse::<u64>().ok().and_then(|n| n.checked_mul(scale)) {
+        Some(n) if n > 0 => Ok(n),
+        _ => Err(format!(
+            "expected a positive whole number of bytes (such as 512MB), not {text:?}"
+        )),
+    }
+}

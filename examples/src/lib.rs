@@ -360,6 +360,19 @@ pub struct MnistData {
     /// Append every training item index this rank reads to this file, one per line (for
     /// the tests that check which samples a run saw; load with `prefetch: 0`).
     pub record_indices: Option<PathBuf>,
+    /// Read the digits from shards instead of `dir`'s IDX files (`--data`).
+    pub shards: Option<MnistShards>,
+}
+
+/// MNIST in shards (`--data`): a folder or object-store prefix with `train/` and `test/`
+/// datasets (MDS or Parquet; `cargo xtask shards mnist` writes them), each sample an image
+/// column `x` (`ndarray:uint8:28,28`, a `pil` image of mode L, or 784 bytes) and a label `y`.
+#[derive(Debug, Clone)]
+pub struct MnistShards {
+    /// The dataset's location.
+    pub location: String,
+    /// How the shards are read (cache, shuffle block); the seed is the run's.
+    pub options: flashover::streaming::StreamingOptions,
 }
 
 impl MnistData {
@@ -375,8 +388,122 @@ impl MnistData {
             prefetch: 2,
             world: World::default(),
             record_indices: None,
+            shards: None,
         }
     }
+}
+
+/// One MNIST sample from shards: `x` 28x28 bytes (an array, a raw image or bytes) and `y` a
+/// digit.
+pub fn mnist_item_from_sample(
+    sample: flashover::streaming::Sample,
+) -> std::result::Result<MnistItem, String> {
+    let label = sample.int("y")?;
+    let label = u8::try_from(label)
+        .ok()
+        .filter(|l| *l < 10)
+        .ok_or_else(|| format!("column \"y\" is {label}, not a digit 0-9"))?;
+    let pixels = sample.bytes("x")?.to_vec();
+    if pixels.len() != 28 * 28 {
+        return Err(format!(
+            "column \"x\" has {} bytes, not the 784 of a 28x28 digit",
+            pixels.len()
+        ));
+    }
+    if let Some(flashover::streaming::Value::Array(a)) = sample.get("x") {
+        if a.dtype != flashover::streaming::DType::U8 {
+            return Err(format!("column \"x\" is {}, not uint8", a.dtype.name()));
+        }
+    }
+    Ok(MnistItem {
+        pixels,
+        rows: 28,
+        cols: 28,
+        label,
+    })
+}
+
+fn streamed_mnist_loaders<B: TrainBackend>(
+    opts: &MnistData,
+    shards: &MnistShards,
+    device: &B::Device,
+) -> Result<(MnistLoader<B>, MnistLoader<B::InnerBackend>)> {
+    let open = |split: &str, shuffle: bool| {
+        let location = format!("{}/{split}", shards.location.trim_end_matches('/'));
+        let mut options = shards.options.clone();
+        options.seed = opts.seed;
+        options.shuffle = shuffle;
+        // One cache folder per split and per rank (a cache belongs to one process).
+        let base = options
+            .cache_dir
+            .clone()
+            .unwrap_or_else(|| flashover::streaming::default_cache_dir(&shards.location));
+        options.cache_dir = Some(base.join(split).join(format!("rank-{}", opts.world.rank)));
+        flashover::streaming::StreamingDataset::open(&location, options)
+            .map(Arc::new)
+            .map_err(|e| flashover::core::CoreError::config("data", &location, e.to_string()))
+    };
+    let (rank, world) = (opts.world.rank, opts.world.size);
+    let stream = |e: flashover::streaming::StreamingError| {
+        flashover::core::CoreError::config("data", &shards.location, e.to_string())
+    };
+    let train = open("train", true)?;
+    let test = open("test", false)?;
+    let train_order = train
+        .order(opts.batch_size)
+        .and_then(|o| o.sharded(rank, world))
+        .map_err(stream)?;
+    let test_order = test
+        .eval_order(opts.eval_batch_size)
+        .and_then(|o| o.sharded_exact(rank, world))
+        .map_err(stream)?;
+    let record = match &opts.record_indices {
+        Some(path) => Some(Arc::new(std::sync::Mutex::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|e| {
+                    flashover::core::CoreError::config(
+                        "record_indices",
+                        path.display(),
+                        e.to_string(),
+                    )
+                })?,
+        ))),
+        None => None,
+    };
+    let decode = move |sample: flashover::streaming::Sample| {
+        if let Some(file) = &record {
+            // The sample's `id` column when the converter wrote one, for the tests that check
+            // which samples a run saw.
+            if let Ok(id) = sample.int("id") {
+                use std::io::Write;
+                let mut f = file.lock().unwrap_or_else(|p| p.into_inner());
+                writeln!(f, "{id}").map_err(|e| e.to_string())?;
+            }
+        }
+        mnist_item_from_sample(sample)
+    };
+    let train = train
+        .loader(
+            "train",
+            decode,
+            Arc::new(MnistBatcher),
+            train_order,
+            device.clone(),
+        )?
+        .with_prefetch(opts.prefetch)?;
+    let test = test
+        .loader(
+            "test",
+            mnist_item_from_sample,
+            Arc::new(MnistBatcher),
+            test_order,
+            device.clone(),
+        )?
+        .with_prefetch(opts.prefetch)?;
+    Ok((train, test))
 }
 
 /// A shuffled training loader on `B` and a sequential test loader on `B::InnerBackend`.
@@ -384,6 +511,9 @@ pub fn mnist_loaders<B: TrainBackend>(
     opts: &MnistData,
     device: &B::Device,
 ) -> Result<(MnistLoader<B>, MnistLoader<B::InnerBackend>)> {
+    if let Some(shards) = &opts.shards {
+        return streamed_mnist_loaders::<B>(opts, shards, device);
+    }
     let mut train = MnistDataset::from_dir(&opts.dir, MnistSplit::Train)?;
     let mut test = MnistDataset::from_dir(&opts.dir, MnistSplit::Test)?;
     // The CNN takes 28x28 digits; other sizes would train (its pooling adapts) to chance.

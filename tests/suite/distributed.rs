@@ -260,6 +260,49 @@ fn a_checkpoint_of_two_ranks_resumes_on_one_and_on_three_seeing_each_sample_once
     if mpi::mnist().is_none() {
         return;
     }
+    elastic_two_to_one_and_three(&args_with(DDP, SGD));
+}
+
+/// The same from MDS shards (`--data`): the streamed order, cache and download-ahead keep the
+/// promise too, with the shards' `id` column recorded.
+#[test]
+fn a_streamed_checkpoint_of_two_ranks_resumes_on_one_and_on_three_seeing_each_sample_once() {
+    if mpi::mnist().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let shards = dir.path().join("shards");
+    let o = std::process::Command::new(example_bin("shards"))
+        .args(["mnist", shards.to_str().unwrap(), "--size-limit", "40KB"])
+        .args([
+            "--compression",
+            "zstd:3",
+            "--train-limit",
+            "480",
+            "--test-limit",
+            "200",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cache = dir.path().join("cache");
+    let streamed = [
+        "--data",
+        shards.to_str().unwrap(),
+        "--cache-dir",
+        cache.to_str().unwrap(),
+        "--cache-limit",
+        "200KB",
+        "--shuffle-block-size",
+        "100",
+    ];
+    elastic_two_to_one_and_three(&args_with(&args_with(&DDP[4..], SGD), &streamed));
+}
+
+/// A run of 480 digits in global batches of 48 (`base`), on two ranks stopped and saved
+/// after 4 of the epoch's 10 batches, resumed on one and on three ranks: every digit is read
+/// once in the epoch and the weights are the straight run's within summation-order noise.
+fn elastic_two_to_one_and_three(base: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let folder = dir.path().join("ck");
     let record = dir.path().join("first");
@@ -267,7 +310,7 @@ fn a_checkpoint_of_two_ranks_resumes_on_one_and_on_three_seeing_each_sample_once
     mpi_summary(
         2,
         &args_with(
-            &args_with(DDP, SGD),
+            base,
             &[
                 "--max-duration",
                 "1ep",
@@ -300,7 +343,7 @@ fn a_checkpoint_of_two_ranks_resumes_on_one_and_on_three_seeing_each_sample_once
     mpi_summary(
         2,
         &args_with(
-            &args_with(DDP, SGD),
+            base,
             &[
                 "--max-duration",
                 "1ep",
@@ -325,7 +368,7 @@ fn a_checkpoint_of_two_ranks_resumes_on_one_and_on_three_seeing_each_sample_once
             "--out",
             out.to_str().unwrap(),
         ];
-        let args = args_with(&args_with(DDP, SGD), &extra);
+        let args = args_with(base, &extra);
         let s = if world == 1 {
             summary_of(&args)
         } else {

@@ -591,3 +591,34 @@ pub fn run_example_env(name: &str, args: &[&str], env: &[(&str, String)]) -> Run
         stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
     }
 }
+
+/// Writes a test dataset with the real Python writers (`tests/scripts/write_shards.py`:
+/// mosaicml-streaming's `MDSWriter`, pyarrow's Parquet writer) and returns what the script
+/// says it wrote, or `None`, with a recorded skip, when python3 or a package is missing and
+/// `FLASHOVER_REQUIRE_PYWRITERS` is unset (`.ci/run` installs them and sets it).
+pub fn write_shards(args: &[&str]) -> Option<serde_json::Value> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/write_shards.py");
+    let out = std::process::Command::new("python3")
+        .arg(&script)
+        .args(args)
+        .output();
+    let need = skip::Need::PyWriters;
+    let out = match out {
+        Ok(o) if o.status.code() == Some(3) && !need.is_required() => {
+            skip::skipped(need, "python3 cannot import mosaicml-streaming or pyarrow");
+            return None;
+        }
+        Ok(o) => o,
+        Err(e) if !need.is_required() => {
+            skip::skipped(need, &format!("no python3: {e}"));
+            return None;
+        }
+        Err(e) => panic!("python3: {e}"),
+    };
+    assert!(
+        out.status.success(),
+        "write_shards.py {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(serde_json::from_slice(&out.stdout).expect("the writer prints JSON"))
+}

@@ -27,11 +27,20 @@ pub enum Need {
     TensorBoard,
     /// Root, to create network namespaces and a veth pair.
     NetNs,
+    /// Python's `mosaicml-streaming` and `pyarrow` packages (the real writers of the shard
+    /// formats the streaming tests read).
+    PyWriters,
 }
 
 impl Need {
     /// Every need, in the order the summary lists them.
-    pub const ALL: [Need; 4] = [Need::Mpi, Need::S3sFs, Need::TensorBoard, Need::NetNs];
+    pub const ALL: [Need; 5] = [
+        Need::Mpi,
+        Need::S3sFs,
+        Need::TensorBoard,
+        Need::NetNs,
+        Need::PyWriters,
+    ];
 
     /// The key written in the record.
     pub fn key(self) -> &'static str {
@@ -40,6 +49,7 @@ impl Need {
             Need::S3sFs => "s3s-fs",
             Need::TensorBoard => "tensorboard",
             Need::NetNs => "netns",
+            Need::PyWriters => "pywriters",
         }
     }
 
@@ -55,6 +65,7 @@ impl Need {
             Need::S3sFs => "the S3 test server s3s-fs",
             Need::TensorBoard => "TensorBoard's reader",
             Need::NetNs => "network namespaces (root)",
+            Need::PyWriters => "Python's mosaicml-streaming and pyarrow",
         }
     }
 
@@ -65,6 +76,7 @@ impl Need {
             Need::S3sFs => "cargo install s3s-fs --version 0.14.1 --locked --features binary",
             Need::TensorBoard => "pip install tensorboard",
             Need::NetNs => "run the tests as root with iproute2 installed",
+            Need::PyWriters => "pip install --no-deps mosaicml-streaming==0.13.0 && pip install numpy zstd 'xxhash<4' python-snappy Brotli Pillow filelock typing_extensions tqdm pyarrow",
         }
     }
 
@@ -75,6 +87,7 @@ impl Need {
             Need::S3sFs => "FLASHOVER_REQUIRE_S3",
             Need::TensorBoard => "FLASHOVER_REQUIRE_TENSORBOARD",
             Need::NetNs => "FLASHOVER_REQUIRE_NETNS",
+            Need::PyWriters => "FLASHOVER_REQUIRE_PYWRITERS",
         }
     }
 

@@ -104,12 +104,25 @@ enum Cmd {
         /// one GPU): the CNN's, ResNet-8's and the GPT's throughput in fp32, amp_bf16 and
         /// amp_fp16, and automatic microbatching through a real out-of-memory, into
         /// target/bench/<backend>-gpu.json.
-        #[arg(long, value_parser = ["gpt", "s3", "precision", "memory", "gpt_fast_path", "gpu"])]
+        /// `streaming`: only the main job fed from shards (local and S3) against memory, the
+        /// read throughput and the peak memory over a dataset 20x the cache, into
+        /// target/bench/<backend>-streaming.json.
+        #[arg(long, value_parser = ["gpt", "s3", "precision", "memory", "gpt_fast_path", "gpu", "streaming"])]
         only: Option<String>,
         /// With `--only gpu`: run the programs already built in the backend's target
         /// directory, without cargo (on a machine that received only the built programs).
         #[arg(long, requires = "only")]
         no_build: bool,
+    },
+    /// Write the bundled datasets as shards, or index Parquet files (runs the `shards`
+    /// example): `cargo xtask shards mnist <out>` writes <out>/train and <out>/test in MDS
+    /// (then `cargo run --release --example mnist -- --data <out>`); `shards shakespeare
+    /// <out>`; `shards index <parquet folder>` writes the index.json an object store needs.
+    /// `--size-limit 1MB` and `--compression zstd:3` shape the shards.
+    Shards {
+        /// The `shards` example's arguments.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        args: Vec<String>,
     },
 }
 
@@ -132,6 +145,8 @@ fn main() -> Result<()> {
                             .context("s3s-fs is not installed (cargo install s3s-fs --version 0.14.1 --locked --features binary)")?
                     } else if section == "gpu" {
                         gpu_bench(b, !no_build)?
+                    } else if section == "streaming" {
+                        streaming_bench(b, quick)?
                     } else if section == "precision" {
                         precision_bench(b, quick)?
                     } else if section == "gpt_fast_path" {
@@ -165,6 +180,11 @@ fn main() -> Result<()> {
             example,
             args,
         } => launch(n, hostfile, backend, &example, &args),
+        Cmd::Shards { args } => {
+            let mut cmd = strings(&["run", "--release", "--example", "shards", "--"]);
+            cmd.extend(args);
+            cargo(&cmd)
+        }
         Cmd::Check => {
             cargo(&strings(&["fmt", "--all", "--check"]))?;
             cargo(&strings(&[

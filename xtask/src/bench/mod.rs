@@ -15,6 +15,7 @@ mod gpu;
 mod memory;
 mod object_store;
 mod precision;
+mod streaming;
 
 pub(crate) use cpu_fast_path::*;
 pub(crate) use distributed::*;
@@ -23,6 +24,7 @@ pub(crate) use gpu::*;
 pub(crate) use memory::*;
 pub(crate) use object_store::*;
 pub(crate) use precision::*;
+pub(crate) use streaming::*;
 
 /// The overhead section: Flashover against the hand-written loop on the default build, and
 /// burn-train's Learner against the hand-written loop on burn-train's own build.
@@ -224,6 +226,8 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
         clock.done("gpt_fast_path");
         let object_store = object_store_bench(b, quick)?;
         clock.done("object_store");
+        let streaming = streaming_bench(b, quick)?;
+        clock.done("streaming");
         let precision = precision_bench(b, quick)?;
         clock.done("precision");
         // About 10 minutes: full mode only.
@@ -246,6 +250,7 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
             "cpu_fast_path": fast_path.as_ref().map(|d| d.0.clone()),
             "gpt_fast_path": gpt_fast_path.as_ref().map(|d| d.0.clone()),
             "object_store": object_store.as_ref().map(|d| d.0.clone()),
+            "streaming": streaming.0,
             "precision": precision.0,
             "gpt_recipes": gpt.as_ref().map(|g| g.0["gpt_recipes"].clone()),
             "gpt": gpt.as_ref().map(|g| g.0["gpt"].clone()),
@@ -288,6 +293,10 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
             fast_path
                 .as_ref()
                 .map_or("not measured: a GPU backend keeps Burn's kernels".to_string(), |d| d.1.clone())
+        );
+        let md = format!(
+            "{md}\n## Streaming from shards (the main job)\n\n{}\n",
+            streaming.1
         );
         let md = format!(
             "{md}\n## The GPT's CPU fast path\n\n{}\n",
