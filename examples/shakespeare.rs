@@ -125,8 +125,13 @@ struct Args {
     #[arg(long)]
     eval_text: Option<PathBuf>,
     /// The corpus (gzipped or plain text with the bundled corpus's layout).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "data")]
     corpus: Option<PathBuf>,
+    /// The corpus from shards instead: a folder or `s3://bucket/prefix` holding an MDS or
+    /// Parquet dataset of works with a `text` column, read in index order
+    /// (`cargo xtask shards shakespeare <folder>` writes the bundled plays so).
+    #[arg(long)]
+    data: Option<String>,
     /// Tokens: char (one per distinct byte of the training text) or bpe (byte-level BPE
     /// learned from the training text, --bpe-vocab tokens). Saved as tokenizer.json beside
     /// the checkpoints of --save-folder; a folder whose tokenizer differs is refused.
@@ -296,7 +301,10 @@ fn run<B: TrainBackend>(args: &Args, dist: &Distributed) -> anyhow::Result<()> {
         TokenizerKind::Char => TokenizerChoice::Char,
         TokenizerKind::Bpe => TokenizerChoice::Bpe(args.bpe_vocab),
     };
-    let split = ShakespeareSplit::load_with(&path, choice)?;
+    let split = match &args.data {
+        Some(location) => ShakespeareSplit::load_shards_with(location, choice)?,
+        None => ShakespeareSplit::load_with(&path, choice)?,
+    };
     // The checkpoints of a folder were trained with one tokenizer: kept beside them, and
     // compared on every later run and on --load.
     if let Some(folder) = &args.run.checkpoint.local_folder()? {

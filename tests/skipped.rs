@@ -18,7 +18,7 @@ fn main() {
     match skip::summary_line(&record) {
         Some(line) => println!("{line}"),
         None => println!(
-            "flashover-tests: no test skipped for want of OpenMPI, s3s-fs, TensorBoard or network namespaces"
+            "flashover-tests: no test skipped for want of OpenMPI, s3s-fs, TensorBoard, network namespaces or the Python shard writers"
         ),
     }
 }

@@ -159,11 +159,35 @@ impl ShakespeareSplit {
     /// Reads and splits the corpus at `path` with the tokenizer `choice` names.
     pub fn load_with(path: &Path, choice: TokenizerChoice) -> Result<Self> {
         let text = read_text(path)?;
+        Self::split(&text, path, choice)
+    }
+
+    /// Reads the corpus from shards (`cargo xtask shards shakespeare` writes them: one sample
+    /// per work, its `text`), in index order, and splits it as [`ShakespeareSplit::load_with`]
+    /// does. The works are read whole into memory: the model trains on windows of the whole
+    /// token sequence.
+    pub fn load_shards_with(location: &str, choice: TokenizerChoice) -> Result<Self> {
+        let bad = |e: String| CoreError::config("data", location, e);
+        let options = flashover::streaming::StreamingOptions {
+            shuffle: false,
+            ..Default::default()
+        };
+        let data = flashover::streaming::StreamingDataset::open(location, options)
+            .map_err(|e| bad(e.to_string()))?;
+        let mut text = Vec::new();
+        for i in 0..data.len() {
+            let sample = data.get(i).map_err(|e| bad(e.to_string()))?;
+            text.extend_from_slice(sample.str("text").map_err(&bad)?.as_bytes());
+        }
+        Self::split(&text, Path::new(location), choice)
+    }
+
+    fn split(text: &[u8], path: &Path, choice: TokenizerChoice) -> Result<Self> {
         let malformed = |reason: String| CoreError::MalformedData {
             path: path.to_path_buf(),
             reason,
         };
-        let all = works(&text);
+        let all = works(text);
         let missing: Vec<&&str> = VALIDATION_WORKS
             .iter()
             .filter(|v| !all.iter().any(|w| w.title == **v))

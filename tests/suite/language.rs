@@ -635,3 +635,29 @@ fn activation_checkpointing_trains_the_same_bits_and_resumes_across_it() {
     ));
     assert_eq!(resumed["params_sha256"], plain["params_sha256"]);
 }
+
+/// The corpus read from MDS shards (`cargo xtask shards shakespeare`, one sample per work,
+/// zstd) splits into the same works and trains the same bits as the bundled file.
+#[test]
+fn the_corpus_from_shards_trains_the_same_bits_as_the_bundled_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let shards = dir.path().join("plays");
+    let o = std::process::Command::new(example_bin("shards"))
+        .args([
+            "shakespeare",
+            shards.to_str().unwrap(),
+            "--size-limit",
+            "1MB",
+        ])
+        .args(["--compression", "zstd:3"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let short = ["--max-duration", "20ba", "--eval-interval", "20ba"];
+    let bundled = summary(tiny(&short));
+    let mut from_shards = short.to_vec();
+    from_shards.extend(["--data", shards.to_str().unwrap()]);
+    let streamed = summary(tiny(&from_shards));
+    assert_eq!(streamed["params_sha256"], bundled["params_sha256"]);
+    assert_eq!(streamed["val_loss"], bundled["val_loss"]);
+}
