@@ -367,7 +367,7 @@ fn a_damaged_or_missing_shard_is_an_error_naming_it() {
     // Through the loader: the batch fails with the loader's name and the shard's.
     let data = Arc::new(data);
     let loader = data
-        .loader::<flashover::burn::backend::Flex, i64, Vec<i64>>(
+        .loader::<crate::support::Inner, i64, Vec<i64>>(
             "train",
             |s| s.int("y"),
             Arc::new(Ys),
@@ -386,11 +386,11 @@ fn a_damaged_or_missing_shard_is_an_error_naming_it() {
 }
 
 struct Ys;
-impl flashover::core::data::Batcher<flashover::burn::backend::Flex, i64, Vec<i64>> for Ys {
+impl flashover::core::data::Batcher<crate::support::Inner, i64, Vec<i64>> for Ys {
     fn batch(
         &self,
         items: Vec<i64>,
-        _: &<flashover::burn::backend::Flex as flashover::burn::tensor::backend::BackendTypes>::Device,
+        _: &<crate::support::Inner as flashover::burn::tensor::backend::BackendTypes>::Device,
     ) -> Vec<i64> {
         items
     }
