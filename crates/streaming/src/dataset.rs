@@ -9,9 +9,9 @@
 //! ever holds verified shards (a file left by a killed process is checked again on first use).
 //! Local raw shards are read in place (checked once per process).
 //!
-//! **Download ahead.** The order reports each batch's first position; a thread then fetches
-//! the shards of the current and the next block, in the order they will be read, as far as
-//! the cache has room without evicting the current block. A read finds its shard ready or
+//! **Download ahead.** The order reports each batch's positions; a thread then fetches the
+//! shards of the current and the next block, in the order they will be read, several at once
+//! (`download_threads`), as far as the cache has room without evicting the current block. A read finds its shard ready or
 //! fetches it itself; both wait for a download already under way.
 //!
 //! **Failures.** A fetch is retried `download_retries` times with doubling backoff (on top of
@@ -49,6 +49,10 @@ pub struct StreamingOptions {
     pub download_retries: u32,
     /// The first wait between fetches, doubling (default 0.5 s).
     pub download_backoff: Duration,
+    /// Shards fetched at once by the download-ahead (default 4): one request's latency, not
+    /// the bandwidth, bounds a single fetcher (about 25 ms a 256 KB shard from a local S3
+    /// server here), so several in flight keep up with a fast model.
+    pub download_threads: usize,
     /// Whether the training order is shuffled (`py1b`).
     pub shuffle: bool,
     /// The order's seed.
@@ -67,6 +71,7 @@ impl Default for StreamingOptions {
             cache_limit: None,
             download_retries: 4,
             download_backoff: Duration::from_millis(500),
+            download_threads: 4,
             shuffle: true,
             seed: 0,
             shuffle_block_size: DEFAULT_BLOCK_SIZE,
@@ -475,15 +480,29 @@ impl Inner {
             let mut later: Vec<usize> = next.into_iter().collect();
             later.sort();
             wanted.extend(later);
-            for id in wanted {
-                if lock(&self.state).moved || lock(&self.state).stop {
-                    break;
+            // `download_threads` fetches in flight, in reading order, until the window is
+            // fetched or the cache has no room; a window that moved meanwhile is taken up by
+            // the next round (fetches for the old one never evict the new one's shards).
+            let queue = Mutex::new(wanted.into_iter());
+            let full = std::sync::atomic::AtomicBool::new(false);
+            std::thread::scope(|scope| {
+                for _ in 0..self.options.download_threads.max(1) {
+                    scope.spawn(|| loop {
+                        if full.load(std::sync::atomic::Ordering::Relaxed) || lock(&self.state).stop
+                        {
+                            return;
+                        }
+                        let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+                        let Some(id) = next else {
+                            return;
+                        };
+                        // A failure here is left for the read, which retries and reports it.
+                        if let Ok(false) = self.ensure(id, Need::Ahead) {
+                            full.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    });
                 }
-                // A failure here is left for the read, which retries and reports it.
-                if let Ok(false) = self.ensure(id, Need::Ahead) {
-                    break;
-                }
-            }
+            });
         }
     }
 

@@ -64,7 +64,7 @@ pub(crate) fn streaming_bench(b: Backend, quick: bool) -> Result<(serde_json::Va
     let server = S3Bench::start(&dir.join("s3root"), &shards)?;
     let mnist = format!("{}/release/examples/mnist", b.target_dir());
     let duration = if quick { "60ba" } else { "3ep" };
-    let reps = if quick { 1 } else { 3 };
+    let reps = if quick { 1 } else { 5 };
     let mut waits: Vec<(&str, Vec<f64>)> = vec![("memory", vec![]), ("local", vec![])];
     if server.is_some() {
         waits.push(("s3", vec![]));
