@@ -209,6 +209,37 @@ pub(crate) fn s3s_fs() -> Option<std::path::PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Starts `s3s-fs` (`bin`) on a free port of 127.0.0.1 serving `root` with the given keys,
+/// and waits until it accepts connections; returns the process and its port.
+pub(crate) fn start_s3s_fs(
+    bin: &std::path::Path,
+    root: &std::path::Path,
+    key: &str,
+    secret: &str,
+) -> Result<(std::process::Child, u16)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let mut child = Command::new(bin)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--access-key", key, "--secret-key", secret])
+        .arg(root)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let started = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if started.elapsed().as_secs() >= 20 {
+            let _ = child.kill();
+            let _ = child.wait();
+            anyhow::bail!("s3s-fs did not start");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    Ok((child, port))
+}
+
 /// Whether OpenMPI's launcher is installed.
 /// Runs `mpirun` with `args` (from [`mpirun_args`] on), one compute thread per rank, and
 /// returns rank 0's JSON summary line; the job's stderr in the error when it fails.

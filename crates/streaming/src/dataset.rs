@@ -368,6 +368,24 @@ fn needs_cache(storage: &Storage, index: &IndexFile) -> bool {
     storage.local().is_none() || index.shards.iter().any(|s| s.zip_data.is_some())
 }
 
+/// Writes a fetched shard into the cache through a temporary name and a rename, so that the
+/// folder never shows a partial shard. Unlike a dataset's or a checkpoint's files
+/// (`flashover_checkpoint::write_atomic`) it is not fsynced: a shard a crash lost is fetched
+/// again, and one that survived is verified again on its first use after a restart, so the
+/// fetch path does not wait for the disk.
+fn cache_write(path: &Path, data: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!(
+        "{}.partial-{}",
+        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, data).map_err(|e| StreamingError::io("write", &tmp, e))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        StreamingError::io("rename", path, e)
+    })
+}
+
 /// Counts the shards a previous process left in the cache folder (they are checked again on
 /// first use) and removes its unfinished temporary files.
 fn scan_cache(dir: &Path, index: &IndexFile, state: &mut CacheState) -> Result<()> {
@@ -692,7 +710,7 @@ impl Inner {
             };
             match raw {
                 Ok(raw) => {
-                    crate::mds::write_atomic(&self.cached_path(id), &raw)?;
+                    cache_write(&self.cached_path(id), &raw)?;
                     return Ok(n);
                 }
                 Err(e) => {

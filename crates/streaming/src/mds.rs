@@ -839,15 +839,13 @@ impl MdsWriter {
     }
 }
 
-/// Writes `data` to `path` through a temporary file and a rename: the file appears whole.
+/// Writes a dataset's file whole (temporary file, fsync, rename): checkpoint's writer.
 pub(crate) fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
-    let tmp = path.with_extension(format!(
-        "{}.partial-{}",
-        path.extension().and_then(|e| e.to_str()).unwrap_or(""),
-        std::process::id()
-    ));
-    std::fs::write(&tmp, data).map_err(|e| StreamingError::io("write", &tmp, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| StreamingError::io("rename", path, e))
+    flashover_checkpoint::write_atomic(path, data).map_err(|e| StreamingError::Io {
+        action: "write",
+        path: path.display().to_string(),
+        source: std::io::Error::other(e.to_string()),
+    })
 }
 
 #[cfg(test)]

@@ -26,24 +26,9 @@ pub(crate) fn object_store_bench(
     let tmp = std::env::temp_dir().join(format!("flashover-s3-bench-{}", std::process::id()));
     let root = tmp.join("root");
     std::fs::create_dir_all(root.join("bench"))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
     let (key, secret) = ("bench-access", "bench-secret-0f3e");
-    let mut server = Command::new(&server_bin)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--access-key", key, "--secret-key", secret])
-        .arg(&root)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .with_context(|| format!("starting {}", server_bin.display()))?;
+    let (mut server, port) = start_s3s_fs(&server_bin, &root, key, secret)?;
     let result = (|| -> Result<(serde_json::Value, String)> {
-        let started = std::time::Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            anyhow::ensure!(started.elapsed().as_secs() < 20, "s3s-fs did not start");
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
         let env = [
             ("AWS_ENDPOINT_URL", format!("http://127.0.0.1:{port}")),
             ("AWS_REGION", "us-east-1".to_string()),

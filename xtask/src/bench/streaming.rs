@@ -90,17 +90,9 @@ pub(crate) fn streaming_bench(b: Backend, quick: bool) -> Result<(serde_json::Va
                 }
                 _ => data = String::new(),
             }
+            let flags = stream_flags(&data, &c);
             if !data.is_empty() {
-                args.extend([
-                    "--data",
-                    &data,
-                    "--cache-dir",
-                    &c,
-                    "--cache-limit",
-                    "2MB",
-                    "--shuffle-block-size",
-                    "1000",
-                ]);
+                args.extend(flags.iter().map(String::as_str));
             }
             let summary = run(&mnist, &args, &env)?;
             v.push(summary["data_wait_fraction"].as_f64().unwrap_or(f64::NAN));
@@ -113,16 +105,7 @@ pub(crate) fn streaming_bench(b: Backend, quick: bool) -> Result<(serde_json::Va
             let c = cache.to_str().context("a UTF-8 path")?.to_string();
             let mut args = vec!["read".to_string()];
             if *source == "local" {
-                args.extend(strings(&[
-                    "--data",
-                    &s,
-                    "--cache-dir",
-                    &c,
-                    "--cache-limit",
-                    "2MB",
-                    "--shuffle-block-size",
-                    "1000",
-                ]));
+                args.extend(stream_flags(&s, &c));
             }
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
             let r = run(&shards_bin, &refs, &[])?;
@@ -227,6 +210,20 @@ pub(crate) fn streaming_bench(b: Backend, quick: bool) -> Result<(serde_json::Va
     Ok((json, md))
 }
 
+/// The flags of the measured streaming runs: the 2 MB cache in `cache`, blocks of 1,000.
+fn stream_flags(data: &str, cache: &str) -> Vec<String> {
+    strings(&[
+        "--data",
+        data,
+        "--cache-dir",
+        cache,
+        "--cache-limit",
+        "2MB",
+        "--shuffle-block-size",
+        "1000",
+    ])
+}
+
 /// A local s3s-fs serving a copy of the shards as `s3://bench/mnist`.
 struct S3Bench {
     child: std::process::Child,
@@ -242,22 +239,7 @@ impl S3Bench {
             return Ok(None);
         };
         copy_tree(shards, &root.join("bench").join("mnist"))?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let child = Command::new(&bin)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--access-key", KEY, "--secret-key", SECRET])
-            .arg(root)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let started = std::time::Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            anyhow::ensure!(started.elapsed().as_secs() < 20, "s3s-fs did not start");
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
+        let (child, port) = start_s3s_fs(&bin, root, KEY, SECRET)?;
         Ok(Some(S3Bench { child, port }))
     }
 
