@@ -676,3 +676,28 @@ fn a_streamed_run_killed_mid_epoch_resumes_to_the_same_bits_without_replay() {
         "the tail of the straight order"
     );
 }
+
+/// A padded rank's last batch wraps around to the epoch's first positions: its window is the
+/// last block and the first, not every block between (which a small cache cannot hold).
+#[test]
+fn a_padded_ranks_wrapping_last_batch_reads_through_a_small_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("data");
+    numbered(&folder, 1001, 4 << 10, Some(1));
+    let mut seen = Vec::new();
+    for rank in 0..2 {
+        let opts = StreamingOptions {
+            cache_limit: Some(24 << 10),
+            shuffle_block_size: 100,
+            seed: 5,
+            ..options(&dir.path().join(format!("cache{rank}")))
+        };
+        let data = StreamingDataset::open(folder.to_str().unwrap(), opts).unwrap();
+        let order = data.order(32).unwrap().sharded(rank, 2).unwrap();
+        seen.extend(read_epoch(&data, &order, 2, || {}));
+    }
+    assert_eq!(seen.len(), 1002, "two ranks of 501, one sample padded");
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen, (0..1001).collect::<Vec<_>>(), "every sample read");
+}

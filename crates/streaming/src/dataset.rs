@@ -47,7 +47,7 @@ pub struct StreamingOptions {
     pub cache_limit: Option<u64>,
     /// Fetches of a shard after the first fails (default 4).
     pub download_retries: u32,
-    /// The first wait between fetches, doubling (default 0.5 s).
+    /// The first wait between fetches, doubling up to 30 s (default 0.5 s).
     pub download_backoff: Duration,
     /// Shards fetched at once by the download-ahead (default 4): one request's latency, not
     /// the bandwidth, bounds a single fetcher (about 25 ms a 256 KB shard from a local S3
@@ -97,9 +97,11 @@ struct CacheState {
     fetching: HashSet<usize>,
     /// Checked in this process (read in place, or cached).
     verified: HashSet<usize>,
-    /// The current block's shards (never evicted) and the next block's.
+    /// The current block's shards (never evicted) and the next block's, and both in the
+    /// order they will be read.
     must: HashSet<usize>,
     next: HashSet<usize>,
+    wanted: Vec<usize>,
     /// Open readers.
     open: HashMap<usize, Arc<Reader>>,
     /// The last (epoch, position) the order reported, and whether it changed since the
@@ -389,11 +391,11 @@ fn cache_write(path: &Path, data: &[u8]) -> Result<()> {
 /// Counts the shards a previous process left in the cache folder (they are checked again on
 /// first use) and removes its unfinished temporary files.
 fn scan_cache(dir: &Path, index: &IndexFile, state: &mut CacheState) -> Result<()> {
-    let by_name: HashMap<&str, usize> = index
+    let by_name: HashMap<String, usize> = index
         .shards
         .iter()
         .enumerate()
-        .map(|(i, s)| (s.raw_data.basename.as_str(), i))
+        .map(|(i, s)| (s.raw_data.basename.replace('/', "__"), i))
         .collect();
     let entries = std::fs::read_dir(dir).map_err(|e| StreamingError::io("read", dir, e))?;
     for e in entries.flatten() {
@@ -402,7 +404,7 @@ fn scan_cache(dir: &Path, index: &IndexFile, state: &mut CacheState) -> Result<(
             let _ = std::fs::remove_file(e.path());
             continue;
         }
-        if let (Some(&id), Ok(meta)) = (by_name.get(name.as_str()), e.metadata()) {
+        if let (Some(&id), Ok(meta)) = (by_name.get(&name), e.metadata()) {
             state.entries.insert(id, (meta.len(), 0));
             state.used += meta.len();
         }
@@ -439,32 +441,50 @@ impl Inner {
 
     /// A batch reads positions `first..=last` of `epoch`: the blocks they fall in are read
     /// now, the block after them next.
+    ///
+    /// A padded rank's last batch wraps around to the epoch's start (positions ascend, then
+    /// restart at 0), so `last < first` reads the blocks from `first`'s to the epoch's end and
+    /// from the start to `last`'s, never everything between.
     fn report(&self, epoch: u64, first: u64, last: u64) {
         let size = self.order.block_size();
-        let (a, z) = (first.min(last) / size, first.max(last) / size);
-        let must: Vec<usize> = (a..=z)
-            .flat_map(|k| self.order.block_shards(epoch, k))
+        let end_block = self.order.total().saturating_sub(1) / size;
+        let blocks: Vec<u64> = if first <= last {
+            (first / size..=last / size).collect()
+        } else {
+            (first / size..=end_block).chain(0..=last / size).collect()
+        };
+        let must: Vec<usize> = blocks
+            .iter()
+            .flat_map(|&k| self.order.block_shards(epoch, k))
             .collect();
-        self.set_window(epoch, first, must, self.order.block_shards(epoch, z + 1));
+        self.set_window(
+            epoch,
+            first,
+            must,
+            self.order.block_shards(epoch, last / size + 1),
+        );
     }
 
     /// The same for an unshuffled order (evaluation): the shards of the batch's positions,
     /// and the shard after them.
     fn report_unshuffled(&self, first: u64, last: u64) {
         let end = self.order.total().saturating_sub(1);
-        let (a, _) = self.order.shard_of(first.min(last).min(end));
-        let (z, _) = self.order.shard_of(first.max(last).min(end));
+        let (a, _) = self.order.shard_of(first.min(end));
+        let (z, _) = self.order.shard_of(last.min(end));
         let n = self.index.shards.len();
-        self.set_window(
-            u64::MAX,
-            first,
-            (a..=z).collect(),
-            ((z + 1)..n.min(z + 2)).collect(),
-        );
+        let must: Vec<usize> = if a <= z {
+            (a..=z).collect()
+        } else {
+            (a..n).chain(0..=z).collect()
+        };
+        self.set_window(u64::MAX, first, must, ((z + 1)..n.min(z + 2)).collect());
     }
 
     fn set_window(&self, epoch: u64, position: u64, must: Vec<usize>, next: Vec<usize>) {
         let mut s = lock(&self.state);
+        let mut wanted = must.clone();
+        wanted.extend(next.iter().filter(|k| !must.contains(k)));
+        s.wanted = wanted;
         s.must = must.into_iter().collect();
         s.next = next.into_iter().filter(|k| !s.must.contains(k)).collect();
         // Readers outside the window are closed (a read in flight keeps its own handle).
@@ -482,7 +502,7 @@ impl Inner {
     /// room.
     fn download_ahead(&self) {
         loop {
-            let (must, next) = {
+            let wanted = {
                 let mut s = lock(&self.state);
                 while !s.stop && !s.moved {
                     s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
@@ -491,13 +511,8 @@ impl Inner {
                     return;
                 }
                 s.moved = false;
-                (s.must.clone(), s.next.clone())
+                s.wanted.clone()
             };
-            let mut wanted: Vec<usize> = must.into_iter().collect();
-            wanted.sort();
-            let mut later: Vec<usize> = next.into_iter().collect();
-            later.sort();
-            wanted.extend(later);
             // `download_threads` fetches in flight, in reading order, until the window is
             // fetched or the cache has no room; a window that moved meanwhile is taken up by
             // the next round (fetches for the old one never evict the new one's shards).
@@ -567,15 +582,24 @@ impl Inner {
                     if s.verified.contains(&id) {
                         return Ok(true);
                     }
-                    // Left by an earlier process: check it once.
+                    // Left by an earlier process: check it once, marked as under way so that
+                    // no other thread evicts, fetches or checks it meanwhile.
+                    s.fetching.insert(id);
                     drop(s);
-                    if self.check_cached(id) {
-                        lock(&self.state).verified.insert(id);
-                        return Ok(true);
-                    }
+                    let good = self.check_cached(id);
                     s = lock(&self.state);
-                    if let Some((b, _)) = s.entries.remove(&id) {
-                        s.used -= b;
+                    s.fetching.remove(&id);
+                    if good {
+                        s.verified.insert(id);
+                    } else {
+                        if let Some((b, _)) = s.entries.remove(&id) {
+                            s.used -= b;
+                        }
+                        let _ = std::fs::remove_file(self.cached_path(id));
+                    }
+                    self.changed.notify_all();
+                    if good {
+                        return Ok(true);
                     }
                     continue;
                 }
@@ -588,7 +612,13 @@ impl Inner {
                 break;
             }
         }
-        let fetched = self.fetch(id);
+        let fetched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.fetch(id)))
+            .unwrap_or_else(|_| {
+                Err(StreamingError::Damaged {
+                    shard: self.storage.describe(&self.entry(id).raw_data.basename),
+                    reason: "decoding the fetched shard panicked".into(),
+                })
+            });
         let mut s = lock(&self.state);
         s.fetching.remove(&id);
         match fetched {
@@ -631,7 +661,7 @@ impl Inner {
             let victim = s
                 .entries
                 .iter()
-                .filter(|(k, _)| !s.must.contains(k))
+                .filter(|(k, _)| !s.must.contains(k) && !s.fetching.contains(k))
                 .filter(|(k, _)| need == Need::Now || !s.next.contains(k))
                 .min_by_key(|(k, (_, t))| (s.next.contains(k), *t))
                 .map(|(k, _)| *k);
@@ -677,7 +707,8 @@ impl Inner {
         for attempt in 1..=attempts {
             if attempt > 1 {
                 lock(&self.state).retried += 1;
-                let wait = self.options.download_backoff * 2u32.saturating_pow(attempt - 2);
+                let wait = (self.options.download_backoff * 2u32.saturating_pow(attempt - 2))
+                    .min(Duration::from_secs(30));
                 tracing::warn!(shard = %where_, attempt, reason = %last, "retrying a shard fetch in {wait:?}");
                 std::thread::sleep(wait);
             }
