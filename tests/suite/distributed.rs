@@ -272,19 +272,18 @@ fn a_streamed_checkpoint_of_two_ranks_resumes_on_one_and_on_three_seeing_each_sa
     }
     let dir = tempfile::tempdir().unwrap();
     let shards = dir.path().join("shards");
-    let o = std::process::Command::new(example_bin("shards"))
-        .args(["mnist", shards.to_str().unwrap(), "--size-limit", "40KB"])
-        .args([
-            "--compression",
-            "zstd:3",
-            "--train-limit",
-            "480",
-            "--test-limit",
-            "200",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    write_example_shards(&[
+        "mnist",
+        shards.to_str().unwrap(),
+        "--size-limit",
+        "40KB",
+        "--compression",
+        "zstd:3",
+        "--train-limit",
+        "480",
+        "--test-limit",
+        "200",
+    ]);
     let cache = dir.path().join("cache");
     let streamed = [
         "--data",

@@ -642,17 +642,14 @@ fn activation_checkpointing_trains_the_same_bits_and_resumes_across_it() {
 fn the_corpus_from_shards_trains_the_same_bits_as_the_bundled_file() {
     let dir = tempfile::tempdir().unwrap();
     let shards = dir.path().join("plays");
-    let o = std::process::Command::new(example_bin("shards"))
-        .args([
-            "shakespeare",
-            shards.to_str().unwrap(),
-            "--size-limit",
-            "1MB",
-        ])
-        .args(["--compression", "zstd:3"])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    write_example_shards(&[
+        "shakespeare",
+        shards.to_str().unwrap(),
+        "--size-limit",
+        "1MB",
+        "--compression",
+        "zstd:3",
+    ]);
     let short = ["--max-duration", "20ba", "--eval-interval", "20ba"];
     let bundled = summary(tiny(&short));
     let mut from_shards = short.to_vec();

@@ -486,25 +486,21 @@ fn shards_stream_from_s3_and_survive_a_server_outage_mid_epoch() {
 /// The bundled digits as MDS shards (`cargo xtask shards mnist`), zstd-compressed; the
 /// first `limits` digits of each split when given.
 fn mnist_shards(out: &Path, limits: Option<(usize, usize)>) {
-    let mut cmd = std::process::Command::new(crate::support::example_bin("shards"));
-    cmd.args([
+    let (train, test) = limits.map_or((String::new(), String::new()), |(a, b)| {
+        (a.to_string(), b.to_string())
+    });
+    let mut args = vec![
         "mnist",
         out.to_str().unwrap(),
         "--size-limit",
         "64KB",
         "--compression",
         "zstd:3",
-    ]);
-    if let Some((train, test)) = limits {
-        cmd.args([
-            "--train-limit",
-            &train.to_string(),
-            "--test-limit",
-            &test.to_string(),
-        ]);
+    ];
+    if limits.is_some() {
+        args.extend(["--train-limit", &train, "--test-limit", &test]);
     }
-    let o = cmd.output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    crate::support::write_example_shards(&args);
 }
 
 #[test]

@@ -622,3 +622,17 @@ pub fn write_shards(args: &[&str]) -> Option<serde_json::Value> {
     );
     Some(serde_json::from_slice(&out.stdout).expect("the writer prints JSON"))
 }
+
+/// Runs the `shards` converter (`cargo xtask shards`) with `args`, failing the test with its
+/// stderr if it fails.
+pub fn write_example_shards(args: &[&str]) {
+    let o = std::process::Command::new(example_bin("shards"))
+        .args(args)
+        .output()
+        .expect("the shards example starts");
+    assert!(
+        o.status.success(),
+        "shards {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
