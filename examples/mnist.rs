@@ -63,6 +63,11 @@ struct Args {
     /// rate against batches) here.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Every N batches, log a grid of the batch's first 8 digits as trained on (after the
+    /// algorithms: MixUp, CutOut...) with the predicted and true classes, to the loggers that
+    /// show images (TensorBoard's Images tab, MLflow, the log folder's media/).
+    #[arg(long, value_name = "N")]
+    visualize_images: Option<u64>,
     /// Train on only the first N training digits.
     #[arg(long, conflicts_with = "data")]
     train_limit: Option<usize>,
@@ -253,7 +258,13 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         .callback(curve.clone())
         .sharding(args.processes.sharding)
         .boxed_collective(dist.collective(device.clone())?);
-    let builder = session::attach(&args.run, builder)?;
+    let mut builder = session::attach(&args.run, builder)?;
+    if let Some(n) = args.visualize_images {
+        builder = builder.callback(
+            flashover::callbacks::ImageVisualizer::new(Time::Batch(n))
+                .context("--visualize-images")?,
+        );
+    }
     let (restore, resuming) = args.run.checkpoint.restore_on(dist)?;
     let out = args.out.as_deref();
     let (builder, outputs) =
@@ -299,7 +310,7 @@ fn train<B: TrainBackend, M: MnistModel<B>, O: Optimizer<M, B>>(
         let text = serde_json::to_string_pretty(&summary)?;
         flashover::checkpoint::write_atomic(&out.join("summary.json"), text.as_bytes())?;
     }
-    outputs.finish(trainer)?;
+    outputs.finish(trainer, &summary, out)?;
     session::print(None, &summary)
 }
 

@@ -577,7 +577,7 @@ fn train<B: TrainBackend, O: Optimizer<Gpt<B>, B> + 'static>(
     summary["params_sha256_by_rank"] = json!(digests);
     summary["optimizer_state_bytes_by_rank"] = json!(numbers(&optimizer_bytes));
     summary["peak_rss_bytes_by_rank"] = json!(numbers(&peaks));
-    outputs.finish(trainer)?;
+    outputs.finish(trainer, &summary, None)?;
     session::print(generated.as_deref(), &summary)
 }
 

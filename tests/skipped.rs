@@ -1,6 +1,6 @@
 //! Runs right after the cross-crate suite (`tests.rs`) in the same `cargo test`, and ends its
 //! output with one line that counts the tests that skipped for want of a program (OpenMPI,
-//! s3s-fs, TensorBoard, network namespaces), names what each group needs and how to enable
+//! s3s-fs, TensorBoard, network namespaces, the shard writers, MLflow), names what each group needs and how to enable
 //! it; or says that none did. See `support/skip.rs`.
 
 // The suite's record of skips, shared with it as source (the suite writes, this reads; the
@@ -18,7 +18,7 @@ fn main() {
     match skip::summary_line(&record) {
         Some(line) => println!("{line}"),
         None => println!(
-            "flashover-tests: no test skipped for want of OpenMPI, s3s-fs, TensorBoard, network namespaces or the Python shard writers"
+            "flashover-tests: no test skipped for want of OpenMPI, s3s-fs, TensorBoard, network namespaces, the Python shard writers or MLflow"
         ),
     }
 }

@@ -59,6 +59,11 @@
 //!   encoding and compression) and Parquet from pyarrow read back value for value, damaged
 //!   and missing shards named, the cache within its limit over a dataset 20x its size,
 //!   shards from a real S3-compatible server through an outage mid-epoch.
+//! - `mlflow`: the example's run in a real MLflow tracking server, read back with MLflow's
+//!   client (params, every metric's history, tags, plot, weights, images, checkpoints), a
+//!   resumed run continuing the same MLflow run, a server stopped and restarted mid-run losing
+//!   no metric, a dead server costing only warnings, bad settings named; images through the
+//!   JSONL folder and TensorBoard's reader.
 //! - `object_store`: checkpoints and logs in a real S3-compatible server (`s3s-fs`): remote
 //!   saves rotate and resume bit for bit on an empty disk, damaged or incomplete remote
 //!   checkpoints are skipped by autoresume and refused by `--load`, a stopped server delays
@@ -96,6 +101,8 @@ mod language;
 mod library;
 #[path = "suite/microbatch.rs"]
 mod microbatch;
+#[path = "suite/mlflow.rs"]
+mod mlflow;
 #[path = "suite/object_store.rs"]
 mod object_store;
 #[path = "suite/observe.rs"]

@@ -576,6 +576,30 @@ pub struct LogArgs {
     /// How often --upload-logs uploads (a time with a unit: 30s, 2m).
     #[arg(long, default_value = "30s", value_parser = parse_seconds)]
     pub upload_logs_every: std::time::Duration,
+    /// Log the run to this MLflow tracking server (http://host:port): params, every metric,
+    /// tags, the training plot, the final weights and summary; the monitors are on as with
+    /// --log-dir. Credentials from MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and
+    /// MLFLOW_TRACKING_PASSWORD. A resumed run continues the same MLflow run.
+    #[arg(long, env = "MLFLOW_TRACKING_URI", value_name = "URI")]
+    pub mlflow: Option<String>,
+    /// The MLflow experiment (created if missing).
+    #[arg(
+        long,
+        env = "MLFLOW_EXPERIMENT_NAME",
+        default_value = "flashover",
+        requires = "mlflow"
+    )]
+    pub mlflow_experiment: String,
+    /// The MLflow run's name (default: the program's name and the start time).
+    #[arg(long, requires = "mlflow")]
+    pub mlflow_run_name: Option<String>,
+    /// Also upload every checkpoint to MLflow as it is saved (checkpoints/<name>/...).
+    #[arg(long, requires = "mlflow")]
+    pub mlflow_checkpoints: bool,
+    /// How long the end of the run waits for MLflow to take what is queued before it warns
+    /// and goes on (a time with a unit: 30s, 2m).
+    #[arg(long, default_value = "60s", value_parser = parse_seconds, requires = "mlflow")]
+    pub mlflow_finish_timeout: std::time::Duration,
 }
 
 /// A wall-clock interval such as `30s`, `2m` or `1h`.
@@ -604,10 +628,36 @@ fn parse_seconds(text: &str) -> Result<std::time::Duration, String> {
 }
 
 impl LogArgs {
+    /// The MLflow logger --mlflow asks for (on the process that writes logs), uploading the
+    /// checkpoints of `checkpoints` (the local save folder) with --mlflow-checkpoints.
+    pub fn mlflow(
+        &self,
+        main: bool,
+        checkpoints: Option<PathBuf>,
+    ) -> anyhow::Result<Option<flashover::callbacks::MlflowLogger>> {
+        use flashover::callbacks::{MlflowLogger, MlflowOptions};
+        let (Some(uri), true) = (&self.mlflow, main) else {
+            return Ok(None);
+        };
+        let mut options = MlflowOptions::new(uri);
+        options.experiment = self.mlflow_experiment.clone();
+        options.run_name = self.mlflow_run_name.clone();
+        options.finish_timeout = self.mlflow_finish_timeout;
+        if self.mlflow_checkpoints {
+            anyhow::ensure!(
+                checkpoints.is_some(),
+                "--mlflow-checkpoints uploads the checkpoints this run saves: give --save-folder too"
+            );
+            options.upload_checkpoints = checkpoints;
+        }
+        Ok(Some(MlflowLogger::new(options).context("--mlflow")?))
+    }
+
     /// Adds what these options ask for to `builder`: loggers, monitors and the profiler
     /// when `main` (the process that writes files; a resumed run, `resuming`, appends to
     /// its logs), stopping rules on every process. Returns the training plot (into
     /// `plot_dir`, else the log folder), which the caller draws last.
+    #[allow(clippy::too_many_arguments)]
     pub fn observe<S: Setup>(
         &self,
         mut builder: TrainerBuilder<S>,
@@ -616,6 +666,7 @@ impl LogArgs {
         plot_dir: Option<&Path>,
         resuming: bool,
         main: bool,
+        mlflow: Option<flashover::callbacks::MlflowLogger>,
     ) -> anyhow::Result<(TrainerBuilder<S>, Option<TrainingPlot>)>
     where
         DeviceOf<S>: 'static,
@@ -623,7 +674,11 @@ impl LogArgs {
         use flashover::callbacks::monitors::*;
         use flashover::callbacks::profiler::{Profiler, ProfilerSchedule};
         use flashover::callbacks::{CsvLogger, JsonlLogger, MetricStopper, TensorBoardLogger};
-        if let (Some(dir), true) = (&self.log_dir, main) {
+        let monitored = main && (self.log_dir.is_some() || mlflow.is_some());
+        if let Some(mlflow) = mlflow {
+            builder = builder.logger(mlflow);
+        }
+        if monitored {
             let every = Time::Batch(log_every.max(1));
             let mut speed = SpeedMonitor::new(100)?;
             if let Some(peak) = self.peak_flops {
@@ -633,21 +688,22 @@ impl LogArgs {
             if let Some(read) = crate::device_memory_reader(device) {
                 memory = memory.with_device_reader(read);
             }
-            let (jsonl, csv) = (dir.join("metrics.jsonl"), dir.join("metrics.csv"));
-            let (jsonl, csv) = if resuming {
-                (JsonlLogger::append(jsonl)?, CsvLogger::append(csv)?)
-            } else {
-                (JsonlLogger::create(jsonl)?, CsvLogger::create(csv)?)
-            };
             builder = builder
-                .logger(jsonl)
-                .logger(csv)
                 .callback(NanMonitor::new())
                 .callback(LrMonitor::new())
                 .callback(speed)
                 .callback(RuntimeEstimator::new(50)?)
                 .callback(memory)
                 .callback(NormMonitor::new(every)?);
+        }
+        if let (Some(dir), true) = (&self.log_dir, main) {
+            let (jsonl, csv) = (dir.join("metrics.jsonl"), dir.join("metrics.csv"));
+            let (jsonl, csv) = if resuming {
+                (JsonlLogger::append(jsonl)?, CsvLogger::append(csv)?)
+            } else {
+                (JsonlLogger::create(jsonl)?, CsvLogger::create(csv)?)
+            };
+            builder = builder.logger(jsonl).logger(csv);
             if self.tensorboard {
                 builder = builder.logger(TensorBoardLogger::create(dir.join("tensorboard"))?);
             }

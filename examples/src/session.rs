@@ -37,11 +37,12 @@ pub fn attach<S: Setup, D: RunDefaults>(
     Ok(builder)
 }
 
-/// What is written after the run's summary: the training plot and the last upload of the
-/// logs.
+/// What is written after the run's summary: the training plot, the last upload of the logs,
+/// and the MLflow run's files and end.
 pub struct Outputs {
     plot: Option<TrainingPlot>,
     log_sync: Option<LogSync>,
+    mlflow: Option<flashover::callbacks::MlflowRun>,
 }
 
 /// Adds the logs the flags ask for (`LogArgs::observe`, after --upload-logs brought back what
@@ -63,13 +64,28 @@ where
     let log_sync = run
         .logs
         .start_log_sync(main, run.checkpoint.save_location()?.as_ref())?;
-    let (mut builder, plot) =
-        run.logs
-            .observe(builder, run.log_every, device, plot_dir, resuming, main)?;
+    let mlflow = run.logs.mlflow(main, run.checkpoint.local_folder()?)?;
+    let mlflow_run = mlflow.as_ref().map(|m| m.handle());
+    let (mut builder, plot) = run.logs.observe(
+        builder,
+        run.log_every,
+        device,
+        plot_dir,
+        resuming,
+        main,
+        mlflow,
+    )?;
     if let Some(restore) = restore {
         builder = builder.restore(restore);
     }
-    Ok((builder, Outputs { plot, log_sync }))
+    Ok((
+        builder,
+        Outputs {
+            plot,
+            log_sync,
+            mlflow: mlflow_run,
+        },
+    ))
 }
 
 /// Fits to `max_duration`, or, for a run resumed from its final checkpoint, does nothing
@@ -98,12 +114,39 @@ pub fn final_metrics<S: Setup>(
 impl Outputs {
     /// Draws the plot (last, so that everything before is written even if it cannot be
     /// drawn), lets the trainer and its loggers write their last lines, then uploads the
-    /// logs a last time.
-    pub fn finish<S: Setup>(self, trainer: Trainer<S>) -> anyhow::Result<()> {
-        if let Some(plot) = &self.plot {
-            plot.draw_or_warn();
-        }
+    /// logs a last time. With --mlflow, uploads the plot, the summary and the files of `out`
+    /// (the final weights) to the run and ends it.
+    pub fn finish<S: Setup>(
+        self,
+        trainer: Trainer<S>,
+        summary: &serde_json::Value,
+        out: Option<&std::path::Path>,
+    ) -> anyhow::Result<()> {
+        let drawn = self
+            .plot
+            .as_ref()
+            .filter(|plot| plot.draw_or_warn())
+            .map(|plot| plot.path().to_path_buf());
         drop(trainer);
+        if let Some(run) = &self.mlflow {
+            if let Some(plot) = &drawn {
+                run.upload_file("training.png", plot);
+            }
+            run.upload_json("summary.json", summary);
+            for name in ["model.safetensors"] {
+                if let Some(path) = out.map(|o| o.join(name)).filter(|p| p.is_file()) {
+                    run.upload_file(name, &path);
+                }
+            }
+            let report = run.finish();
+            tracing::info!(
+                run = ?report.run_id,
+                metrics = report.metrics_sent,
+                files = report.artifacts_sent,
+                ended_as = ?report.ended_as,
+                "MLflow"
+            );
+        }
         if let Some(sync) = self.log_sync {
             sync.finish().context("--upload-logs: the final upload")?;
         }

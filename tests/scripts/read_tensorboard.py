@@ -1,7 +1,8 @@
 """Reads a TensorBoard log folder with TensorBoard's own EventAccumulator and prints, as JSON,
-every scalar as [step, value] pairs and every text summary (the last of each tag, and all of
-them with their steps). Exits with 3 when the
+every scalar as [step, value] pairs, every text summary (the last of each tag, and all of
+them with their steps) and every image as [step, width, height, sha256 of the PNG]. Exits with 3 when the
 `tensorboard` package is not installed (`pip install tensorboard`)."""
+import hashlib
 import json
 import sys
 
@@ -11,10 +12,10 @@ except ImportError as e:
     print(f"tensorboard is not installed: {e}", file=sys.stderr)
     sys.exit(3)
 
-acc = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0, "tensors": 0})
+acc = EventAccumulator(sys.argv[1], size_guidance={"scalars": 0, "tensors": 0, "images": 0})
 acc.Reload()
 tags = acc.Tags()
-out = {"scalars": {}, "text": {}, "texts": {}}
+out = {"scalars": {}, "text": {}, "texts": {}, "images": {}}
 for tag in tags["scalars"]:
     out["scalars"][tag] = [[e.step, e.value] for e in acc.Scalars(tag)]
 for tag in tags["tensors"]:
@@ -24,4 +25,9 @@ for tag in tags["tensors"]:
         text = b"".join(e.tensor_proto.string_val).decode()
         out["text"][tag] = text
         out["texts"].setdefault(tag, []).append([e.step, text])
+for tag in tags["images"]:
+    out["images"][tag] = [
+        [e.step, e.width, e.height, hashlib.sha256(e.encoded_image_string).hexdigest()]
+        for e in acc.Images(tag)
+    ]
 json.dump(out, sys.stdout)

@@ -558,14 +558,16 @@ impl Drop for S3Server {
 
 /// The example `name` with `args` (plus `--no-progress`, the suite's backend and
 /// `RUST_LOG=info`) and the environment `env`, added to the test's after removing every
-/// `AWS_*` variable (so that only what a test gives reaches an object store).
+/// `AWS_*` and `MLFLOW_*` variable (so that only what a test gives reaches an object store or
+/// a tracking server).
 pub fn example_command(name: &str, args: &[&str], env: &[(&str, String)]) -> std::process::Command {
     let mut cmd = std::process::Command::new(example_bin(name));
     cmd.args(args)
         .args(["--no-progress", "--backend", BACKEND])
         .env("RUST_LOG", "info");
     for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("AWS_") {
+        let key = k.to_string_lossy();
+        if key.starts_with("AWS_") || key.starts_with("MLFLOW_") {
             cmd.env_remove(k);
         }
     }
@@ -635,4 +637,165 @@ pub fn write_example_shards(args: &[&str]) {
         "shards {args:?}: {}",
         String::from_utf8_lossy(&o.stderr)
     );
+}
+
+/// A real MLflow tracking server (`mlflow server` from Python's `mlflow` package) on a free
+/// port of 127.0.0.1, with a SQLite backend store and a local artifact root in a temporary
+/// folder, serving artifacts itself (its default). Stopped (its whole process group) when
+/// dropped; [`restart`](Self::restart) brings it back on the same port and store.
+pub struct MlflowServer {
+    child: Option<std::process::Child>,
+    /// The folder holding `mlflow.db` and `artifacts/`.
+    pub root: tempfile::TempDir,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+}
+
+impl MlflowServer {
+    /// Starts the server, or returns `None` (with a recorded skip) when `mlflow` is not
+    /// installed and `FLASHOVER_REQUIRE_MLFLOW` is unset (`.ci/run` installs it).
+    pub fn start() -> Option<MlflowServer> {
+        let found = std::process::Command::new("mlflow")
+            .arg("--version")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+        match found {
+            Ok(s) if s.success() => {}
+            other => {
+                skip::skipped(
+                    skip::Need::Mlflow,
+                    &format!("`mlflow --version` did not run: {other:?}"),
+                );
+                return None;
+            }
+        }
+        let root = tempfile::tempdir().expect("a temporary folder");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut server = MlflowServer {
+            child: None,
+            root,
+            port,
+        };
+        server.restart();
+        Some(server)
+    }
+
+    /// The tracking URI.
+    pub fn uri(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// Stops the server (SIGTERM to its process group, then SIGKILL) and waits for it.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let group = format!("-{}", c.id());
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", "--", &group])
+                .status();
+            let started = std::time::Instant::now();
+            while c.try_wait().ok().flatten().is_none()
+                && started.elapsed() < std::time::Duration::from_secs(10)
+            {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", "--", &group])
+                .status();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the server (again) on the same port and store, and waits until it answers
+    /// `/health` (up to 180 s: a first start creates its database).
+    pub fn restart(&mut self) {
+        use std::io::{Read, Write};
+        use std::os::unix::process::CommandExt;
+        self.stop();
+        let root = self.root.path();
+        let log = std::fs::File::create(root.join("server.log")).expect("a log file");
+        let child = std::process::Command::new("mlflow")
+            .args([
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &self.port.to_string(),
+            ])
+            .args(["--workers", "1"])
+            .arg("--backend-store-uri")
+            .arg(format!("sqlite:///{}", root.join("mlflow.db").display()))
+            .arg("--artifacts-destination")
+            .arg(root.join("artifacts"))
+            .current_dir(root)
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .process_group(0)
+            .spawn()
+            .expect("mlflow server starts");
+        self.child = Some(child);
+        let started = std::time::Instant::now();
+        loop {
+            let healthy = std::net::TcpStream::connect(("127.0.0.1", self.port))
+                .and_then(|mut s| {
+                    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+                    s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+                    let mut answer = String::new();
+                    s.read_to_string(&mut answer)?;
+                    Ok(answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200"))
+                })
+                .unwrap_or(false);
+            if healthy {
+                return;
+            }
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(180),
+                "mlflow server did not answer on port {} within 180 s: {}",
+                self.port,
+                std::fs::read_to_string(root.join("server.log")).unwrap_or_default()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+
+    /// Every run of `experiment`, read back with MLflow's own Python client
+    /// (`tests/scripts/read_mlflow.py`).
+    pub fn read(&self, experiment: &str) -> serde_json::Value {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/read_mlflow.py");
+        let out = std::process::Command::new("python3")
+            .arg(&script)
+            .arg(self.uri())
+            .arg(experiment)
+            .output()
+            .expect("python3 runs the MLflow reader");
+        assert!(
+            out.status.success(),
+            "read_mlflow.py: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("the reader prints JSON")
+    }
+
+    /// The file the server stores for artifact `path` of `run` (its local artifact root).
+    pub fn artifact(&self, experiment_id: &str, run: &str, path: &str) -> std::path::PathBuf {
+        path.split('/').fold(
+            self.root
+                .path()
+                .join("artifacts")
+                .join(experiment_id)
+                .join(run)
+                .join("artifacts"),
+            |p, s| p.join(s),
+        )
+    }
+}
+
+impl Drop for MlflowServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }

@@ -30,16 +30,19 @@ pub enum Need {
     /// Python's `mosaicml-streaming` and `pyarrow` packages (the real writers of the shard
     /// formats the streaming tests read).
     PyWriters,
+    /// Python's `mlflow` package (the tracking server and its client).
+    Mlflow,
 }
 
 impl Need {
     /// Every need, in the order the summary lists them.
-    pub const ALL: [Need; 5] = [
+    pub const ALL: [Need; 6] = [
         Need::Mpi,
         Need::S3sFs,
         Need::TensorBoard,
         Need::NetNs,
         Need::PyWriters,
+        Need::Mlflow,
     ];
 
     /// The key written in the record.
@@ -50,6 +53,7 @@ impl Need {
             Need::TensorBoard => "tensorboard",
             Need::NetNs => "netns",
             Need::PyWriters => "pywriters",
+            Need::Mlflow => "mlflow",
         }
     }
 
@@ -66,6 +70,7 @@ impl Need {
             Need::TensorBoard => "TensorBoard's reader",
             Need::NetNs => "network namespaces (root)",
             Need::PyWriters => "Python's mosaicml-streaming and pyarrow",
+            Need::Mlflow => "an MLflow tracking server (Python's mlflow)",
         }
     }
 
@@ -77,6 +82,7 @@ impl Need {
             Need::TensorBoard => "pip install tensorboard",
             Need::NetNs => "run the tests as root with iproute2 installed",
             Need::PyWriters => "pip install --no-deps mosaicml-streaming==0.13.0 && pip install numpy zstd 'xxhash<4' python-snappy Brotli Pillow filelock typing_extensions tqdm pyarrow",
+            Need::Mlflow => "pip install mlflow",
         }
     }
 
@@ -88,6 +94,7 @@ impl Need {
             Need::TensorBoard => "FLASHOVER_REQUIRE_TENSORBOARD",
             Need::NetNs => "FLASHOVER_REQUIRE_NETNS",
             Need::PyWriters => "FLASHOVER_REQUIRE_PYWRITERS",
+            Need::Mlflow => "FLASHOVER_REQUIRE_MLFLOW",
         }
     }
 

@@ -104,6 +104,11 @@ impl TrainingPlot {
         })
     }
 
+    /// The file the chart is drawn into.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
     /// Draws the chart, and if it cannot be drawn logs a warning naming the reason and returns
     /// `false`; the run's other results are never lost to a plot.
     pub fn draw_or_warn(&self) -> bool {

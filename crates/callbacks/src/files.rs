@@ -1,6 +1,9 @@
 //! File loggers: [`JsonlLogger`] (one JSON object per line) and [`CsvLogger`] (one row per
 //! value). Both write through a buffer that is flushed at the end of every epoch, after every
 //! evaluation and at `FIT_END`; a write that fails stops the run with an error naming the file.
+//! Images and files logged to them go to the folder `media/` beside the log file
+//! (`images/<tag>/<batch>.png`, `files/<name>`; see [`crate::media`]); the JSONL file also
+//! gets a line naming each.
 //!
 //! Numbers are written in Rust's shortest round-trip form, so reading a file back gives the
 //! logged `f64` bit for bit. JSON has no NaN or infinity: those are written as the strings
@@ -12,11 +15,12 @@ use std::path::{Path, PathBuf};
 
 use flashover_core::error::Result;
 use flashover_core::event::Event;
-use flashover_core::logger::LoggerDestination;
+use flashover_core::logger::{Image, LoggerDestination};
 use flashover_core::time::{Progress, Timestamp};
 use serde_json::{Map, Value};
 
 use crate::error::CallbackError;
+use crate::media::MediaFolder;
 
 /// Checks, before a run starts, that files can be written into directory `dir`: creates it
 /// (and its parents) if missing, then creates and removes a probe file. Used for output
@@ -37,6 +41,7 @@ struct Sink {
     component: &'static str,
     path: PathBuf,
     out: BufWriter<File>,
+    media: MediaFolder,
 }
 
 impl Sink {
@@ -52,10 +57,12 @@ impl Sink {
             .truncate(!append)
             .open(path)
             .map_err(|e| CallbackError::io(component, path, e))?;
+        let media = path.parent().unwrap_or(Path::new("")).join(MEDIA_DIR);
         Ok(Sink {
             component,
             path: path.to_path_buf(),
             out: BufWriter::new(file),
+            media: MediaFolder::new(component, media),
         })
     }
 
@@ -71,6 +78,9 @@ impl Sink {
             .map_err(|e| CallbackError::io(self.component, &self.path, e))
     }
 }
+
+/// The folder beside a log file that holds its images and files.
+pub const MEDIA_DIR: &str = "media";
 
 /// The events at which every file logger (JSONL, CSV, TensorBoard) flushes its buffer.
 pub(crate) fn flushes_at(event: Event) -> bool {
@@ -128,6 +138,24 @@ impl JsonlLogger {
     pub fn path(&self) -> &Path {
         &self.sink.path
     }
+
+    /// The folder images and files go to (`media/` beside the file).
+    pub fn media_dir(&self) -> &Path {
+        self.sink.media.dir()
+    }
+
+    fn line_at(&mut self, ts: &Timestamp, key: &str, value: Value) -> Result<()> {
+        let mut line = serde_json::json!({
+            "epoch": ts.epoch,
+            "batch": ts.batch,
+            "sample": ts.sample,
+            "token": ts.token,
+            "wall_seconds": ts.total_wall_time.as_secs_f64(),
+        });
+        line[key] = value;
+        self.sink.write(&format!("{line}\n"))?;
+        Ok(())
+    }
 }
 
 impl LoggerDestination for JsonlLogger {
@@ -161,16 +189,29 @@ impl LoggerDestination for JsonlLogger {
 
     /// One line `{"epoch", "batch", "sample", "token", "wall_seconds", "text": {tag: text}}`.
     fn log_text(&mut self, ts: &Timestamp, tag: &str, text: &str) -> Result<()> {
-        let line = serde_json::json!({
-            "epoch": ts.epoch,
-            "batch": ts.batch,
-            "sample": ts.sample,
-            "token": ts.token,
-            "wall_seconds": ts.total_wall_time.as_secs_f64(),
-            "text": { tag: text },
+        self.line_at(ts, "text", serde_json::json!({ tag: text }))
+    }
+
+    /// The image as `media/images/<tag>/<batch>.png`, and one line
+    /// `{..., "image": {"tag", "path" (relative to the JSONL file's folder), "width", "height"}}`.
+    fn log_image(&mut self, ts: &Timestamp, tag: &str, image: &Image) -> Result<()> {
+        let rel = self.sink.media.write_image(tag, ts.batch, image)?;
+        let path = Path::new(MEDIA_DIR).join(rel);
+        let value = serde_json::json!({
+            "tag": tag,
+            "path": path.to_string_lossy(),
+            "width": image.width(),
+            "height": image.height(),
         });
-        self.sink.write(&format!("{line}\n"))?;
-        Ok(())
+        self.line_at(ts, "image", value)
+    }
+
+    /// A copy as `media/files/<name>`, and one line `{..., "file": {"name", "path"}}`.
+    fn upload_file(&mut self, ts: &Timestamp, name: &str, path: &Path) -> Result<()> {
+        let rel = self.sink.media.copy_file(name, path)?;
+        let path = Path::new(MEDIA_DIR).join(rel);
+        let value = serde_json::json!({ "name": name, "path": path.to_string_lossy() });
+        self.line_at(ts, "file", value)
     }
 
     fn run_event(&mut self, event: Event, _ts: &Timestamp, _progress: &Progress) -> Result<()> {
@@ -273,6 +314,19 @@ impl LoggerDestination for CsvLogger {
             .unwrap_or_else(|_| "{}".into());
         std::fs::write(&path, text + "\n")
             .map_err(|e| CallbackError::io("csv_logger", &path, e))?;
+        Ok(())
+    }
+
+    /// The image as `media/images/<tag>/<batch>.png` beside the file (the table itself holds
+    /// numbers only).
+    fn log_image(&mut self, ts: &Timestamp, tag: &str, image: &Image) -> Result<()> {
+        self.sink.media.write_image(tag, ts.batch, image)?;
+        Ok(())
+    }
+
+    /// A copy as `media/files/<name>` beside the file.
+    fn upload_file(&mut self, _ts: &Timestamp, name: &str, path: &Path) -> Result<()> {
+        self.sink.media.copy_file(name, path)?;
         Ok(())
     }
 

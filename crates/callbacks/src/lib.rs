@@ -23,6 +23,8 @@
 //! let jsonl = JsonlLogger::create("runs/metrics.jsonl")?;
 //! let csv = CsvLogger::create("runs/metrics.csv")?;
 //! let tb = TensorBoardLogger::create("runs/tensorboard")?;
+//! let memory = InMemoryLogger::new(); // keep a clone to read what was logged
+//! let images = ImageVisualizer::new(Time::Batch(100))?; // a grid of inputs and labels
 //! # Ok(()) }
 //! ```
 //!
@@ -39,16 +41,25 @@ mod curves;
 pub mod error;
 mod files;
 mod generate;
+mod in_memory;
+pub mod media;
+#[cfg(feature = "mlflow")]
+pub mod mlflow;
 pub mod monitors;
 pub mod plot;
 pub mod profiler;
 pub mod stop;
 pub mod tensorboard;
+pub mod visualize;
 
 pub use console::{ConsoleLogger, ProgressBar};
 pub use curves::TrainingPlot;
 pub use error::CallbackError;
-pub use files::{check_writable_dir, CsvLogger, JsonlLogger, CSV_HEADER};
+pub use files::{check_writable_dir, CsvLogger, JsonlLogger, CSV_HEADER, MEDIA_DIR};
 pub use generate::{Generate, GenerateFn};
+pub use in_memory::{InMemoryLogger, Logged};
+#[cfg(feature = "mlflow")]
+pub use mlflow::{MlflowLogger, MlflowOptions, MlflowRun};
 pub use stop::{MetricStopper, StopAt};
 pub use tensorboard::TensorBoardLogger;
+pub use visualize::ImageVisualizer;

@@ -7,7 +7,8 @@
 //! Fields written (numbers from `tensorflow/core/util/event.proto` and `summary.proto`):
 //! `Event { wall_time = 1 (double), step = 2 (int64), file_version = 3 (string), summary = 5 }`,
 //! `Summary { value = 1 (repeated) }`, `Summary.Value { tag = 1, simple_value = 2 (float),
-//! tensor = 8, metadata = 9 }`, `SummaryMetadata { plugin_data = 1 }`,
+//! image = 4, tensor = 8, metadata = 9 }`, `Summary.Image { height = 1, width = 2,
+//! colorspace = 3 (1 grey, 3 RGB, 4 RGBA), encoded_image_string = 4 (PNG) }`, `SummaryMetadata { plugin_data = 1 }`,
 //! `PluginData { plugin_name = 1 }`, `TensorProto { dtype = 1 (DT_STRING = 7),
 //! tensor_shape = 2, string_val = 8 }`.
 
@@ -18,7 +19,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use flashover_core::error::Result;
 use flashover_core::event::Event;
-use flashover_core::logger::LoggerDestination;
+use flashover_core::logger::{Image, LoggerDestination};
 use flashover_core::time::{Progress, Timestamp};
 use serde_json::{Map, Value};
 
@@ -131,6 +132,18 @@ fn text_value(tag: &str, text: &str) -> Vec<u8> {
     p.0
 }
 
+fn image_value(tag: &str, image: &Image) -> Vec<u8> {
+    let mut img = Proto::default();
+    img.int(1, image.height() as i64);
+    img.int(2, image.width() as i64);
+    img.int(3, image.channels() as i64);
+    img.bytes(4, &crate::media::encode_png(image));
+    let mut p = Proto::default();
+    p.bytes(1, tag.as_bytes());
+    p.bytes(4, &img.0);
+    p.0
+}
+
 fn now_seconds() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -139,8 +152,8 @@ fn now_seconds() -> f64 {
 }
 
 /// Writes TensorBoard event files: every logged value as a scalar (tag = metric name, step =
-/// batches done), and the hyperparameters once, as a Markdown table in the Text tab under
-/// `hyperparameters`. Values are stored as 32-bit floats, as TensorBoard's scalars are.
+/// batches done), texts in the Text tab, images in the Images tab (PNG), and the
+/// hyperparameters once, as a Markdown table in the Text tab under `hyperparameters`. Values are stored as 32-bit floats, as TensorBoard's scalars are.
 ///
 /// ```no_run
 /// use flashover_callbacks::TensorBoardLogger;
@@ -230,6 +243,17 @@ impl LoggerDestination for TensorBoardLogger {
         let e = event(now_seconds(), ts.batch as i64, |e| {
             let mut summary = Proto::default();
             summary.bytes(1, &text_value(tag, text));
+            e.bytes(5, &summary.0);
+        });
+        self.write(&e)?;
+        Ok(())
+    }
+
+    /// An image summary under `tag` (TensorBoard's Images tab) at the step of `ts`.
+    fn log_image(&mut self, ts: &Timestamp, tag: &str, image: &Image) -> Result<()> {
+        let e = event(now_seconds(), ts.batch as i64, |e| {
+            let mut summary = Proto::default();
+            summary.bytes(1, &image_value(tag, image));
             e.bytes(5, &summary.0);
         });
         self.write(&e)?;

@@ -95,8 +95,9 @@ impl<S: Setup> Engine<S> {
         self.run_all(event, state)
     }
 
-    /// Every algorithm's and callback's saved state, keyed `algorithm/<name>` and
-    /// `callback/<name>` (a repeated name gets `#2`, `#3`... in registration order).
+    /// Every algorithm's, callback's and (on this rank) logger's saved state, keyed
+    /// `algorithm/<name>`, `callback/<name>` and `logger/<name>` (a repeated name gets `#2`,
+    /// `#3`... in registration order).
     pub fn component_states(&self) -> BTreeMap<String, Value> {
         let mut out = BTreeMap::new();
         let algorithms = self
@@ -107,7 +108,7 @@ impl<S: Setup> Engine<S> {
             .callbacks
             .iter()
             .map(|c| (format!("callback/{}", c.name()), c.state_dict()));
-        for (key, value) in algorithms.chain(callbacks) {
+        for (key, value) in algorithms.chain(callbacks).chain(self.logger.states()) {
             out.insert(unique_key(&out, key), value);
         }
         out
@@ -115,7 +116,9 @@ impl<S: Setup> Engine<S> {
 
     /// Gives each algorithm and callback the state saved under its key. Components without a
     /// saved state keep their own; a saved state whose component is not registered is an
-    /// error, since the run would silently differ from the one that was saved.
+    /// error, since the run would silently differ from the one that was saved. A logger's
+    /// saved state without the logger is dropped: loggers record and do not change the run
+    /// (and act on rank 0 only, so the other ranks never have them).
     pub fn restore_component_states(&mut self, mut saved: BTreeMap<String, Value>) -> Result<()> {
         let mut seen = BTreeMap::new();
         for a in self.algorithms.iter_mut() {
@@ -136,6 +139,14 @@ impl<S: Setup> Engine<S> {
                 c.load_state_dict(v)?;
             }
         }
+        for d in self.logger.destinations_mut() {
+            let key = unique_key(&seen, format!("logger/{}", d.name()));
+            seen.insert(key.clone(), Value::Null);
+            if let Some(v) = saved.remove(&key).filter(|v| !v.is_null()) {
+                d.load_state_dict(v)?;
+            }
+        }
+        saved.retain(|k, _| !k.starts_with("logger/"));
         let unused: Vec<String> = saved
             .into_iter()
             .filter(|(_, v)| !v.is_null())

@@ -425,6 +425,12 @@ impl<S: Setup> TrainerBuilder<S> {
         );
         hp.insert("seed".into(), json!(self.seed));
         hp.insert("precision".into(), json!(self.precision.name()));
+        hp.insert(
+            "backend".into(),
+            json!(<S::Backend as burn::tensor::backend::Backend>::name(
+                &self.device
+            )),
+        );
         hp.insert("world_size".into(), json!(world.size));
         let sharded = self.sharding.shards(world.size) && self.collective.is_some();
         hp.insert(

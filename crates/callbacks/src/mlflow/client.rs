@@ -1,0 +1,344 @@
+//! The REST calls the MLflow logger makes, and how their failures are sorted: worth retrying
+//! (the connection, a timeout, 5xx, 429) or not (any other 4xx: the server refuses).
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::error::CallbackError;
+
+/// Credentials for the tracking server. `Debug` shows which kind, never the secret.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub enum Credentials {
+    /// None.
+    #[default]
+    None,
+    /// `Authorization: Bearer <token>`.
+    Token(String),
+    /// `Authorization: Basic ...`.
+    Basic {
+        /// The user name.
+        user: String,
+        /// The password.
+        password: String,
+    },
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Credentials::None => f.write_str("None"),
+            Credentials::Token(_) => f.write_str("Token(<hidden>)"),
+            Credentials::Basic { user, .. } => write!(f, "Basic({user}, <hidden>)"),
+        }
+    }
+}
+
+impl Credentials {
+    /// As MLflow's own client reads them: `MLFLOW_TRACKING_TOKEN`, else
+    /// `MLFLOW_TRACKING_USERNAME` with `MLFLOW_TRACKING_PASSWORD`.
+    pub fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        if let Some(token) = var("MLFLOW_TRACKING_TOKEN") {
+            return Credentials::Token(token);
+        }
+        match (
+            var("MLFLOW_TRACKING_USERNAME"),
+            var("MLFLOW_TRACKING_PASSWORD"),
+        ) {
+            (Some(user), Some(password)) => Credentials::Basic { user, password },
+            _ => Credentials::None,
+        }
+    }
+}
+
+/// `uri` without a `user:password@` part (found by hand, so that a URI no parser takes is
+/// redacted too).
+pub fn redact_uri(uri: &str) -> String {
+    let Some(start) = uri.find("://").map(|i| i + 3) else {
+        return uri.to_string();
+    };
+    let authority_end = uri[start..]
+        .find(['/', '?', '#'])
+        .map(|i| start + i)
+        .unwrap_or(uri.len());
+    match uri[start..authority_end].rfind('@') {
+        Some(at) => format!("{}{}", &uri[..start], &uri[start + at + 1..]),
+        None => uri.to_string(),
+    }
+}
+
+/// The server's base URL (no credentials, no trailing `/`), and the credentials to use (those
+/// given, else a `user:password@` in the URI).
+pub fn parse_uri(uri: &str, given: &Credentials) -> Result<(String, Credentials), CallbackError> {
+    let bad = |why: &str| {
+        CallbackError::param(
+            "mlflow_logger",
+            "tracking_uri",
+            format!("{:?}", redact_uri(uri)),
+            format!("an MLflow tracking server's address, http://host:port or https://host[/prefix] ({why})"),
+        )
+    };
+    let mut url = reqwest::Url::parse(uri.trim()).map_err(|e| bad(&e.to_string()))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(bad(
+            "file stores, databricks and other schemes are not supported: start `mlflow server` and give its address",
+        ));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(bad("no host"));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(bad("no query or fragment"));
+    }
+    let mut credentials = given.clone();
+    if !url.username().is_empty() {
+        if credentials == Credentials::None {
+            credentials = Credentials::Basic {
+                user: url.username().to_string(),
+                password: url.password().unwrap_or_default().to_string(),
+            };
+        }
+        let _ = url.set_username("");
+        let _ = url.set_password(None);
+    }
+    let base = url.to_string().trim_end_matches('/').to_string();
+    Ok((base, credentials))
+}
+
+/// Why a request failed.
+#[derive(Debug)]
+pub enum Failure {
+    /// Worth another try: no connection, a timeout, 5xx, 429.
+    Transient(String),
+    /// The server refuses it (400, 403, 404...): retrying would not help.
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// MLflow's `error_code` when it sent one.
+        code: String,
+        /// The server's message.
+        message: String,
+    },
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Transient(m) => f.write_str(m),
+            Failure::Refused {
+                status,
+                code,
+                message,
+            } => write!(f, "HTTP {status} {code}: {message}"),
+        }
+    }
+}
+
+/// A blocking client for one server.
+pub struct Client {
+    http: reqwest::blocking::Client,
+    base: String,
+    credentials: Credentials,
+}
+
+impl Client {
+    /// A client for `base` (from [`parse_uri`]).
+    pub fn new(
+        base: String,
+        credentials: Credentials,
+        timeout: Duration,
+    ) -> Result<Self, CallbackError> {
+        let http = reqwest::blocking::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(timeout.min(Duration::from_secs(10)))
+            .build()
+            .map_err(|e| {
+                CallbackError::param(
+                    "mlflow_logger",
+                    "tracking_uri",
+                    &base,
+                    format!("a server an HTTP client can be built for ({e})"),
+                )
+            })?;
+        Ok(Client {
+            http,
+            base,
+            credentials,
+        })
+    }
+
+    /// The server's address, as shown in messages.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    fn auth(&self, req: reqwest::blocking::RequestBuilder) -> reqwest::blocking::RequestBuilder {
+        match &self.credentials {
+            Credentials::None => req,
+            Credentials::Token(t) => req.bearer_auth(t),
+            Credentials::Basic { user, password } => req.basic_auth(user, Some(password)),
+        }
+    }
+
+    fn finish(
+        &self,
+        what: &str,
+        sent: reqwest::Result<reqwest::blocking::Response>,
+    ) -> Result<Value, Failure> {
+        let response = sent.map_err(|e| {
+            // reqwest's errors name the URL, which holds no credentials (they go in a header).
+            Failure::Transient(format!("{what}: {}", error_chain(&e)))
+        })?;
+        let status = response.status();
+        let body = response.text().unwrap_or_default();
+        if status.is_success() {
+            return Ok(serde_json::from_str(&body).unwrap_or(Value::Null));
+        }
+        let parsed: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+        let code = parsed["error_code"].as_str().unwrap_or("").to_string();
+        let message = parsed["message"]
+            .as_str()
+            .map(str::to_string)
+            .unwrap_or_else(|| body.chars().take(300).collect());
+        if status.is_server_error() || status.as_u16() == 429 || status.as_u16() == 408 {
+            Err(Failure::Transient(format!(
+                "{what}: HTTP {} {code} {message}",
+                status.as_u16()
+            )))
+        } else {
+            Err(Failure::Refused {
+                status: status.as_u16(),
+                code,
+                message: format!("{what}: {message}"),
+            })
+        }
+    }
+
+    /// `GET /api/2.0/mlflow/<endpoint>?<query>`.
+    pub fn get(&self, endpoint: &str, query: &[(&str, &str)]) -> Result<Value, Failure> {
+        let url = format!("{}/api/2.0/mlflow/{endpoint}", self.base);
+        let sent = self.auth(self.http.get(&url).query(query)).send();
+        self.finish(endpoint, sent)
+    }
+
+    /// `POST /api/2.0/mlflow/<endpoint>` with a JSON body.
+    pub fn post(&self, endpoint: &str, body: &Value) -> Result<Value, Failure> {
+        let url = format!("{}/api/2.0/mlflow/{endpoint}", self.base);
+        let sent = self
+            .auth(self.http.post(&url))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_string())
+            .send();
+        self.finish(endpoint, sent)
+    }
+
+    /// `PUT /api/2.0/mlflow-artifacts/artifacts/<path>` with the bytes of `body`.
+    pub fn put_artifact(
+        &self,
+        path: &str,
+        body: reqwest::blocking::Body,
+    ) -> Result<Value, Failure> {
+        let encoded: Vec<String> = path
+            .split('/')
+            .map(|p| {
+                p.bytes()
+                    .map(|b| {
+                        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                            (b as char).to_string()
+                        } else {
+                            format!("%{b:02X}")
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let url = format!(
+            "{}/api/2.0/mlflow-artifacts/artifacts/{}",
+            self.base,
+            encoded.join("/")
+        );
+        let sent = self
+            .auth(self.http.put(&url))
+            .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+            .body(body)
+            .send();
+        self.finish("artifact upload", sent)
+    }
+}
+
+/// An error and its causes on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !text.contains(&s_text) {
+            text.push_str(": ");
+            text.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uris_are_checked_and_their_credentials_taken_out() {
+        let (base, c) = parse_uri("http://127.0.0.1:5000/", &Credentials::None).unwrap();
+        assert_eq!(
+            (base.as_str(), c),
+            ("http://127.0.0.1:5000", Credentials::None)
+        );
+        let (base, c) = parse_uri(
+            "https://alice:s3cret@mlflow.example/prefix",
+            &Credentials::None,
+        )
+        .unwrap();
+        assert_eq!(base, "https://mlflow.example/prefix");
+        assert_eq!(
+            c,
+            Credentials::Basic {
+                user: "alice".into(),
+                password: "s3cret".into()
+            }
+        );
+        for bad in [
+            "file:///tmp/mlruns",
+            "databricks",
+            "http://",
+            "ftp://x",
+            "http://h/?a=1",
+        ] {
+            let e = parse_uri(bad, &Credentials::None).unwrap_err().to_string();
+            assert!(
+                e.contains("tracking_uri") && e.contains("http://host:port"),
+                "{bad}: {e}"
+            );
+        }
+        let e = parse_uri("file://alice:s3cret@x/y", &Credentials::None)
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("s3cret"), "{e}");
+    }
+
+    #[test]
+    fn secrets_never_show_in_debug() {
+        let shown = format!(
+            "{:?} {:?}",
+            Credentials::Token("tok-123".into()),
+            Credentials::Basic {
+                user: "alice".into(),
+                password: "pw-456".into()
+            }
+        );
+        assert!(
+            !shown.contains("tok-123") && !shown.contains("pw-456"),
+            "{shown}"
+        );
+        assert_eq!(redact_uri("http://a:b@h:1/x"), "http://h:1/x");
+    }
+}
