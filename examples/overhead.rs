@@ -2,13 +2,15 @@
 //! CNN, initial weights, optimizer (AdamW, lr 1e-3), batches (same loader, seed and order) and
 //! step count. A third variant is Flashover with observability on (the console logger at the
 //! example's default interval, formatted by a tracing subscriber, and the progress bar), to
-//! show what watching a run costs. Variants run interleaved (A B C A B C ...), reported as
+//! show what watching a run costs; with `--mlflow URI`, a fourth adds the MLflow logger to
+//! the third (a real tracking server; the bench starts one), to show what MLflow costs a step.
+//! Variants run interleaved (A B C A B C ...), reported as
 //! medians with min-max and ratios to the hand-written loop. burn-train's `Learner` is
 //! compared in `benches/learner` (its build turns on flex's SIMD and threads, which this
 //! build keeps off).
 //!
 //! ```text
-//! cargo run --release --example overhead -- --steps 120 --reps 5
+//! cargo run --release --example overhead -- --steps 120 --reps 5 [--mlflow http://127.0.0.1:5000]
 //! ```
 
 use anyhow::Context;
@@ -16,7 +18,7 @@ use clap::Parser;
 use flashover::backend::COMPILED;
 use flashover::models::TrainBackend;
 use flashover_examples::median_min_max;
-use flashover_examples::overhead::{flashover, handwritten};
+use flashover_examples::overhead::{flashover, flashover_with_mlflow, handwritten};
 use serde_json::json;
 
 // Large per-step buffers stay with the process (see the macro).
@@ -37,6 +39,9 @@ struct Args {
     /// Backend, among those compiled in.
     #[arg(long, default_value_t = COMPILED[0].to_string())]
     backend: String,
+    /// Also time the observed run with an MLflow logger to this tracking server.
+    #[arg(long)]
+    mlflow: Option<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -56,11 +61,22 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
     let (_, hand_digest) = handwritten::<B>(steps, bs, &device).context("warm-up")?;
     let (_, ours_digest) = flashover::<B>(steps, bs, false, &device)?;
     let (_, observed_digest) = flashover::<B>(steps, bs, true, &device)?;
+    let mlflow_run = |uri: &str| flashover_with_mlflow::<B>(steps, bs, uri, &device);
+    let mlflow_digest = match &args.mlflow {
+        Some(uri) => Some(mlflow_run(uri).context("warm-up with MLflow")?.digest),
+        None => None,
+    };
     let (mut hand, mut ours, mut observed) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut mlflow, mut mlflow_finish) = (Vec::new(), Vec::new());
     for _ in 0..args.reps {
         hand.push(handwritten::<B>(steps, bs, &device)?.0);
         ours.push(flashover::<B>(steps, bs, false, &device)?.0);
         observed.push(flashover::<B>(steps, bs, true, &device)?.0);
+        if let Some(uri) = &args.mlflow {
+            let t = mlflow_run(uri)?;
+            mlflow.push(t.fit_seconds);
+            mlflow_finish.push(t.finish_seconds);
+        }
     }
     let (hm, hmin, hmax) = median_min_max(&hand);
     let (om, omin, omax) = median_min_max(&ours);
@@ -76,7 +92,25 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         "| Flashover + console + JSONL + progress bar | {vm:.3} | {vmin:.3}-{vmax:.3} | {:.3} |",
         vm / hm
     );
-    let summary = json!({
+    let mut mlflow_summary = json!({
+        "flashover_mlflow_median_s": null,
+        "mlflow_over_observed": null,
+        "mlflow_finish_median_s": null,
+    });
+    if !mlflow.is_empty() {
+        let (mm, mmin, mmax) = median_min_max(&mlflow);
+        let (fm, _, _) = median_min_max(&mlflow_finish);
+        println!(
+            "| Flashover + console + JSONL + progress bar + MLflow | {mm:.3} | {mmin:.3}-{mmax:.3} | {:.3} |",
+            mm / hm
+        );
+        mlflow_summary = json!({
+            "flashover_mlflow_median_s": mm,
+            "mlflow_over_observed": mm / vm,
+            "mlflow_finish_median_s": fm,
+        });
+    }
+    let mut summary = json!({
         "backend": args.backend,
         "steps": args.steps,
         "reps": args.reps,
@@ -87,8 +121,13 @@ fn measure<B: TrainBackend>(args: &Args) -> anyhow::Result<()> {
         "flashover_over_handwritten": om / hm,
         "observability_over_plain": vm / om,
         "observed_loggers": "console (every 50 batches), JSONL (every value), progress bar (hidden)",
-        "same_weights": hand_digest == ours_digest && ours_digest == observed_digest,
+        "same_weights": hand_digest == ours_digest
+            && ours_digest == observed_digest
+            && mlflow_digest.as_ref().is_none_or(|d| *d == observed_digest),
     });
+    for (k, v) in mlflow_summary.as_object().into_iter().flatten() {
+        summary[k] = v.clone();
+    }
     println!("{summary}");
     Ok(())
 }

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use burn::optim::{GradientsParams, Optimizer};
-use flashover::callbacks::{ConsoleLogger, JsonlLogger, ProgressBar};
+use flashover::callbacks::{ConsoleLogger, JsonlLogger, MlflowLogger, MlflowOptions, ProgressBar};
 use flashover::core::data::BatchSource;
 use flashover::core::params::params_sha256;
 use flashover::core::time::Time;
@@ -64,6 +64,40 @@ pub fn flashover<B: TrainBackend>(
     observed: bool,
     device: &B::Device,
 ) -> Result<(f64, String)> {
+    let run = timed::<B>(steps, batch_size, observed, None, device)?;
+    Ok((run.fit_seconds, run.digest))
+}
+
+/// One timed run of [`flashover_with_mlflow`].
+#[derive(Debug, Clone)]
+pub struct Timed {
+    /// Seconds of `fit`.
+    pub fit_seconds: f64,
+    /// Seconds from the end of `fit` until the MLflow run is ended (every value sent).
+    pub finish_seconds: f64,
+    /// The final weights' digest.
+    pub digest: String,
+}
+
+/// The observed run of [`flashover`] with an MLflow logger too, logging to the tracking server
+/// at `uri` (experiment `flashover-overhead`, a run per call). Fails unless the server took
+/// every value.
+pub fn flashover_with_mlflow<B: TrainBackend>(
+    steps: u64,
+    batch_size: usize,
+    uri: &str,
+    device: &B::Device,
+) -> Result<Timed> {
+    timed::<B>(steps, batch_size, true, Some(uri), device)
+}
+
+fn timed<B: TrainBackend>(
+    steps: u64,
+    batch_size: usize,
+    observed: bool,
+    mlflow: Option<&str>,
+    device: &B::Device,
+) -> Result<Timed> {
     let (train, _) = mnist_loaders::<B>(&data(batch_size), device)?;
     let model = MnistCnn::<B>::new(device, 1);
     let mut builder = Trainer::builder(
@@ -83,12 +117,33 @@ pub fn flashover<B: TrainBackend>(
             .logger(JsonlLogger::create(&jsonl)?)
             .logger(ProgressBar::hidden());
     }
+    let mut run = None;
+    if let Some(uri) = mlflow {
+        let mut options = MlflowOptions::new(uri);
+        options.experiment = "flashover-overhead".into();
+        let logger = MlflowLogger::new(options)?;
+        run = Some(logger.handle());
+        builder = builder.logger(logger);
+    }
     let mut trainer = builder.build()?;
     let start = Instant::now();
     trainer.fit()?;
-    let seconds = start.elapsed().as_secs_f64();
+    let fit_seconds = start.elapsed().as_secs_f64();
     let digest = params_sha256::<B, _>(trainer.model());
+    let finish = Instant::now();
     drop(trainer);
+    if let Some(run) = run {
+        let report = run.finish();
+        // One train/loss and one train/lr per batch at least: the server took them all.
+        if report.metrics_unsent > 0 || report.metrics_sent < 2 * steps {
+            return Err(flashover::core::CoreError::config(
+                "overhead MLflow run",
+                format!("{report:?}"),
+                format!("every value sent (at least {})", 2 * steps),
+            ));
+        }
+    }
+    let finish_seconds = finish.elapsed().as_secs_f64();
     if observed {
         let lines = std::fs::read_to_string(&jsonl).map(|t| t.lines().count());
         let _ = std::fs::remove_file(&jsonl);
@@ -101,5 +156,9 @@ pub fn flashover<B: TrainBackend>(
             ));
         }
     }
-    Ok((seconds, digest))
+    Ok(Timed {
+        fit_seconds,
+        finish_seconds,
+        digest,
+    })
 }

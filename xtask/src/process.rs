@@ -240,6 +240,96 @@ pub(crate) fn start_s3s_fs(
     Ok((child, port))
 }
 
+/// A tracking server `mlflow server` (Python's `mlflow`) on a free port of 127.0.0.1, with a
+/// SQLite store and artifacts in a scratch folder under `target/`; stopped (its process group)
+/// and the folder removed when dropped.
+pub(crate) struct MlflowServer {
+    child: std::process::Child,
+    root: std::path::PathBuf,
+    /// The tracking URI.
+    pub(crate) uri: String,
+}
+
+impl MlflowServer {
+    /// Starts one, or says why not and returns `None` where `mlflow` is not installed.
+    pub(crate) fn start() -> Result<Option<MlflowServer>> {
+        use std::os::unix::process::CommandExt;
+        let installed = Command::new("mlflow")
+            .arg("--version")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !installed {
+            eprintln!(
+                "mlflow is not installed (pip install mlflow): the MLflow overhead row is skipped"
+            );
+            return Ok(None);
+        }
+        let root = std::path::Path::new("target")
+            .join("bench-mlflow")
+            .join(std::process::id().to_string());
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root)?;
+        let root = root.canonicalize()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let child = Command::new("mlflow")
+            .args(["server", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--workers", "1"])
+            .arg("--backend-store-uri")
+            .arg(format!("sqlite:///{}", root.join("mlflow.db").display()))
+            .arg("--artifacts-destination")
+            .arg(root.join("artifacts"))
+            .current_dir(&root)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(root.join("server.log"))?)
+            .process_group(0)
+            .spawn()
+            .context("starting mlflow server")?;
+        let server = MlflowServer {
+            child,
+            root,
+            uri: format!("http://127.0.0.1:{port}"),
+        };
+        let started = std::time::Instant::now();
+        loop {
+            use std::io::{Read, Write};
+            let healthy = std::net::TcpStream::connect(("127.0.0.1", port))
+                .and_then(|mut s| {
+                    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+                    s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
+                    let mut answer = String::new();
+                    s.read_to_string(&mut answer)?;
+                    Ok(answer.contains(" 200 "))
+                })
+                .unwrap_or(false);
+            if healthy {
+                return Ok(Some(server));
+            }
+            if started.elapsed().as_secs() >= 180 {
+                bail!(
+                    "mlflow server did not answer within 180 s: {}",
+                    std::fs::read_to_string(server.root.join("server.log")).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for MlflowServer {
+    fn drop(&mut self) {
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-TERM", "--", &group]).status();
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
 /// Whether OpenMPI's launcher is installed.
 /// Runs `mpirun` with `args` (from [`mpirun_args`] on), one compute thread per rank, and
 /// returns rank 0's JSON summary line; the job's stderr in the error when it fails.

@@ -106,15 +106,21 @@ pub(crate) fn bench(backend: Backend, quick: bool, no_burn_train: bool) -> Resul
         cargo(&args)?;
         clock.done("build");
         let (steps, reps) = if quick { ("30", "3") } else { ("120", "5") };
-        let overhead =
-            match run_example(b, "overhead", &strings(&["--steps", steps, "--reps", reps])) {
-                Ok(o) => o,
-                Err(e) if e.to_string().starts_with("no device") => {
-                    eprintln!("{e}; skipping");
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
+        // The MLflow row: a real tracking server for the run of this backend.
+        let mlflow = MlflowServer::start()?;
+        let mut overhead_args = strings(&["--steps", steps, "--reps", reps]);
+        if let Some(server) = &mlflow {
+            overhead_args.extend(strings(&["--mlflow", server.uri.as_str()]));
+        }
+        let overhead = match run_example(b, "overhead", &overhead_args) {
+            Ok(o) => o,
+            Err(e) if e.to_string().starts_with("no device") => {
+                eprintln!("{e}; skipping");
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        drop(mlflow);
         clock.done("overhead");
         let checkpoint = run_example(b, "checkpoint_io", &strings(&["--reps", reps]))?;
         clock.done("checkpoint_io");
