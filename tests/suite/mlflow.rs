@@ -3,7 +3,8 @@
 //! installed), read back with MLflow's own Python client: the MNIST example's params, every
 //! metric's full history, tags and artifacts (plot, weights, summary, images, checkpoints), a
 //! resumed run appending to the same MLflow run; a server stopped mid-run and restarted loses
-//! no metric; a server that is down costs the run only warnings. Images through every logger:
+//! no metric; a server that is down costs the run only warnings; credentials from the
+//! environment reach a server with MLflow's basic-auth app and are never printed. Images through every logger:
 //! TensorBoard's reader sees them, the log folder holds them.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -164,6 +165,19 @@ fn mlflow_holds_the_examples_run_and_a_resumed_run_continues_it() {
         .contains(support::BACKEND));
     assert_eq!(tags["mlflow.source.name"], "mnist");
     assert!(tags["flashover_run_uid"].as_str().unwrap().len() >= 16);
+    // The commit, where the example runs inside a git checkout (the tests do).
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    if let Some(head) = head {
+        assert_eq!(
+            tags["mlflow.source.git.commit"].as_str(),
+            Some(head.as_str())
+        );
+    }
 
     // Artifacts: the plot, the final weights, the summary, the configuration, the images
     // and every checkpoint, byte for byte.
@@ -426,4 +440,72 @@ fn bad_mlflow_settings_are_errors_naming_them() {
     ]));
     assert!(!o.status.success());
     assert!(o.stderr.contains("--save-folder"), "{}", o.stderr);
+}
+
+#[test]
+fn credentials_come_from_the_environment_and_are_never_printed() {
+    // MLflow's basic-auth app: requests without the admin's password are refused (401).
+    let password = "pw-7c1e-never-printed";
+    let Some(server) = MlflowServer::start_with_basic_auth(password) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let uri = server.uri();
+    let run = |pw: &str, experiment: &str| {
+        let logs = dir.path().join(experiment);
+        let args = support::short_args(&[
+            "--max-duration",
+            "24ba",
+            "--log-dir",
+            logs.to_str().unwrap(),
+            "--mlflow",
+            &uri,
+            "--mlflow-experiment",
+            experiment,
+            "--mlflow-finish-timeout",
+            "20s",
+        ]);
+        let o = support::run_example_env(
+            "mnist",
+            &args,
+            &[
+                ("MLFLOW_TRACKING_USERNAME", "admin".to_string()),
+                ("MLFLOW_TRACKING_PASSWORD", pw.to_string()),
+            ],
+        );
+        assert!(o.status.success(), "{}", o.stderr);
+        assert!(
+            !o.stderr.contains(pw),
+            "the password is printed: {}",
+            o.stderr
+        );
+        o
+    };
+    let good = run(password, "with-auth");
+    assert!(!good.stderr.contains("WARN"), "{}", good.stderr);
+    let read = server.read("with-auth");
+    let runs = read["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 1, "{read}");
+    assert_eq!(
+        runs[0]["metrics"]["train/loss"].as_array().unwrap().len(),
+        24
+    );
+
+    // A wrong password: the server refuses, the run says so once and trains on.
+    let bad = run("wrong-password-1234", "refused");
+    let warning = bad
+        .stderr
+        .lines()
+        .find(|l| l.contains("MLflow refused to open the run"))
+        .unwrap_or_else(|| {
+            panic!(
+                "no refusal warning: {}\nserver log: {}",
+                bad.stderr,
+                std::fs::read_to_string(server.root.path().join("server.log")).unwrap_or_default()
+            )
+        });
+    assert!(warning.contains("401"), "{warning}");
+    assert!(server.read("refused")["runs"]
+        .as_array()
+        .is_none_or(|r| r.is_empty()));
 }

@@ -852,3 +852,134 @@ fn every_precision_runs_with_every_monitor_and_logger() {
         assert!(out.status.success(), "shakespeare {name}:\n{}", out.stderr);
     }
 }
+
+/// Records, at the `AFTER_LOSS` of batch 3, the first four images of the batch (after the
+/// algorithms), their classes and the model's predictions.
+#[derive(Clone, Default)]
+struct SeenAtBatch3(Arc<Mutex<Option<Seen>>>);
+
+/// Images (4 x 28 x 28, flat), classes and predictions.
+type Seen = (Vec<f32>, Vec<i64>, Vec<usize>);
+
+impl flashover::core::callback::Callback<MnistSetup> for SeenAtBatch3 {
+    fn name(&self) -> &str {
+        "seen"
+    }
+    fn after_loss(&mut self, state: &MnistState, _ctl: &mut Control<'_>) -> Result<()> {
+        use flashover::core::model::{ClassTargets, ImageBatch, Logits};
+        if state.timestamp().batch + 1 != 3 {
+            return Ok(());
+        }
+        let batch = state.batch().unwrap();
+        let images: Vec<f32> = batch
+            .images()
+            .clone()
+            .narrow(0, 0, 4)
+            .into_data()
+            .convert::<f32>()
+            .to_vec()
+            .unwrap();
+        let classes: Vec<i64> = batch
+            .classes()
+            .clone()
+            .narrow(0, 0, 4)
+            .into_data()
+            .convert::<i64>()
+            .to_vec()
+            .unwrap();
+        let predicted: Vec<usize> = state
+            .outputs()
+            .unwrap()
+            .logits()
+            .clone()
+            .narrow(0, 0, 4)
+            .argmax(1)
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .unwrap()
+            .into_iter()
+            .map(|p| p as usize)
+            .collect();
+        *self.0.lock().unwrap() = Some((images, classes, predicted));
+        Ok(())
+    }
+}
+
+/// The image visualizer logs the batch as the algorithms left it (here CutOut's holes), with
+/// the model's predictions and the true classes: its grid is exactly the one drawn from the
+/// batch the model trained on, scaled per image as documented.
+#[test]
+fn the_image_visualizer_shows_the_batch_as_the_algorithms_left_it() {
+    use flashover::callbacks::visualize::{grid, Cell};
+    use flashover::callbacks::{ImageVisualizer, InMemoryLogger};
+    let run = crate::algorithms::tiny("cutout:num_holes=1:length=0.5");
+    let seen = SeenAtBatch3::default();
+    let memory = InMemoryLogger::new();
+    let mut trainer = run
+        .builder::<TB, _>(MnistRun::adamw::<TB>(), &device())
+        .unwrap()
+        .callback(seen.clone())
+        .callback(
+            ImageVisualizer::new(Time::Batch(3))
+                .unwrap()
+                .with_images(4, 2)
+                .unwrap(),
+        )
+        .logger(memory.clone())
+        .build()
+        .unwrap();
+    trainer.fit().unwrap();
+    let logged = memory.snapshot();
+    let steps: Vec<u64> = logged.images.iter().map(|(t, _, _)| t.batch).collect();
+    assert_eq!(steps, [3, 6, 9], "every 3 batches of 9");
+    assert!(logged
+        .images
+        .iter()
+        .all(|(_, tag, _)| tag == "inputs/train"));
+    let (images, classes, predicted) = seen.0.lock().unwrap().clone().unwrap();
+
+    // CutOut's hole: a block of exact zeros (MNIST's normalised background is -0.42).
+    let has_hole = images.chunks(28 * 28).any(|img| {
+        (0..=21).any(|y0| {
+            (0..=21).any(|x0| (0..7).all(|y| (0..7).all(|x| img[(y0 + y) * 28 + x0 + x] == 0.0)))
+        })
+    });
+    assert!(has_hole, "CutOut left no hole in the first four images");
+
+    let cells: Vec<Cell> = images
+        .chunks(28 * 28)
+        .zip(&classes)
+        .zip(&predicted)
+        .map(|((img, &class), &pred)| {
+            let lo = img.iter().copied().fold(f32::INFINITY, f32::min);
+            let hi = img.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            Cell {
+                pixels: img
+                    .iter()
+                    .map(|&v| ((v - lo) / (hi - lo) * 255.0).round() as u8)
+                    .collect(),
+                channels: 1,
+                height: 28,
+                width: 28,
+                predicted: pred.to_string(),
+                truth: class.to_string(),
+                correct: pred as i64 == class,
+            }
+        })
+        .collect();
+    let expected = grid(&cells, 2).unwrap();
+    assert_eq!(logged.images[0].2, expected, "the grid of batch 3");
+    let caption = &logged
+        .texts
+        .iter()
+        .find(|(t, tag, _)| t.batch == 3 && tag == "inputs/train/labels")
+        .unwrap()
+        .2;
+    let pairs: Vec<String> = predicted
+        .iter()
+        .zip(&classes)
+        .map(|(p, c)| format!("{p}/{c}"))
+        .collect();
+    assert!(caption.ends_with(&pairs.join(" ")), "{caption}");
+}

@@ -645,6 +645,8 @@ pub fn write_example_shards(args: &[&str]) {
 /// dropped; [`restart`](Self::restart) brings it back on the same port and store.
 pub struct MlflowServer {
     child: Option<std::process::Child>,
+    /// With MLflow's basic-auth app: the admin's password (user `admin`).
+    admin_password: Option<String>,
     /// The folder holding `mlflow.db` and `artifacts/`.
     pub root: tempfile::TempDir,
     /// Its port on 127.0.0.1.
@@ -655,6 +657,16 @@ impl MlflowServer {
     /// Starts the server, or returns `None` (with a recorded skip) when `mlflow` is not
     /// installed and `FLASHOVER_REQUIRE_MLFLOW` is unset (`.ci/run` installs it).
     pub fn start() -> Option<MlflowServer> {
+        Self::start_with(None)
+    }
+
+    /// As [`start`](Self::start), with MLflow's basic-auth app: every request must carry
+    /// the user `admin` and `password` (needs `pip install 'mlflow[auth]'`).
+    pub fn start_with_basic_auth(password: &str) -> Option<MlflowServer> {
+        Self::start_with(Some(password.to_string()))
+    }
+
+    fn start_with(admin_password: Option<String>) -> Option<MlflowServer> {
         let found = std::process::Command::new("mlflow")
             .arg("--version")
             .stdout(std::process::Stdio::null())
@@ -670,6 +682,19 @@ impl MlflowServer {
                 return None;
             }
         }
+        if admin_password.is_some() {
+            let auth = std::process::Command::new("python3")
+                .args(["-c", "import flask_wtf"])
+                .stderr(std::process::Stdio::null())
+                .status();
+            if !auth.is_ok_and(|s| s.success()) {
+                skip::skipped(
+                    skip::Need::Mlflow,
+                    "MLflow's basic-auth app needs Flask-WTF (pip install 'mlflow[auth]')",
+                );
+                return None;
+            }
+        }
         let root = tempfile::tempdir().expect("a temporary folder");
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
@@ -677,6 +702,7 @@ impl MlflowServer {
             .port();
         let mut server = MlflowServer {
             child: None,
+            admin_password,
             root,
             port,
         };
@@ -717,14 +743,15 @@ impl MlflowServer {
         self.stop();
         let root = self.root.path();
         let log = std::fs::File::create(root.join("server.log")).expect("a log file");
-        let child = std::process::Command::new("mlflow")
-            .args([
-                "server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &self.port.to_string(),
-            ])
+        let mut cmd = std::process::Command::new("mlflow");
+        cmd.arg("server");
+        if let Some(password) = &self.admin_password {
+            cmd.args(["--app-name", "basic-auth"])
+                .env("MLFLOW_AUTH_ADMIN_PASSWORD", password)
+                .env("MLFLOW_FLASK_SERVER_SECRET_KEY", "flashover-tests");
+        }
+        let child = cmd
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
             .args(["--workers", "1"])
             .arg("--backend-store-uri")
             .arg(format!("sqlite:///{}", root.join("mlflow.db").display()))
@@ -751,6 +778,15 @@ impl MlflowServer {
             if healthy {
                 return;
             }
+            let exited = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            assert!(
+                exited.is_none(),
+                "mlflow server exited ({exited:?}): {}",
+                std::fs::read_to_string(root.join("server.log")).unwrap_or_default()
+            );
             assert!(
                 started.elapsed() < std::time::Duration::from_secs(180),
                 "mlflow server did not answer on port {} within 180 s: {}",
@@ -766,7 +802,12 @@ impl MlflowServer {
     pub fn read(&self, experiment: &str) -> serde_json::Value {
         let script =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/read_mlflow.py");
-        let out = std::process::Command::new("python3")
+        let mut cmd = std::process::Command::new("python3");
+        if let Some(password) = &self.admin_password {
+            cmd.env("MLFLOW_TRACKING_USERNAME", "admin")
+                .env("MLFLOW_TRACKING_PASSWORD", password);
+        }
+        let out = cmd
             .arg(&script)
             .arg(self.uri())
             .arg(experiment)

@@ -82,7 +82,7 @@ impl Need {
             Need::TensorBoard => "pip install tensorboard",
             Need::NetNs => "run the tests as root with iproute2 installed",
             Need::PyWriters => "pip install --no-deps mosaicml-streaming==0.13.0 && pip install numpy zstd 'xxhash<4' python-snappy Brotli Pillow filelock typing_extensions tqdm pyarrow",
-            Need::Mlflow => "pip install mlflow",
+            Need::Mlflow => "pip install 'mlflow[auth]'",
         }
     }
 

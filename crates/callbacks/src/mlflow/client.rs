@@ -325,6 +325,92 @@ mod tests {
         assert!(!e.contains("s3cret"), "{e}");
     }
 
+    /// Serves one HTTP request on a socket of 127.0.0.1 with `status` and `body`, and
+    /// returns the request's text.
+    fn serve_once(status: &str, body: &'static str) -> (String, std::thread::JoinHandle<String>) {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let status = status.to_string();
+        let handle = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut buf = vec![0u8; 65536];
+            let mut got = Vec::new();
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                let n = s.read(&mut buf).unwrap();
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+            }
+            write!(
+                s,
+                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            String::from_utf8_lossy(&got).into_owned()
+        });
+        (base, handle)
+    }
+
+    #[test]
+    fn a_token_goes_in_the_authorization_header() {
+        let (base, server) = serve_once("200 OK", "{\"ok\": 1}");
+        let client = Client::new(
+            base,
+            Credentials::Token("tok-abc".into()),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let v = client
+            .get("experiments/get-by-name", &[("experiment_name", "a b")])
+            .unwrap();
+        assert_eq!(v["ok"], 1);
+        let request = server.join().unwrap().to_lowercase();
+        assert!(
+            request.starts_with("get /api/2.0/mlflow/experiments/get-by-name?experiment_name=a+b "),
+            "{request}"
+        );
+        assert!(
+            request.contains("authorization: bearer tok-abc"),
+            "{request}"
+        );
+    }
+
+    #[test]
+    fn failures_are_sorted_into_retried_and_refused() {
+        for (status, retried) in [
+            ("503 Service Unavailable", true),
+            ("500 Internal Server Error", true),
+            ("429 Too Many Requests", true),
+            ("400 Bad Request", false),
+            ("401 Unauthorized", false),
+        ] {
+            let (base, server) = serve_once(status, "{\"error_code\": \"X\", \"message\": \"m\"}");
+            let client = Client::new(base, Credentials::None, Duration::from_secs(10)).unwrap();
+            let f = client
+                .post("runs/log-batch", &serde_json::json!({}))
+                .unwrap_err();
+            server.join().unwrap();
+            assert_eq!(matches!(f, Failure::Transient(_)), retried, "{status}: {f}");
+            assert!(f.to_string().contains(&status[..3]), "{f}");
+        }
+        // Nothing listening: retried.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let client = Client::new(
+            format!("http://127.0.0.1:{port}"),
+            Credentials::None,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert!(matches!(client.get("x", &[]), Err(Failure::Transient(_))));
+    }
+
     #[test]
     fn secrets_never_show_in_debug() {
         let shown = format!(
