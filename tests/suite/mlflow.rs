@@ -74,10 +74,10 @@ fn mlflow_holds_the_examples_run_and_a_resumed_run_continues_it() {
     let p = |s: &str| dir.path().join(s).to_string_lossy().into_owned();
     let (logs, out, ck) = (p("logs"), p("out"), p("ck"));
     let uri = server.uri();
-    let run = |extra: &[&str]| {
+    let run = |max_duration: &str, extra: &[&str]| {
         let mut args = support::short_args(&[
             "--max-duration",
-            "24ba",
+            max_duration,
             "--eval-interval",
             "8ba",
             "--log-every",
@@ -108,11 +108,23 @@ fn mlflow_holds_the_examples_run_and_a_resumed_run_continues_it() {
         assert!(o.status.success(), "{}", o.stderr);
         o
     };
-    // Interrupted at batch 12 (a checkpoint there), then resumed to batch 24.
-    let first = run(&["--stop-after", "12ba"]);
+    // Interrupted at batch 12 (a checkpoint there), then resumed and lengthened to batch 32:
+    // MLflow keeps a param's first value, so the new one becomes a tag, with a warning.
+    let first = run("24ba", &["--stop-after", "12ba"]);
     assert!(!first.stderr.contains("WARN"), "{}", first.stderr);
-    let second = run(&["--autoresume"]);
-    assert!(!second.stderr.contains("WARN"), "{}", second.stderr);
+    let second = run("32ba", &["--autoresume"]);
+    let warnings: Vec<&str> = second
+        .stderr
+        .lines()
+        .filter(|l| l.contains("WARN"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{}", second.stderr);
+    assert!(
+        warnings[0].contains("MLflow params cannot change")
+            && warnings[0].contains("max_duration: 24ba -> 32ba"),
+        "{}",
+        warnings[0]
+    );
 
     let read = server.read("digits");
     let runs = read["runs"].as_array().unwrap();
@@ -139,9 +151,10 @@ fn mlflow_holds_the_examples_run_and_a_resumed_run_continues_it() {
         .filter(|(_, k)| k == "train/loss")
         .map(|(b, _)| *b)
         .collect();
-    assert_eq!(losses, (1..=24).collect::<Vec<_>>());
+    assert_eq!(losses, (1..=32).collect::<Vec<_>>());
 
-    // Params: the hyperparameters, as MLflow's strings.
+    // Params: the hyperparameters, as MLflow's strings (the resumed run's; max_duration
+    // changed, and is a tag).
     let hp: Value = serde_json::from_str(
         &std::fs::read_to_string(logs.join("metrics.hyperparameters.json")).unwrap(),
     )
@@ -152,6 +165,11 @@ fn mlflow_holds_the_examples_run_and_a_resumed_run_continues_it() {
             Value::String(s) => s.clone(),
             other => other.to_string(),
         };
+        if k == "max_duration" {
+            assert_eq!(params[k], "24ba");
+            assert_eq!(mlrun["tags"]["flashover.param.max_duration"], "32ba");
+            continue;
+        }
         assert_eq!(params[k].as_str(), Some(want.as_str()), "param {k}");
     }
     assert_eq!(params.len(), hp.as_object().unwrap().len());
@@ -202,7 +220,7 @@ fn mlflow_holds_the_examples_run_and_a_resumed_run_continues_it() {
     }
     let summary: Value =
         serde_json::from_slice(&std::fs::read(stored("summary.json")).unwrap()).unwrap();
-    assert_eq!(summary["batches"], 24);
+    assert_eq!(summary["batches"], 32);
     assert_eq!(
         summary["test_accuracy"],
         second.summary.as_ref().unwrap()["test_accuracy"]
@@ -227,7 +245,7 @@ fn mlflow_holds_the_examples_run_and_a_resumed_run_continues_it() {
     }
 
     // The image visualizer's grids: in the JSONL (with a file in media/), in MLflow and in
-    // TensorBoard, the same PNG at batches 8, 16 and 24.
+    // TensorBoard, the same PNG at batches 8, 16, 24 and 32.
     let steps: Vec<u64> = image_lines
         .iter()
         .map(|i| i["path"].as_str().unwrap().to_string())
@@ -240,7 +258,7 @@ fn mlflow_holds_the_examples_run_and_a_resumed_run_continues_it() {
                 .unwrap()
         })
         .collect();
-    assert_eq!(steps, [8, 16, 24]);
+    assert_eq!(steps, [8, 16, 24, 32]);
     let tb = support::read_tensorboard(&logs.join("tensorboard"));
     for (line, step) in image_lines.iter().zip(steps) {
         assert_eq!(line["tag"], "inputs/train");

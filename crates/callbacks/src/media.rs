@@ -92,12 +92,25 @@ impl MediaFolder {
     /// checked by the logger: plain relative parts.)
     pub fn copy_file(&self, name: &str, path: &Path) -> Result<PathBuf> {
         let rel = Path::new("files").join(name);
-        let bytes = std::fs::read(path).map_err(|e| CallbackError::io(self.component, path, e))?;
-        self.write(&rel, &bytes)?;
+        self.write_with(&rel, |tmp| {
+            std::fs::copy(path, tmp).map(|_| ()).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("copying {}: {e}", path.display()))
+            })
+        })?;
         Ok(rel)
     }
 
     fn write(&self, rel: &Path, bytes: &[u8]) -> Result<()> {
+        self.write_with(rel, |tmp| std::fs::write(tmp, bytes))
+    }
+
+    /// Creates the file at `rel` through `fill` (given a temporary path beside it), then
+    /// renames it into place.
+    fn write_with(
+        &self,
+        rel: &Path,
+        fill: impl FnOnce(&Path) -> std::io::Result<()>,
+    ) -> Result<()> {
         let path = self.dir.join(rel);
         let io = |p: &Path, e| CallbackError::io(self.component, p, e);
         let dir = path.parent().unwrap_or(&self.dir);
@@ -107,7 +120,10 @@ impl MediaFolder {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-        std::fs::write(&tmp, bytes).map_err(|e| io(&tmp, e))?;
+        fill(&tmp).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io(&tmp, e)
+        })?;
         std::fs::rename(&tmp, &path).map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
             io(&path, e)

@@ -108,8 +108,19 @@ impl<S: Setup> Engine<S> {
             .callbacks
             .iter()
             .map(|c| (format!("callback/{}", c.name()), c.state_dict()));
-        for (key, value) in algorithms.chain(callbacks).chain(self.logger.states()) {
+        for (key, value) in algorithms.chain(callbacks) {
             out.insert(unique_key(&out, key), value);
+        }
+        // Loggers are numbered as the restore numbers them (every one), and only those with
+        // something to save are kept: checkpoints of runs whose loggers keep nothing do not
+        // change.
+        let mut loggers = BTreeMap::new();
+        for (key, value) in self.logger.states() {
+            let key = unique_key(&loggers, key);
+            loggers.insert(key.clone(), Value::Null);
+            if !value.is_null() {
+                out.insert(key, value);
+            }
         }
         out
     }

@@ -207,13 +207,12 @@ impl Logger {
         Ok(())
     }
 
-    /// Every destination's saved state (keyed `logger/<name>`, a repeated name `#2`...), the
-    /// ones with nothing to save left out.
+    /// Every destination's saved state, keyed `logger/<name>` (`Null` for those with nothing
+    /// to save), in registration order.
     pub(crate) fn states(&self) -> Vec<(String, Value)> {
         self.destinations
             .iter()
             .map(|d| (format!("logger/{}", d.name()), d.state_dict()))
-            .filter(|(_, v)| !v.is_null())
             .collect()
     }
 

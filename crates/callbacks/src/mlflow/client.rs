@@ -55,9 +55,7 @@ impl Credentials {
 /// `uri` without a `user:password@` part (found by hand, so that a URI no parser takes is
 /// redacted too).
 pub fn redact_uri(uri: &str) -> String {
-    let Some(start) = uri.find("://").map(|i| i + 3) else {
-        return uri.to_string();
-    };
+    let start = uri.find("://").map(|i| i + 3).unwrap_or(0);
     let authority_end = uri[start..]
         .find(['/', '?', '#'])
         .map(|i| start + i)
@@ -95,8 +93,8 @@ pub fn parse_uri(uri: &str, given: &Credentials) -> Result<(String, Credentials)
     if !url.username().is_empty() {
         if credentials == Credentials::None {
             credentials = Credentials::Basic {
-                user: url.username().to_string(),
-                password: url.password().unwrap_or_default().to_string(),
+                user: percent_decode(url.username()),
+                password: percent_decode(url.password().unwrap_or_default()),
             };
         }
         let _ = url.set_username("");
@@ -104,6 +102,31 @@ pub fn parse_uri(uri: &str, given: &Credentials) -> Result<(String, Credentials)
     }
     let base = url.to_string().trim_end_matches('/').to_string();
     Ok((base, credentials))
+}
+
+/// A URI's percent-encoded user or password as text (`%40` is `@`).
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).and_then(|&b| hex(b)),
+            bytes.get(i + 2).and_then(|&b| hex(b)),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Why a request failed.
@@ -140,6 +163,9 @@ pub struct Client {
     http: reqwest::blocking::Client,
     base: String,
     credentials: Credentials,
+    timeout: Duration,
+    /// When set, every request ends by then (the end of the run's wait).
+    deadline: Option<std::time::Instant>,
 }
 
 impl Client {
@@ -150,7 +176,7 @@ impl Client {
         timeout: Duration,
     ) -> Result<Self, CallbackError> {
         let http = reqwest::blocking::Client::builder()
-            .timeout(timeout)
+            .timeout(None)
             .connect_timeout(timeout.min(Duration::from_secs(10)))
             .build()
             .map_err(|e| {
@@ -165,7 +191,30 @@ impl Client {
             http,
             base,
             credentials,
+            timeout,
+            deadline: None,
         })
+    }
+
+    /// Every request from now on ends by `deadline` (`None`: each has its own time limit).
+    pub fn set_deadline(&mut self, deadline: Option<std::time::Instant>) {
+        self.deadline = deadline;
+    }
+
+    /// The time a request of `bytes` may take: the time limit, plus a second a MiB for an
+    /// upload, within the deadline.
+    fn limit(&self, bytes: u64) -> Result<Duration, Failure> {
+        let mut limit = self.timeout + Duration::from_secs(bytes >> 20);
+        if let Some(deadline) = self.deadline {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(Failure::Transient(
+                    "the end of the run's wait for MLflow".into(),
+                ));
+            }
+            limit = limit.min(left);
+        }
+        Ok(limit)
     }
 
     /// The server's address, as shown in messages.
@@ -173,12 +222,17 @@ impl Client {
         &self.base
     }
 
-    fn auth(&self, req: reqwest::blocking::RequestBuilder) -> reqwest::blocking::RequestBuilder {
-        match &self.credentials {
+    fn auth(
+        &self,
+        req: reqwest::blocking::RequestBuilder,
+        bytes: u64,
+    ) -> Result<reqwest::blocking::RequestBuilder, Failure> {
+        let req = req.timeout(self.limit(bytes)?);
+        Ok(match &self.credentials {
             Credentials::None => req,
             Credentials::Token(t) => req.bearer_auth(t),
             Credentials::Basic { user, password } => req.basic_auth(user, Some(password)),
-        }
+        })
     }
 
     fn finish(
@@ -218,7 +272,7 @@ impl Client {
     /// `GET /api/2.0/mlflow/<endpoint>?<query>`.
     pub fn get(&self, endpoint: &str, query: &[(&str, &str)]) -> Result<Value, Failure> {
         let url = format!("{}/api/2.0/mlflow/{endpoint}", self.base);
-        let sent = self.auth(self.http.get(&url).query(query)).send();
+        let sent = self.auth(self.http.get(&url).query(query), 0)?.send();
         self.finish(endpoint, sent)
     }
 
@@ -226,7 +280,7 @@ impl Client {
     pub fn post(&self, endpoint: &str, body: &Value) -> Result<Value, Failure> {
         let url = format!("{}/api/2.0/mlflow/{endpoint}", self.base);
         let sent = self
-            .auth(self.http.post(&url))
+            .auth(self.http.post(&url), 0)?
             .header(reqwest::header::CONTENT_TYPE, "application/json")
             .body(body.to_string())
             .send();
@@ -238,6 +292,7 @@ impl Client {
         &self,
         path: &str,
         body: reqwest::blocking::Body,
+        bytes: u64,
     ) -> Result<Value, Failure> {
         let encoded: Vec<String> = path
             .split('/')
@@ -259,7 +314,7 @@ impl Client {
             encoded.join("/")
         );
         let sent = self
-            .auth(self.http.put(&url))
+            .auth(self.http.put(&url), bytes)?
             .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
             .body(body)
             .send();
@@ -426,5 +481,14 @@ mod tests {
             "{shown}"
         );
         assert_eq!(redact_uri("http://a:b@h:1/x"), "http://h:1/x");
+        assert_eq!(redact_uri("alice:pw@host:5000"), "host:5000");
+        let (_, c) = parse_uri("http://al%40ce:p%2Fw%3A@h:1", &Credentials::None).unwrap();
+        assert_eq!(
+            c,
+            Credentials::Basic {
+                user: "al@ce".into(),
+                password: "p/w:".into()
+            }
+        );
     }
 }

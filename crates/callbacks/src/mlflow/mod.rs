@@ -27,7 +27,8 @@
 //!   another when the server answers again. A request the server refuses (another 4xx) is
 //!   dropped with a warning naming the server's message. Nothing here ever stops training:
 //!   the local logs hold every value whatever MLflow does. At the end the thread keeps trying
-//!   for `finish_timeout`, then warns how many values and files were not sent.
+//!   for `finish_timeout` (every request then ends by it), then warns how many values and
+//!   files were not sent.
 //! - **Credentials** come from the environment as MLflow's own client reads them
 //!   (`MLFLOW_TRACKING_TOKEN` as a bearer token, `MLFLOW_TRACKING_USERNAME` and
 //!   `MLFLOW_TRACKING_PASSWORD` as basic auth) or from a `user:password@` in the URI, and are
@@ -172,24 +173,30 @@ impl Shared {
         }
     }
 
-    /// Links (or copies) `path` into the staging folder: the upload reads that copy.
-    fn stage(&self, path: &Path) -> std::io::Result<PathBuf> {
+    /// Links `path` into the staging folder, so the upload reads it even if the original is
+    /// replaced or removed meanwhile (a rotated checkpoint); where it cannot be linked (another
+    /// file system), the upload reads the original, and nothing is copied on the training
+    /// thread.
+    fn stage(&self, path: &Path) -> std::io::Result<Source> {
+        if !path.is_file() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "not a file",
+            ));
+        }
         std::fs::create_dir_all(&self.staging)?;
         let n = self.staged.fetch_add(1, Ordering::Relaxed);
         let to = self.staging.join(format!("{n:08}"));
-        if std::fs::hard_link(path, &to).is_err() {
-            std::fs::copy(path, &to)?;
-        }
-        Ok(to)
+        Ok(match std::fs::hard_link(path, &to) {
+            Ok(()) => Source::Staged(to),
+            Err(_) => Source::Original(path.to_path_buf()),
+        })
     }
 
     fn finish(&self) -> MlflowReport {
-        if let Some(report) = self
-            .report
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-        {
+        // Held throughout: a second caller waits for the first and gets the same report.
+        let mut done = self.report.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(report) = done.clone() {
             return report;
         }
         if let Some(tx) = self.tx.lock().unwrap_or_else(|e| e.into_inner()).take() {
@@ -205,7 +212,7 @@ impl Shared {
             None => MlflowReport::default(),
         };
         let _ = std::fs::remove_dir_all(&self.staging);
-        *self.report.lock().unwrap_or_else(|e| e.into_inner()) = Some(report.clone());
+        *done = Some(report.clone());
         report
     }
 }
@@ -383,14 +390,11 @@ impl MlflowLogger {
     }
 
     fn stage_and_send(&self, name: String, path: &Path) -> Result<()> {
-        let staged = self
+        let source = self
             .shared
             .stage(path)
             .map_err(|e| CallbackError::io("mlflow_logger", path, e))?;
-        self.shared.send(Msg::Artifact(Artifact {
-            name,
-            source: Source::Staged(staged),
-        }));
+        self.shared.send(Msg::Artifact(Artifact { name, source }));
         Ok(())
     }
 
@@ -470,9 +474,9 @@ impl MlflowRun {
             return;
         }
         match self.shared.stage(path) {
-            Ok(staged) => self.shared.send(Msg::Artifact(Artifact {
+            Ok(source) => self.shared.send(Msg::Artifact(Artifact {
                 name: name.to_string(),
-                source: Source::Staged(staged),
+                source,
             })),
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "MLflow: file not uploaded")
@@ -482,6 +486,10 @@ impl MlflowRun {
 
     /// Uploads `value` as the JSON artifact `name` (the run's summary, say).
     pub fn upload_json(&self, name: &str, value: &Value) {
+        if let Err(e) = flashover_core::logger::check_file_name(name) {
+            tracing::warn!(error = %e, "MLflow: file not uploaded");
+            return;
+        }
         let text = serde_json::to_vec_pretty(value).unwrap_or_default();
         self.shared.send(Msg::Artifact(Artifact {
             name: name.to_string(),
@@ -550,11 +558,19 @@ impl LoggerDestination for MlflowLogger {
         self.stage_and_send(name.to_string(), path)
     }
 
+    /// The run's uid (to find its MLflow run again), name and experiment, and the
+    /// checkpoints already uploaded (not uploaded again after a resume).
     fn state_dict(&self) -> Value {
+        let uploaded: Vec<&String> = self
+            .checkpoints
+            .as_ref()
+            .map(|(_, done)| done.iter().collect())
+            .unwrap_or_default();
         serde_json::json!({
             "run_uid": self.uid,
             "run_name": self.run_name,
             "experiment": self.experiment,
+            "uploaded_checkpoints": uploaded,
         })
     }
 
@@ -570,6 +586,12 @@ impl LoggerDestination for MlflowLogger {
         self.uid = uid.to_string();
         if let Some(name) = state.get("run_name").and_then(Value::as_str) {
             self.run_name = name.to_string();
+        }
+        if let (Some((_, done)), Some(names)) = (
+            &mut self.checkpoints,
+            state.get("uploaded_checkpoints").and_then(Value::as_array),
+        ) {
+            done.extend(names.iter().filter_map(Value::as_str).map(str::to_string));
         }
         self.resumed = true;
         Ok(())

@@ -11,7 +11,9 @@ use serde_json::{json, Map, Value};
 use super::client::{Client, Failure};
 use super::{MlflowReport, RUN_UID_TAG};
 
-/// MLflow's limits per `log-batch` request, and on names and values (MLflow 2 and 3).
+/// MLflow's limits per `log-batch` request, and on names and values (MLflow 2 and 3). A
+/// request is also refused over 1 MB: params and tags go in separate requests of at most 50
+/// (300 KB and 400 KB at the longest values).
 const MAX_METRICS: usize = 1000;
 const MAX_PARAMS: usize = 100;
 const MAX_TAGS: usize = 100;
@@ -26,6 +28,9 @@ const MAX_QUEUED_METRICS: usize = 1_000_000;
 pub enum Source {
     /// A file in the staging folder (removed once uploaded).
     Staged(PathBuf),
+    /// The file itself, where it could not be linked into the staging folder (another file
+    /// system): read when uploaded, so it must still be there then.
+    Original(PathBuf),
     /// In memory.
     Bytes(Vec<u8>),
 }
@@ -130,40 +135,51 @@ pub fn run(cfg: Config, rx: Receiver<Msg>) -> MlflowReport {
         if let Some(deadline) = finishing {
             // Nothing more can come: wait only for a retry that is due before the deadline.
             if let Some(at) = w.retry_at.filter(|&at| at > now) {
-                std::thread::sleep(at.min(deadline) - now);
+                std::thread::sleep(at.min(deadline).saturating_duration_since(now));
             }
             while let Ok(m) = rx.try_recv() {
                 w.take(m);
             }
         } else {
-            let mut until = last_flush + w.cfg.flush_interval;
-            if let Some(at) = w.retry_at {
-                until = until.max(at);
-            }
-            match rx.recv_timeout(until.saturating_duration_since(now)) {
+            // Idle (nothing queued, no retry due): sleep until a message comes.
+            let got = if !w.has_work() {
+                rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+            } else {
+                let mut until = later(last_flush, w.cfg.flush_interval);
+                if let Some(at) = w.retry_at {
+                    until = until.max(at);
+                }
+                rx.recv_timeout(until.saturating_duration_since(now))
+            };
+            match got {
                 Ok(m) => {
-                    let finish = matches!(m, Msg::Finish);
+                    let mut finish = matches!(m, Msg::Finish);
                     w.take(m);
                     while let Ok(m) = rx.try_recv() {
+                        finish |= matches!(m, Msg::Finish);
                         w.take(m);
                     }
                     if finish {
-                        finishing = Some(Instant::now() + w.cfg.finish_timeout);
+                        finishing = Some(later(Instant::now(), w.cfg.finish_timeout));
                     }
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
-                    finishing = Some(Instant::now() + w.cfg.finish_timeout);
+                    finishing = Some(later(Instant::now(), w.cfg.finish_timeout));
                 }
             }
         }
+        // Every request from now on ends by the deadline.
+        w.cfg.client.set_deadline(finishing);
         let now = Instant::now();
         let ready = w.retry_at.is_none_or(|at| now >= at);
         let due = finishing.is_some()
-            || now >= last_flush + w.cfg.flush_interval
+            || now >= later(last_flush, w.cfg.flush_interval)
             || w.metrics.len() >= MAX_METRICS;
-        if ready && due && w.has_work() {
-            w.send_all();
+        if due {
+            if ready && w.has_work() {
+                w.send_all();
+            }
             last_flush = Instant::now();
         }
         if let Some(deadline) = finishing {
@@ -173,6 +189,13 @@ pub fn run(cfg: Config, rx: Receiver<Msg>) -> MlflowReport {
             }
         }
     }
+}
+
+/// `at + d`, or a year after `at` when that is out of range (a huge timeout means "wait").
+fn later(at: Instant, d: Duration) -> Instant {
+    at.checked_add(d)
+        .or_else(|| at.checked_add(Duration::from_secs(365 * 24 * 3600)))
+        .unwrap_or(at)
 }
 
 /// A metric value as MLflow's JSON takes it (NaN and infinities as strings).
@@ -214,12 +237,17 @@ pub fn mlflow_key(key: &str) -> String {
 }
 
 impl Worker {
+    /// Whether there is something to send, and a run to send it to (or to open): before the
+    /// logger's first value (which opens the run) nothing can be sent.
     fn has_work(&self) -> bool {
+        if self.dead || (self.open.is_none() && self.run.is_none()) {
+            return false;
+        }
         !self.params.is_empty()
             || !self.tags.is_empty()
             || !self.metrics.is_empty()
             || !self.artifacts.is_empty()
-            || (self.run.is_none() && self.open.is_some())
+            || self.run.is_none()
     }
 
     fn key(&mut self, raw: &str) -> String {
@@ -235,6 +263,20 @@ impl Worker {
     }
 
     fn take(&mut self, m: Msg) {
+        if self.dead {
+            // The server refused the run: what comes is counted, not queued.
+            match m {
+                Msg::Metrics { values, .. } => self.report.metrics_unsent += values.len() as u64,
+                Msg::Artifact(a) => {
+                    self.report.artifacts_unsent += 1;
+                    if let Source::Staged(p) = a.source {
+                        let _ = std::fs::remove_file(p);
+                    }
+                }
+                _ => {}
+            }
+            return;
+        }
         match m {
             Msg::Open {
                 uid,
@@ -374,7 +416,6 @@ impl Worker {
             match self.open_run() {
                 Ok(run) => {
                     self.succeeded();
-                    self.resolve_params(&run);
                     self.report.run_id = Some(run.id.clone());
                     self.report.experiment_id = Some(run.experiment_id.clone());
                     tracing::info!(
@@ -392,24 +433,43 @@ impl Worker {
             }
         }
         let run_id = self.run.as_ref().map(|r| r.id.clone()).unwrap_or_default();
-        // Params and tags.
-        while !self.params.is_empty() || !self.tags.is_empty() {
-            let params: Vec<(String, String)> =
-                self.params.iter().take(MAX_PARAMS).cloned().collect();
-            let tags: Vec<(String, String)> = self.tags.iter().take(MAX_TAGS).cloned().collect();
-            let pairs = |v: &[(String, String)]| {
-                v.iter()
+        // Params (checked against those the run has: MLflow refuses a changed one), then
+        // tags, each in requests well under MLflow's 1 MB a request.
+        self.resolve_params();
+        for params in [true, false] {
+            loop {
+                let queue = if params { &self.params } else { &self.tags };
+                if queue.is_empty() {
+                    break;
+                }
+                let n = queue
+                    .len()
+                    .min(if params { MAX_PARAMS } else { MAX_TAGS } / 2);
+                let pairs: Vec<Value> = queue[..n]
+                    .iter()
                     .map(|(k, v)| json!({"key": k, "value": v}))
-                    .collect::<Vec<_>>()
-            };
-            let body = json!({"run_id": run_id, "params": pairs(&params), "tags": pairs(&tags)});
-            match self.cfg.client.post("runs/log-batch", &body) {
-                Ok(_) => self.succeeded(),
-                Err(f @ Failure::Transient(_)) => return self.failed(&f),
-                Err(f) => self.refused("params and tags", &f),
+                    .collect();
+                let field = if params { "params" } else { "tags" };
+                let body = json!({"run_id": run_id, field: pairs});
+                match self.cfg.client.post("runs/log-batch", &body) {
+                    Ok(_) => {
+                        self.succeeded();
+                        if params {
+                            let sent: Vec<(String, String)> = self.params[..n].to_vec();
+                            if let Some(run) = &mut self.run {
+                                run.params.extend(sent);
+                            }
+                        }
+                    }
+                    Err(f @ Failure::Transient(_)) => return self.failed(&f),
+                    Err(f) => self.refused(field, &f),
+                }
+                if params {
+                    self.params.drain(..n);
+                } else {
+                    self.tags.drain(..n);
+                }
             }
-            self.params.drain(..params.len());
-            self.tags.drain(..tags.len());
         }
         // Metrics, a thousand a request.
         while !self.metrics.is_empty() {
@@ -461,26 +521,36 @@ impl Worker {
 
     /// Params the run already has with the same value are not sent again; one with another
     /// value (a resumed run with other settings), or too long for a param, becomes a tag
-    /// `flashover.param.<key>` and is named in a warning.
-    fn resolve_params(&mut self, run: &OpenRun) {
+    /// `flashover.param.<key>` and is named in a warning. A key queued twice (two names that
+    /// became one) keeps its last value.
+    fn resolve_params(&mut self) {
+        let Some(run) = &self.run else {
+            return;
+        };
         let mut changed = Vec::new();
-        let mut keep = Vec::new();
+        let mut keep: Vec<(String, String)> = Vec::new();
+        let mut tags = Vec::new();
         for (k, v) in std::mem::take(&mut self.params) {
+            keep.retain(|(kk, _)| *kk != k);
             match run.params.get(&k) {
                 Some(old) if *old == v => {}
                 Some(old) => {
                     changed.push(format!("{k}: {old} -> {v}"));
-                    self.tags.push((format!("flashover.param.{k}"), v));
+                    tags.push((k, v));
                 }
                 None if v.chars().count() > MAX_PARAM_VALUE => {
                     changed.push(format!("{k}: {} characters", v.chars().count()));
-                    let v: String = v.chars().take(MAX_TAG_VALUE).collect();
-                    self.tags.push((format!("flashover.param.{k}"), v));
+                    tags.push((k, v));
                 }
                 None => keep.push((k, v)),
             }
         }
         self.params = keep;
+        for (k, v) in tags {
+            let key = mlflow_key(&format!("flashover.param.{k}"));
+            self.tags
+                .push((key, v.chars().take(MAX_TAG_VALUE).collect()));
+        }
         if !changed.is_empty() {
             tracing::warn!(
                 params = %changed.join("; "),
@@ -586,13 +656,15 @@ impl Worker {
             .as_ref()
             .map(|r| r.artifact_uri.clone())
             .unwrap_or_default();
-        let body = || -> Result<reqwest::blocking::Body, Failure> {
+        let body = || -> Result<(reqwest::blocking::Body, u64), Failure> {
             Ok(match &a.source {
-                Source::Bytes(b) => reqwest::blocking::Body::from(b.clone()),
-                Source::Staged(p) => reqwest::blocking::Body::from(
-                    std::fs::File::open(p)
-                        .map_err(|e| refused_locally(format!("{}: {e}", p.display())))?,
-                ),
+                Source::Bytes(b) => (reqwest::blocking::Body::from(b.clone()), b.len() as u64),
+                Source::Staged(p) | Source::Original(p) => {
+                    let file = std::fs::File::open(p)
+                        .map_err(|e| refused_locally(format!("{}: {e}", p.display())))?;
+                    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+                    (reqwest::blocking::Body::from(file), size)
+                }
             })
         };
         if let Some(rest) = uri.strip_prefix("mlflow-artifacts:") {
@@ -602,9 +674,11 @@ impl Worker {
                 Some(with_host) => with_host.split_once('/').map(|x| x.1).unwrap_or(""),
                 None => rest.trim_start_matches('/'),
             };
+            let (body, size) = body()?;
             self.cfg.client.put_artifact(
                 &format!("{}/{}", path.trim_end_matches('/'), a.name),
-                body()?,
+                body,
+                size,
             )?;
             return Ok(());
         }
@@ -624,13 +698,13 @@ impl Worker {
             let tmp = to.with_extension("flashover-tmp");
             match &a.source {
                 Source::Bytes(b) => std::fs::write(&tmp, b)?,
-                Source::Staged(p) => {
+                Source::Staged(p) | Source::Original(p) => {
                     std::fs::copy(p, &tmp)?;
                 }
             }
             std::fs::rename(&tmp, &to)
         };
-        write().map_err(|e| Failure::Transient(format!("{}: {e}", to.display())))
+        write().map_err(|e| refused_locally(format!("{}: {e}", to.display())))
     }
 
     /// Ends the run: `FAILED` when training started and never reached `FIT_END`.
@@ -639,7 +713,16 @@ impl Worker {
         let unsent_files = self.artifacts.len() as u64;
         self.report.metrics_unsent += unsent_metrics;
         self.report.artifacts_unsent += unsent_files;
-        if unsent_metrics + unsent_files > 0 {
+        if self.open.is_none() && self.run.is_none() {
+            // Nothing trained in this process (a run resumed from its last checkpoint): there
+            // was no run to attach the files to.
+            if unsent_files > 0 {
+                tracing::info!(
+                    files = unsent_files,
+                    "MLflow: nothing was trained in this process, so no run was opened for its files"
+                );
+            }
+        } else if unsent_metrics + unsent_files > 0 {
             tracing::warn!(
                 uri = self.cfg.client.base(),
                 metrics = unsent_metrics,
@@ -656,6 +739,10 @@ impl Worker {
         let Some(run) = &self.run else {
             return;
         };
+        // Ending the run gets 10 s of its own after the deadline.
+        self.cfg
+            .client
+            .set_deadline(Some(later(Instant::now(), Duration::from_secs(10))));
         let status = if self.fit_started && !self.fit_ended {
             "FAILED"
         } else {
