@@ -21,25 +21,17 @@ use crate::support::{self, MlflowServer, TB};
 
 /// The JSONL log as (batch, metric) -> value, and its image lines.
 fn jsonl(path: &Path) -> (BTreeMap<(u64, String), f64>, Vec<Value>) {
-    let mut values = BTreeMap::new();
-    let mut images = Vec::new();
-    for line in std::fs::read_to_string(path).unwrap().lines() {
-        let v: Value = serde_json::from_str(line).unwrap();
-        if let Some(m) = v.get("metrics").and_then(Value::as_object) {
-            let batch = v["batch"].as_u64().unwrap();
-            for (k, x) in m {
-                let x = match x {
-                    Value::String(s) => s.parse().unwrap(),
-                    n => n.as_f64().unwrap(),
-                };
-                values.insert((batch, k.clone()), x);
-            }
-        }
-        if let Some(i) = v.get("image") {
-            images.push(i.clone());
-        }
-    }
-    (values, images)
+    let log = support::read_jsonl(path);
+    (log.values, log.images)
+}
+
+/// The batches at which `metric` was logged, in order.
+fn steps_of<V>(values: &BTreeMap<(u64, String), V>, metric: &str) -> Vec<u64> {
+    values
+        .keys()
+        .filter(|(_, k)| k == metric)
+        .map(|(b, _)| *b)
+        .collect()
 }
 
 /// The run's metrics as (step, metric) -> values (every point of every history).
@@ -146,12 +138,10 @@ fn mlflow_holds_the_examples_run_and_a_resumed_run_continues_it() {
         assert_eq!(remote[key].len(), 1, "{key:?} logged once");
         assert_eq!(remote[key][0].to_bits(), v.to_bits(), "{key:?}");
     }
-    let losses: Vec<u64> = remote
-        .keys()
-        .filter(|(_, k)| k == "train/loss")
-        .map(|(b, _)| *b)
-        .collect();
-    assert_eq!(losses, (1..=32).collect::<Vec<_>>());
+    assert_eq!(
+        steps_of(&remote, "train/loss"),
+        (1..=32).collect::<Vec<_>>()
+    );
 
     // Params: the hyperparameters, as MLflow's strings (the resumed run's; max_duration
     // changed, and is a tag).
@@ -419,12 +409,7 @@ fn a_server_that_is_down_costs_the_run_only_warnings() {
     );
     assert!(!o.stderr.contains("pw-never-shown"), "{}", o.stderr);
     let (local, _) = jsonl(&logs.join("metrics.jsonl"));
-    let losses: Vec<u64> = local
-        .keys()
-        .filter(|(_, k)| k == "train/loss")
-        .map(|(b, _)| *b)
-        .collect();
-    assert_eq!(losses, (1..=24).collect::<Vec<_>>());
+    assert_eq!(steps_of(&local, "train/loss"), (1..=24).collect::<Vec<_>>());
 }
 
 #[test]

@@ -435,25 +435,8 @@ fn logged_run(dir: &Path) -> Value {
 /// The JSONL file as (batch, metric) -> value, and the hyperparameter records (one per
 /// process that wrote to it).
 fn read_jsonl(path: &Path) -> (BTreeMap<(u64, String), f64>, Vec<Value>) {
-    let text = std::fs::read_to_string(path).unwrap();
-    let mut values = BTreeMap::new();
-    let mut hp = Vec::new();
-    for line in text.lines() {
-        let v: Value = serde_json::from_str(line).unwrap();
-        if let Some(h) = v.get("hyperparameters") {
-            hp.push(h.clone());
-            continue;
-        }
-        let batch = v["batch"].as_u64().unwrap();
-        for (k, x) in v["metrics"].as_object().unwrap() {
-            let x = match x {
-                Value::String(s) => s.parse().unwrap(),
-                n => n.as_f64().unwrap(),
-            };
-            values.insert((batch, k.clone()), x);
-        }
-    }
-    (values, hp)
+    let log = crate::support::read_jsonl(path);
+    (log.values, log.hyperparameters)
 }
 
 #[test]

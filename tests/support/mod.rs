@@ -840,3 +840,43 @@ impl Drop for MlflowServer {
         self.stop();
     }
 }
+
+/// A JSONL log written by `JsonlLogger`, as the tests read it.
+pub struct JsonlLog {
+    /// Every value, by (batch, metric); NaN and infinities parsed back from their strings.
+    pub values: std::collections::BTreeMap<(u64, String), f64>,
+    /// The hyperparameter records (one per process, or per resumed run, that wrote to it).
+    pub hyperparameters: Vec<serde_json::Value>,
+    /// The image lines' `image` objects (tag, path, width, height), in order.
+    pub images: Vec<serde_json::Value>,
+}
+
+/// Reads the JSONL log at `path`.
+pub fn read_jsonl(path: &std::path::Path) -> JsonlLog {
+    use serde_json::Value;
+    let mut log = JsonlLog {
+        values: Default::default(),
+        hyperparameters: Vec::new(),
+        images: Vec::new(),
+    };
+    for line in std::fs::read_to_string(path).unwrap().lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        if let Some(h) = v.get("hyperparameters") {
+            log.hyperparameters.push(h.clone());
+        }
+        if let Some(i) = v.get("image") {
+            log.images.push(i.clone());
+        }
+        if let Some(m) = v.get("metrics").and_then(Value::as_object) {
+            let batch = v["batch"].as_u64().unwrap();
+            for (k, x) in m {
+                let x = match x {
+                    Value::String(s) => s.parse().unwrap(),
+                    n => n.as_f64().unwrap(),
+                };
+                log.values.insert((batch, k.clone()), x);
+            }
+        }
+    }
+    log
+}

@@ -58,6 +58,17 @@ pub fn tag_path(tag: &str) -> PathBuf {
         .collect()
 }
 
+/// Where an image logged under `tag` at `batch` is kept, relative to a logger's folder or
+/// run: `images/<tag>/<batch, 8 digits>.png` (the file loggers and MLflow use the same names).
+pub fn image_name(tag: &str, batch: u64) -> String {
+    format!("images/{}/{batch:08}.png", tag_path(tag).to_string_lossy())
+}
+
+/// Where a text logged under `tag` at `batch` is kept: `text/<tag>/<batch, 8 digits>.txt`.
+pub fn text_name(tag: &str, batch: u64) -> String {
+    format!("text/{}/{batch:08}.txt", tag_path(tag).to_string_lossy())
+}
+
 /// The folder a file logger keeps images and files in.
 #[derive(Debug, Clone)]
 pub struct MediaFolder {
@@ -79,11 +90,9 @@ impl MediaFolder {
         &self.dir
     }
 
-    /// Writes `image` as `images/<tag>/<batch, 8 digits>.png`; returns that relative path.
+    /// Writes `image` as [`image_name`]; returns that relative path.
     pub fn write_image(&self, tag: &str, batch: u64, image: &Image) -> Result<PathBuf> {
-        let rel = Path::new("images")
-            .join(tag_path(tag))
-            .join(format!("{batch:08}.png"));
+        let rel = PathBuf::from(image_name(tag, batch));
         self.write(&rel, &encode_png(image))?;
         Ok(rel)
     }

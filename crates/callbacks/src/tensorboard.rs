@@ -197,6 +197,19 @@ impl TensorBoardLogger {
         &self.path
     }
 
+    /// One event at the step of `ts` holding a summary of `values` (`Summary.Value`s).
+    fn write_summary(&mut self, ts: &Timestamp, values: &[Vec<u8>]) -> Result<()> {
+        let e = event(now_seconds(), ts.batch as i64, |e| {
+            let mut summary = Proto::default();
+            for v in values {
+                summary.bytes(1, v);
+            }
+            e.bytes(5, &summary.0);
+        });
+        self.write(&e)?;
+        Ok(())
+    }
+
     fn write(&mut self, payload: &[u8]) -> crate::error::Result<()> {
         self.out
             .write_all(&tf_record(payload))
@@ -217,47 +230,25 @@ impl LoggerDestination for TensorBoardLogger {
                 v.to_string().replace('|', "\\|")
             ));
         }
-        let e = event(now_seconds(), 0, |e| {
-            let mut summary = Proto::default();
-            summary.bytes(1, &text_value("hyperparameters", &table));
-            e.bytes(5, &summary.0);
-        });
-        self.write(&e)?;
-        Ok(())
+        self.write_summary(
+            &Timestamp::default(),
+            &[text_value("hyperparameters", &table)],
+        )
     }
 
     fn log_metrics(&mut self, ts: &Timestamp, metrics: &[(&str, f64)]) -> Result<()> {
-        let e = event(now_seconds(), ts.batch as i64, |e| {
-            let mut summary = Proto::default();
-            for (k, v) in metrics {
-                summary.bytes(1, &scalar_value(k, *v));
-            }
-            e.bytes(5, &summary.0);
-        });
-        self.write(&e)?;
-        Ok(())
+        let values: Vec<Vec<u8>> = metrics.iter().map(|(k, v)| scalar_value(k, *v)).collect();
+        self.write_summary(ts, &values)
     }
 
     /// A text summary under `tag` (TensorBoard's Text tab) at the step of `ts`.
     fn log_text(&mut self, ts: &Timestamp, tag: &str, text: &str) -> Result<()> {
-        let e = event(now_seconds(), ts.batch as i64, |e| {
-            let mut summary = Proto::default();
-            summary.bytes(1, &text_value(tag, text));
-            e.bytes(5, &summary.0);
-        });
-        self.write(&e)?;
-        Ok(())
+        self.write_summary(ts, &[text_value(tag, text)])
     }
 
     /// An image summary under `tag` (TensorBoard's Images tab) at the step of `ts`.
     fn log_image(&mut self, ts: &Timestamp, tag: &str, image: &Image) -> Result<()> {
-        let e = event(now_seconds(), ts.batch as i64, |e| {
-            let mut summary = Proto::default();
-            summary.bytes(1, &image_value(tag, image));
-            e.bytes(5, &summary.0);
-        });
-        self.write(&e)?;
-        Ok(())
+        self.write_summary(ts, &[image_value(tag, image)])
     }
 
     fn run_event(&mut self, event: Event, _ts: &Timestamp, _progress: &Progress) -> Result<()> {

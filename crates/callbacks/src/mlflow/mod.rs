@@ -464,13 +464,23 @@ fn base_tags(extra: &[(String, String)]) -> Vec<(String, String)> {
     tags
 }
 
+/// Whether `name` is a file name the loggers take; warns if not.
+fn name_ok(name: &str) -> bool {
+    match flashover_core::logger::check_file_name(name) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(error = %e, "MLflow: file not uploaded");
+            false
+        }
+    }
+}
+
 impl MlflowRun {
     /// Uploads the file at `path` as the artifact `name` (linked or copied first, so the file
     /// may change afterwards). Errors (a missing file, a bad name) are warned about, not
     /// returned: a file that cannot reach MLflow is still where it was.
     pub fn upload_file(&self, name: &str, path: &Path) {
-        if let Err(e) = flashover_core::logger::check_file_name(name) {
-            tracing::warn!(error = %e, "MLflow: file not uploaded");
+        if !name_ok(name) {
             return;
         }
         match self.shared.stage(path) {
@@ -486,8 +496,7 @@ impl MlflowRun {
 
     /// Uploads `value` as the JSON artifact `name` (the run's summary, say).
     pub fn upload_json(&self, name: &str, value: &Value) {
-        if let Err(e) = flashover_core::logger::check_file_name(name) {
-            tracing::warn!(error = %e, "MLflow: file not uploaded");
+        if !name_ok(name) {
             return;
         }
         let text = serde_json::to_vec_pretty(value).unwrap_or_default();
@@ -530,11 +539,7 @@ impl LoggerDestination for MlflowLogger {
     fn log_text(&mut self, timestamp: &Timestamp, tag: &str, text: &str) -> Result<()> {
         self.open();
         self.shared.send(Msg::Artifact(Artifact {
-            name: format!(
-                "text/{}/{:08}.txt",
-                crate::media::tag_path(tag).to_string_lossy(),
-                timestamp.batch
-            ),
+            name: crate::media::text_name(tag, timestamp.batch),
             source: Source::Bytes(text.as_bytes().to_vec()),
         }));
         Ok(())
@@ -543,11 +548,7 @@ impl LoggerDestination for MlflowLogger {
     fn log_image(&mut self, timestamp: &Timestamp, tag: &str, image: &Image) -> Result<()> {
         self.open();
         self.shared.send(Msg::Artifact(Artifact {
-            name: format!(
-                "images/{}/{:08}.png",
-                crate::media::tag_path(tag).to_string_lossy(),
-                timestamp.batch
-            ),
+            name: crate::media::image_name(tag, timestamp.batch),
             source: Source::Bytes(crate::media::encode_png(image)),
         }));
         Ok(())
